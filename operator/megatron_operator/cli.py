@@ -1,0 +1,207 @@
+"""``megatron-operator``: validate, render, crd, estimate, run.
+
+Bad YAML, bad values or a missing file end with a one-line message per problem and a non-zero
+exit code, never a traceback. Exit codes: 0 ok, 1 invalid input, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+import yaml
+
+from . import __version__
+
+
+class InputError(Exception):
+    """A file that cannot be read or parsed."""
+
+
+def _documents(path: str) -> Iterator[tuple[int, Any]]:
+    """(1-based document number, document) for each non-empty YAML document."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise InputError(f"invalid YAML: {where}{problem}") from None
+    for i, doc in enumerate(docs, start=1):
+        if doc is not None:
+            yield i, doc
+
+
+def _describe(doc: Any) -> str:
+    if isinstance(doc, dict):
+        name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+        return f"{doc.get('apiVersion')}/{doc.get('kind')}" + (f" {name}" if name else "")
+    return type(doc).__name__
+
+
+def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
+    """Parse every MegatronJob document; print problems; return (jobs, number of problems)."""
+    from .validation import SpecError, is_megatronjob, parse_job
+
+    jobs: list[tuple[str, Any]] = []
+    failures = 0
+    for path in paths:
+        try:
+            docs = list(_documents(path))
+        except InputError as exc:
+            print(f"{path}: {exc}", file=err)
+            failures += 1
+            continue
+        if not docs:
+            print(f"{path}: no documents", file=err)
+            failures += 1
+        multi = len(docs) > 1
+        for num, doc in docs:
+            where = f"{path}[{num}]" if multi else path
+            if not is_megatronjob(doc):
+                print(f"{where}: skipped: {_describe(doc)} is not a MegatronJob", file=err)
+                continue
+            try:
+                jobs.append((where, parse_job(doc)))
+            except SpecError as exc:
+                for p in exc.problems:
+                    print(f"{where}: {p.message}", file=err)
+                failures += len(exc.problems)
+    return jobs, failures
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .memory import fit_report
+
+    jobs, failures = _jobs(args.files, sys.stderr)
+    for where, job in jobs:
+        report = fit_report(job)
+        if report is not None and report.fits is False:
+            level = "error" if job.spec.resources.memory_fit == "Reject" else "warning"
+            print(f"{where}: {level}: {report.summary()}", file=sys.stderr)
+            if level == "error":
+                failures += 1
+    if failures:
+        return 1
+    for where, job in jobs:
+        print(f"{where}: {job.metadata.name}: valid")
+    if not jobs:
+        print("no MegatronJob found", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from .crd import to_yaml
+    from .render import render
+    from .settings import Settings
+
+    jobs, failures = _jobs([args.file], sys.stderr)
+    if failures:
+        return 1
+    if not jobs:
+        print(f"{args.file}: no MegatronJob found", file=sys.stderr)
+        return 1
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:
+        print(f"settings: {exc}", file=sys.stderr)
+        return 2
+    objects: list[dict[str, Any]] = []
+    for _, job in jobs:
+        if job.metadata.namespace is None:
+            job.metadata.namespace = args.namespace
+        objects += render(job, settings)
+    if args.output == "json":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}, indent=2))
+    else:
+        print("\n---\n".join(to_yaml(o).rstrip() for o in objects))
+    return 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    from .crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from .memory import fit_report
+
+    jobs, failures = _jobs([args.file], sys.stderr)
+    if failures:
+        return 1
+    results = []
+    for where, job in jobs:
+        report = fit_report(job, always=True)
+        assert report is not None
+        results.append((where, job, report))
+    if args.output == "json":
+        out = [r.as_json() for _, _, r in results]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+    else:
+        for where, job, r in results:
+            print(f"{where}: {job.metadata.name}")
+            print(r.table())
+    return 0 if all(r.fits is not False for _, _, r in results) else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .operator_main import run_operator
+
+    return run_operator(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-operator",
+                                description="Run Megatron-Core training as Kubernetes MegatronJobs.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    v = sub.add_parser("validate", help="check MegatronJob manifests (exit 1 on any problem)")
+    v.add_argument("files", nargs="+", metavar="FILE", help="YAML files ('-' for stdin); multi-document ok")
+    v.set_defaults(func=cmd_validate)
+
+    r = sub.add_parser("render", help="print every object the operator would create")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("-n", "--namespace", default="default",
+                   help="namespace for manifests that name none (default: default)")
+    r.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    r.set_defaults(func=cmd_render)
+
+    c = sub.add_parser("crd", help="print the MegatronJob CustomResourceDefinition")
+    c.set_defaults(func=cmd_crd)
+
+    e = sub.add_parser("estimate", help="predict peak GPU memory per GPU and whether it fits")
+    e.add_argument("file", metavar="FILE")
+    e.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    e.set_defaults(func=cmd_estimate)
+
+    o = sub.add_parser("run", help="run the operator (watches MegatronJobs)")
+    o.add_argument("--namespace", action="append", default=None,
+                   help="watch only this namespace (repeatable); default: all, or "
+                        "MEGATRON_OPERATOR_NAMESPACES")
+    o.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    o.add_argument("--metrics-port", type=int, default=None, help="port of /metrics and /healthz")
+    o.add_argument("--peering", default=None, help="kopf peering name (one active operator); default: none")
+    o.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,308 @@
+"""The MegatronJob CRD, generated from the pydantic models (pure).
+
+A strict converter from pydantic's JSON Schema to a Kubernetes *structural* OpenAPI v3 schema:
+``$ref``/``$defs`` inlined, ``Optional`` fields simply not required (nulls are refused, see
+``spec.py``), JSON-Schema-2020 ``exclusiveMinimum`` turned into the OpenAPI 3.0 form, defaults
+(including ``default_factory``) emitted so the API server defaults exactly as the models do, and
+every construct the API server would reject (``additionalProperties: false`` beside
+``properties``, ``const``, unions other than int-or-string) refused with an error instead of being
+passed through. Cross-field rules come from ``rules.py`` as CEL ``x-kubernetes-validations``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from . import rules
+from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, MegatronJobSpec, MegatronJobStatus
+
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# spec fields that may change on a live MegatronJob (everything else feeds the JobSet).
+MUTABLE_SPEC_FIELDS = ("suspend", "activeDeadlineSeconds")
+
+# Lists keyed by a field (server-side apply merges them per key); all other lists are atomic.
+LIST_MAP_KEYS = {("spec", "env"): ["name"], ("status", "conditions"): ["type"]}
+
+_ALLOWED_KEYS = {
+    "type", "properties", "required", "items", "description", "default", "enum", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+    "additionalProperties", "format", "maxProperties", "minProperties",
+}
+
+
+class CrdConversionError(ValueError):
+    """The model uses a construct that has no structural-schema equivalent."""
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            name = node["$ref"].rsplit("/", 1)[-1]
+            merged = {**copy.deepcopy(defs[name]), **{k: v for k, v in node.items() if k != "$ref"}}
+            return _resolve(merged, defs)
+        return {k: _resolve(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, defs) for v in node]
+    return node
+
+
+def _strip_null(node: dict[str, Any]) -> dict[str, Any]:
+    """``anyOf: [X, {type: null}]`` -> X (optional, not nullable)."""
+    variants = node.get("anyOf")
+    if not variants:
+        return node
+    non_null = [v for v in variants if v.get("type") != "null"]
+    if len(non_null) == 1 and len(non_null) < len(variants):
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        return {**non_null[0], **rest}
+    return node
+
+
+def _convert(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    node = _strip_null(dict(node))
+    node.pop("title", None)
+    where = ".".join(path) or "<root>"
+    if node.get("x-kubernetes-int-or-string"):
+        variants = node.pop("anyOf", [])
+        out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
+        for v in variants:  # keep the string branch's pattern (ignored by the server for ints)
+            for key in ("pattern", "maxLength"):
+                if key in v:
+                    out[key] = v[key]
+        if "description" in node:
+            out["description"] = node["description"]
+        return out
+    if "anyOf" in node or "oneOf" in node or "allOf" in node:
+        raise CrdConversionError(f"{where}: unions are not structural; use a single type")
+    if "const" in node:
+        if node.get("type") not in (None, "string"):
+            raise CrdConversionError(f"{where}: const is only supported for strings")
+        node["enum"] = [node.pop("const")]
+        node.setdefault("type", "string")
+    key_schema = node.pop("propertyNames", None)
+    pattern_props = node.pop("patternProperties", None)
+    if pattern_props:  # dict[str with pattern, V]: values as additionalProperties, keys checked by CEL
+        if len(pattern_props) != 1 or "additionalProperties" in node:
+            raise CrdConversionError(f"{where}: only one key pattern is supported")
+        ((key_pattern, value_schema),) = pattern_props.items()
+        node["additionalProperties"] = value_schema
+        key_schema = {**(key_schema or {}), "pattern": key_pattern}
+    unknown = set(node) - _ALLOWED_KEYS
+    if unknown:
+        raise CrdConversionError(f"{where}: unsupported schema keys {sorted(unknown)}")
+    out = {}
+    typ = node.get("type")
+    if typ is None:
+        raise CrdConversionError(f"{where}: every node needs a type")
+    out["type"] = typ
+    if "description" in node:
+        out["description"] = node["description"]
+    for key in ("enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+                "maxProperties", "minProperties", "format", "default"):
+        if key in node and node[key] is not None:  # default None means "omitted", never a null default
+            out[key] = node[key]
+    # JSON Schema 2020-12 numeric exclusive bounds -> OpenAPI 3.0 booleans
+    for ex, base in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if ex in node:
+            out[base] = node[ex]
+            out[ex] = True
+    if typ == "object":
+        props = node.get("properties")
+        addl = node.get("additionalProperties")
+        if props is not None:
+            out["properties"] = {k: _convert(v, path + (k,)) for k, v in props.items()}
+            if node.get("required"):
+                out["required"] = list(node["required"])
+            # extra="forbid" gives additionalProperties: false, which the API server refuses beside
+            # properties; unknown fields are pruned there (and refused by kubectl's strict validation).
+        elif isinstance(addl, dict):
+            out["additionalProperties"] = _convert(addl, path + ("*",))
+            if key_schema:  # no structural equivalent of propertyNames: check the keys with CEL
+                out["x-kubernetes-validations"] = _key_rules(key_schema, where)
+        elif addl is False or addl is None:
+            out["properties"] = {}
+        else:
+            raise CrdConversionError(f"{where}: free-form objects are not allowed")
+    elif typ == "array":
+        out["items"] = _convert(node["items"], path + ("[]",))
+        keys = LIST_MAP_KEYS.get(path)
+        if keys:
+            out["x-kubernetes-list-type"] = "map"
+            out["x-kubernetes-list-map-keys"] = keys
+        else:
+            out["x-kubernetes-list-type"] = "atomic"
+    return out
+
+
+def _field_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """Defaults from ``default_factory`` (JSON Schema omits them), as wire values."""
+    out = {}
+    for name, info in model.model_fields.items():
+        if info.default_factory is not None:
+            value = info.default_factory()  # type: ignore[call-arg]
+            if isinstance(value, BaseModel):
+                value = value.model_dump(by_alias=True, exclude_none=True, mode="json")
+            out[info.alias or name] = value
+    return out
+
+
+def _apply_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    props = schema.get("properties", {})
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        if key not in props:
+            continue
+        if info.default_factory is not None:
+            props[key]["default"] = _field_defaults(model)[key]
+        ann = info.annotation
+        sub = _model_in(ann)
+        if sub is not None:
+            _apply_factory_defaults(props[key], sub)
+            if props[key].get("type") == "array":
+                _apply_factory_defaults(props[key]["items"], sub)
+
+
+def _model_in(ann: Any) -> type[BaseModel] | None:
+    import typing
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in typing.get_args(ann):
+        m = _model_in(arg)
+        if m is not None:
+            return m
+    return None
+
+
+def _key_rules(key_schema: dict[str, Any], where: str) -> list[dict[str, str]]:
+    out = []
+    unknown = set(key_schema) - {"maxLength", "pattern", "type"}
+    if unknown:
+        raise CrdConversionError(f"{where}: unsupported key constraints {sorted(unknown)}")
+    if "maxLength" in key_schema:
+        n = key_schema["maxLength"]
+        out.append({"rule": f"self.all(k, size(k) <= {n})", "message": f"keys must be at most {n} characters"})
+    if "pattern" in key_schema:
+        pat = key_schema["pattern"]
+        out.append({"rule": f"self.all(k, k.matches({json.dumps(pat)}))", "message": f"keys must match {pat}"})
+    return out
+
+
+def _schema_for(model: type[BaseModel], path: tuple[str, ...]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    resolved = _resolve(raw, defs)
+    schema = _convert(resolved, path)
+    _apply_factory_defaults(schema, model)
+    return schema
+
+
+def immutability_rules(spec_schema: dict[str, Any]) -> list[dict[str, str]]:
+    out = []
+    required = set(spec_schema.get("required", []))
+    for key in spec_schema["properties"]:
+        if key in MUTABLE_SPEC_FIELDS:
+            continue
+        if key in required or "default" in spec_schema["properties"][key]:
+            rule = f"self.{key} == oldSelf.{key}"
+        else:
+            rule = (f"has(self.{key}) == has(oldSelf.{key}) && "
+                    f"(!has(self.{key}) || self.{key} == oldSelf.{key})")
+        out.append({
+            "rule": rule,
+            "message": f"spec.{key} is immutable: it shapes the running JobSet; create a new MegatronJob "
+                       f"(it can resume from the same checkpoint.path) instead",
+            "fieldPath": f".{key}",
+            "reason": "FieldValueForbidden",
+        })
+    return out
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = _schema_for(MegatronJobSpec, ("spec",))
+    schema["x-kubernetes-validations"] = [r.to_cel() for r in rules.SPEC_RULES] + immutability_rules(schema)
+    return schema
+
+
+def status_schema() -> dict[str, Any]:
+    return _schema_for(MegatronJobStatus, ("status",))
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Job phase"},
+    {"name": "GPUs", "type": "integer", "jsonPath": ".status.worldSize", "description": "GPUs in the job"},
+    {"name": "TP/PP/DP", "type": "string", "jsonPath": ".status.layout",
+     "description": "Tensor / pipeline / data parallel sizes"},
+    {"name": "Iteration", "type": "integer", "jsonPath": ".status.progress.iteration",
+     "description": "Completed training iterations"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "description": "Gang restarts"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
+    {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "megatron-operator"}},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": KIND.lower(),
+                "shortNames": ["mj", "mjob"], "categories": ["all", "megatron"],
+            },
+            "scope": "Namespaced",
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "MegatronJob runs one Megatron-Core pretraining job as a JobSet.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema(),
+                        "status": status_schema(),
+                    },
+                    "x-kubernetes-validations": [rules.NAME_RULE],
+                }},
+            }],
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str_presenter)
+
+
+def to_yaml(obj: Any) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=100000, default_flow_style=False)
+
+
+def crd_yaml() -> str:
+    header = (f"# Generated by `megatron-operator crd` from operator/megatron_operator/spec.py and rules.py.\n"
+              f"# Do not edit: change the models and regenerate (a test fails on drift).\n"
+              f"# API version {API_VERSION}\n")
+    return header + to_yaml(build_crd())

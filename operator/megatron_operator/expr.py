@@ -1,0 +1,368 @@
+"""A tiny expression language that is evaluated in Python AND compiled to CEL.
+
+Every admission rule of a MegatronJob is written once with these nodes (see ``rules.py``). The
+same tree is evaluated natively by the pydantic models (operator, CLI) and rendered as a CEL
+``x-kubernetes-validations`` rule for the API server, so the two cannot drift: a test runs one
+table of specs through both (the CEL through an in-process CEL interpreter, and later through the
+real API server).
+
+Semantics follow CEL on Kubernetes objects: ``self`` is the object the rule is attached to; a
+field that is absent (no default) makes ``has()`` false and reading it an error. Python
+evaluation mirrors that: reading an absent field raises ``Missing``. Integers only for arithmetic
+(CEL's ``/`` on ints truncates toward zero; every operand here is positive, so ``//`` matches).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class Missing(LookupError):
+    """A rule read a field that is absent; the rule is malformed (it must guard with Has)."""
+
+
+class Expr:
+    """Base node. Operators build new nodes, so rules read like arithmetic."""
+
+    def cel(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def eval(self, env: dict[str, Any]) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # arithmetic
+    def __add__(self, o: Any) -> Expr:
+        return Bin("+", self, lit(o))
+
+    def __radd__(self, o: Any) -> Expr:
+        return Bin("+", lit(o), self)
+
+    def __sub__(self, o: Any) -> Expr:
+        return Bin("-", self, lit(o))
+
+    def __mul__(self, o: Any) -> Expr:
+        return Bin("*", self, lit(o))
+
+    def __rmul__(self, o: Any) -> Expr:
+        return Bin("*", lit(o), self)
+
+    def __floordiv__(self, o: Any) -> Expr:
+        return Bin("/", self, lit(o))
+
+    def __mod__(self, o: Any) -> Expr:
+        return Bin("%", self, lit(o))
+
+    # comparisons (== and != are deliberately methods: dataclass equality stays structural)
+    def eq(self, o: Any) -> Expr:
+        return Bin("==", self, lit(o))
+
+    def ne(self, o: Any) -> Expr:
+        return Bin("!=", self, lit(o))
+
+    def __lt__(self, o: Any) -> Expr:
+        return Bin("<", self, lit(o))
+
+    def __le__(self, o: Any) -> Expr:
+        return Bin("<=", self, lit(o))
+
+    def __gt__(self, o: Any) -> Expr:
+        return Bin(">", self, lit(o))
+
+    def __ge__(self, o: Any) -> Expr:
+        return Bin(">=", self, lit(o))
+
+    # logic
+    def __and__(self, o: Any) -> Expr:
+        return Bin("&&", self, lit(o))
+
+    def __or__(self, o: Any) -> Expr:
+        return Bin("||", self, lit(o))
+
+    def __invert__(self) -> Expr:
+        return Not(self)
+
+    def str(self) -> Expr:
+        """CEL ``string(x)`` of an int."""
+        return Str(self)
+
+
+def lit(v: Any) -> Expr:
+    return v if isinstance(v, Expr) else Lit(v)
+
+
+@dataclass(frozen=True, eq=False)
+class Lit(Expr):
+    value: Any
+
+    def cel(self) -> str:
+        v = self.value
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int):
+            return str(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string literal is a valid CEL string literal
+        raise TypeError(f"unsupported literal {v!r}")
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return self.value
+
+
+@dataclass(frozen=True, eq=False)
+class Field(Expr):
+    """``self.a.b.c`` (path relative to the rule's object)."""
+
+    path: str
+    root: str = "self"
+
+    def cel(self) -> str:
+        return f"{self.root}.{self.path}"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        cur = env[self.root]
+        for part in self.path.split("."):
+            if not isinstance(cur, dict) or part not in cur:
+                raise Missing(f"{self.root}.{self.path}")
+            cur = cur[part]
+        return cur
+
+
+@dataclass(frozen=True, eq=False)
+class Has(Expr):
+    """CEL ``has(self.a.b)``: true when the last field is present (its parents must exist)."""
+
+    field: Field
+
+    def cel(self) -> str:
+        return f"has({self.field.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        parent_path, _, last = self.field.path.rpartition(".")
+        parent = Field(parent_path, self.field.root).eval(env) if parent_path else env[self.field.root]
+        if not isinstance(parent, dict):
+            raise Missing(self.field.cel())
+        return last in parent
+
+
+_PY_BIN: dict[str, Callable[[Any, Any], Any]] = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: _int_div(a, b),
+    "%": lambda a, b: _int_mod(a, b),
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+}
+
+
+def _int_div(a: int, b: int) -> int:
+    if b == 0:
+        raise ZeroDivisionError("division by zero in a rule")
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q  # CEL truncates toward zero
+
+
+def _int_mod(a: int, b: int) -> int:
+    if b == 0:
+        raise ZeroDivisionError("modulus by zero in a rule")
+    return a - b * _int_div(a, b)
+
+
+@dataclass(frozen=True, eq=False)
+class Bin(Expr):
+    op: str
+    left: Expr
+    right: Expr
+
+    def cel(self) -> str:
+        return f"({self.left.cel()} {self.op} {self.right.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        if self.op == "&&":  # short-circuit, as CEL does for guards
+            return bool(self.left.eval(env)) and bool(self.right.eval(env))
+        if self.op == "||":
+            return bool(self.left.eval(env)) or bool(self.right.eval(env))
+        return _PY_BIN[self.op](self.left.eval(env), self.right.eval(env))
+
+
+@dataclass(frozen=True, eq=False)
+class Not(Expr):
+    inner: Expr
+
+    def cel(self) -> str:
+        return f"!{self.inner.cel()}"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return not self.inner.eval(env)
+
+
+@dataclass(frozen=True, eq=False)
+class Cond(Expr):
+    """CEL ``c ? a : b``; only the chosen branch is evaluated."""
+
+    test: Expr
+    then: Expr
+    other: Expr
+
+    def cel(self) -> str:
+        return f"({self.test.cel()} ? {self.then.cel()} : {self.other.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return self.then.eval(env) if self.test.eval(env) else self.other.eval(env)
+
+
+def cond(test: Expr, then: Any, other: Any) -> Expr:
+    return Cond(test, lit(then), lit(other))
+
+
+@dataclass(frozen=True, eq=False)
+class Str(Expr):
+    inner: Expr
+
+    def cel(self) -> str:
+        return f"string({self.inner.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        v = self.inner.eval(env)
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise TypeError(f"string() of {v!r}: rules only stringify ints and strings")
+        return str(v)
+
+
+@dataclass(frozen=True, eq=False)
+class Lookup(Expr):
+    """A map literal indexed by a key expression: ``{"a": 1, "b": 2}[key]``."""
+
+    table: tuple[tuple[str, Any], ...]
+    key: Expr
+
+    def cel(self) -> str:
+        body = ", ".join(f"{json.dumps(k)}: {lit(v).cel()}" for k, v in self.table)
+        return f"{{{body}}}[{self.key.cel()}]"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        k = self.key.eval(env)
+        for key, value in self.table:
+            if key == k:
+                return value
+        raise Missing(f"no entry {k!r} in lookup table")
+
+
+def lookup(table: dict[str, Any], key: Expr) -> Expr:
+    return Lookup(tuple(table.items()), key)
+
+
+@dataclass(frozen=True, eq=False)
+class Matches(Expr):
+    """CEL ``s.matches(re)`` (RE2, unanchored like ``re.search``: anchor the pattern yourself)."""
+
+    inner: Expr
+    pattern: str
+
+    def cel(self) -> str:
+        return f"{self.inner.cel()}.matches({json.dumps(self.pattern)})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return re.search(self.pattern, self.inner.eval(env)) is not None
+
+
+@dataclass(frozen=True, eq=False)
+class Var(Expr):
+    """A comprehension variable (inside All/Exists)."""
+
+    name: str
+
+    def cel(self) -> str:
+        return self.name
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return env[self.name]
+
+
+@dataclass(frozen=True, eq=False)
+class All(Expr):
+    """CEL ``list.all(x, pred)``."""
+
+    items: Expr
+    var: str
+    pred: Expr
+
+    def cel(self) -> str:
+        return f"{self.items.cel()}.all({self.var}, {self.pred.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return all(self.pred.eval({**env, self.var: item}) for item in self.items.eval(env))
+
+
+@dataclass(frozen=True, eq=False)
+class Filter(Expr):
+    """CEL ``list.filter(x, pred)``."""
+
+    items: Expr
+    var: str
+    pred: Expr
+
+    def cel(self) -> str:
+        return f"{self.items.cel()}.filter({self.var}, {self.pred.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return [item for item in self.items.eval(env) if self.pred.eval({**env, self.var: item})]
+
+
+@dataclass(frozen=True, eq=False)
+class Index(Expr):
+    """``list[i]`` with a literal index."""
+
+    items: Expr
+    index: int
+
+    def cel(self) -> str:
+        return f"{self.items.cel()}[{self.index}]"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return self.items.eval(env)[self.index]
+
+
+@dataclass(frozen=True, eq=False)
+class Attr(Expr):
+    """``expr.name`` on a map-valued expression."""
+
+    inner: Expr
+    name: str
+
+    def cel(self) -> str:
+        return f"{self.inner.cel()}.{self.name}"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        v = self.inner.eval(env)
+        if not isinstance(v, dict) or self.name not in v:
+            raise Missing(self.cel())
+        return v[self.name]
+
+
+@dataclass(frozen=True, eq=False)
+class Size(Expr):
+    inner: Expr
+
+    def cel(self) -> str:
+        return f"size({self.inner.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return len(self.inner.eval(env))
+
+
+def concat(*parts: Any) -> Expr:
+    """String concatenation of string expressions (stringify ints with ``.str()`` first)."""
+    out: Expr | None = None
+    for p in parts:
+        e = lit(p)
+        out = e if out is None else Bin("+", out, e)
+    assert out is not None
+    return out

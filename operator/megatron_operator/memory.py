@@ -1,0 +1,241 @@
+"""Predicted peak GPU memory per GPU for a MegatronJob ("will it fit?"), pure arithmetic.
+
+The rank with the largest footprint is estimated: the first pipeline stage (it holds the most
+in-flight micro-batches and the input embedding), or the last one when the output layer and the
+loss dominate. Terms, in bytes:
+
+- weights / gradients / optimizer: parameters per tensor x pipeline shard (experts over expert x
+  expert-tensor parallel), with Megatron's mixed-precision layout: 2-byte bf16/fp16 weights, fp32
+  gradient buffer (``grad_reduce_in_fp32``), and 12 bytes of fp32 master weights + Adam moments,
+  divided by the data-parallel size (data x context) with the distributed optimizer;
+- activations: per layer and micro-batch after Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models" (sequence split by context parallelism; divided by
+  TP where sequence parallelism or TP splits them; the s x s score term only for unfused
+  attention; selective and full recomputation), times the micro-batches in flight on the first
+  stage (1F1B: min(PP, micro-batches); interleaved: x (1 + (PP-1)/(PP x VPP)));
+- output layer and loss: bf16 logits plus their fp32 copy in the cross-entropy (vocabulary split
+  by TP);
+- other: a fixed allowance for the allocator's workspaces.
+
+It predicts ``torch.cuda.max_memory_allocated()``; the fit check adds what the allocator never
+sees (CUDA context, NCCL buffers, fragmentation) as ``RESERVED_OVERHEAD_GIB``. The constants were
+checked against measured runs (docs/benchmarks.md, tests/unit/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .presets import GPU_MEMORY_GIB
+from .rules import derived_layout, resolved_model
+from .spec import MegatronJob
+
+GIB = 1024**3
+# Memory the PyTorch allocator does not count: CUDA context (~0.5 GiB), NCCL channels and
+# buffers, cuBLAS/cuDNN handles, and the caching allocator's fragmentation.
+RESERVED_OVERHEAD_GIB = 3.0
+# Allocator workspaces inside max_memory_allocated (cuBLAS workspace, small temporaries).
+WORKSPACE_GIB = 0.25
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per GPU by category, for the rank with the largest footprint."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float
+    stage: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.other
+
+    def breakdown_gib(self) -> dict[str, float]:
+        return {k: round(getattr(self, k) / GIB, 2) for k in
+                ("weights", "gradients", "optimizer", "activations", "other")}
+
+
+@dataclass(frozen=True)
+class FitReport:
+    estimate: Estimate
+    capacity_gib: float | None
+
+    @property
+    def per_gpu_gib(self) -> float:
+        return self.estimate.total / GIB
+
+    @property
+    def fits(self) -> bool | None:
+        if self.capacity_gib is None:
+            return None
+        return self.per_gpu_gib + RESERVED_OVERHEAD_GIB <= self.capacity_gib
+
+    def summary(self) -> str:
+        need = self.per_gpu_gib + RESERVED_OVERHEAD_GIB
+        verdict = "fits" if self.fits else "does NOT fit"
+        b = self.estimate.breakdown_gib()
+        return (f"predicted peak {self.per_gpu_gib:.1f} GiB per GPU (+{RESERVED_OVERHEAD_GIB:.0f} GiB CUDA/NCCL "
+                f"overhead = {need:.1f} GiB) {verdict} in {self.capacity_gib:.1f} GiB "
+                f"(weights {b['weights']}, gradients {b['gradients']}, optimizer {b['optimizer']}, "
+                f"activations {b['activations']}, other {b['other']} GiB; {self.estimate.stage} stage); "
+                f"to reduce it raise tensor/pipeline parallelism, enable recompute or the distributed "
+                f"optimizer, or lower microBatchSize")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"perGpuGiB": round(self.per_gpu_gib, 2), "breakdown": self.estimate.breakdown_gib(),
+                "overheadGiB": RESERVED_OVERHEAD_GIB, "capacityGiB": self.capacity_gib, "fits": self.fits,
+                "stage": self.estimate.stage}
+
+    def table(self) -> str:
+        rows = [(k, v) for k, v in self.estimate.breakdown_gib().items()]
+        rows.append(("= predicted peak (allocated)", round(self.per_gpu_gib, 2)))
+        rows.append(("+ CUDA context / NCCL / fragmentation", RESERVED_OVERHEAD_GIB))
+        lines = [f"  {k:<40} {v:>9.2f} GiB" for k, v in rows]
+        if self.capacity_gib is None:
+            lines.append("  GPU memory unknown: set spec.resources.gpuType or gpuMemoryGiB for the fit check")
+        else:
+            lines.append(f"  {'GPU memory':<40} {self.capacity_gib:>9.2f} GiB -> "
+                         f"{'fits' if self.fits else 'does NOT fit'}")
+        lines.append(f"  (largest footprint: {self.estimate.stage} pipeline stage)")
+        return "\n".join(lines)
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    m = divisible_by * tp
+    return int(math.ceil(vocab / m) * m)
+
+
+def estimate(job: MegatronJob) -> Estimate:
+    wire = job.spec.wire()
+    m = resolved_model(wire)
+    lay = derived_layout(wire)
+    tr = job.spec.training
+    tp, pp, cp, dp = lay["tensor"], lay["pipeline"], lay["context"], lay["data"]
+    ep, etp = lay["expert"], lay["expertTensor"]
+    vpp = job.spec.parallelism.virtual_pipeline or 1
+    sp = lay["sequenceParallel"]
+    h, a, L = m["hiddenSize"], m["numAttentionHeads"], m["numLayers"]
+    g, ffn = m["numQueryGroups"], m["ffnHiddenSize"]
+    s_full, b = m["seqLength"], tr.micro_batch_size
+    s = s_full / cp  # each context-parallel rank holds a slice of the sequence
+    v = padded_vocab(m["vocabSize"], tp)
+    swiglu = m["activation"] == "swiglu"
+    bias = m["addBiasLinear"]
+    experts = m["numExperts"] or 0
+    head_dim = h / a
+    kv = g * head_dim
+    act_bytes = 2  # bf16/fp16 activations (fp8 keeps bf16 activations between layers)
+
+    # ---- parameters per GPU -------------------------------------------------------------------
+    attn_params = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if bias else 0)
+    mlp_one = (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
+    norm_params = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
+    dense_per_layer = attn_params / tp + norm_params + (0 if experts else mlp_one / tp)
+    expert_per_layer = (experts * mlp_one / (ep * etp) + h * experts) if experts else 0.0
+    layers_per_stage = L / pp
+    embed = v * h / tp + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)
+    output = v * h / tp if (m["untieEmbeddings"] or pp > 1) else 0  # tied + PP>1: a copy on the last stage
+    first_extra = embed + (output if pp == 1 else 0)
+    last_extra = output + h * 2  # final norm
+    dense_first = layers_per_stage * dense_per_layer + first_extra
+    dense_last = layers_per_stage * dense_per_layer + last_extra
+    expert_params = layers_per_stage * expert_per_layer
+
+    # ---- bytes per parameter ------------------------------------------------------------------
+    weight_b, grad_b, opt_b = 2.0, 4.0, 12.0
+    dist = tr.distributed_optimizer
+    dense_opt_div = dp * cp if dist else 1  # shards over the data-parallel group with context
+    expert_dp = max(1, lay["world"] // (etp * ep * pp))
+    expert_opt_div = expert_dp if dist else 1
+
+    def static(dense: float) -> tuple[float, float, float]:
+        w = (dense + expert_params) * weight_b
+        gr = (dense + expert_params) * grad_b
+        op = dense * opt_b / dense_opt_div + expert_params * opt_b / expert_opt_div
+        if dist:  # fp32 master shard aside, Megatron keeps a bf16 param buffer = weights (counted)
+            pass
+        return w, gr, op
+
+    # ---- activations per layer per micro-batch (bytes) ----------------------------------------
+    sbh = s * b * h
+    split = tp if sp else 1  # sequence parallel splits the layer-norm and dropout regions too
+    # attention block: LN input, QKV input, Q/K/V, output-projection input (Korthikanti's 11sbh
+    # without the dropout mask, with GQA-sized K and V)
+    attn_act = act_bytes * (sbh / split + sbh / split + (sbh + 2 * s * b * kv) / tp + sbh / tp)
+    scores = 0.0
+    if tr.attention_backend == "unfused":
+        # softmax input (fp32 from baddbmm in Megatron's local attention is bf16 here) and output,
+        # per head on this TP rank: 2 x a/t x s x s x b x 2 bytes
+        scores = 2 * act_bytes * (a / tp) * s * s * b
+    else:
+        scores = 4 * s * b * (a / tp)  # flash: the fp32 log-sum-exp only
+    mlp_mult = 2 if swiglu else 1
+    mlp_act = act_bytes * (sbh / split + sbh / split  # LN input, fc1 input
+                           + mlp_mult * s * b * ffn / tp  # activation input
+                           + s * b * ffn / tp)            # fc2 input
+    if experts:
+        topk = m["moeRouterTopk"]
+        mlp_act = act_bytes * (sbh / split * 2 + topk * (mlp_mult + 1) * s * b * ffn / (etp)) / 1
+    residual = act_bytes * sbh / split  # the residual stream kept for the bias-dropout-add
+    full_layer = attn_act + scores + mlp_act + residual
+    if tr.recompute == "full":
+        per_layer = act_bytes * sbh / split  # only each layer's input is kept
+        recompute_peak = full_layer  # one layer's activations rebuilt during backward
+    elif tr.recompute == "selective":
+        per_layer = full_layer - scores  # the attention core is recomputed
+        recompute_peak = scores
+    else:
+        per_layer = full_layer
+        recompute_peak = 0.0
+
+    num_micro = lay["numMicrobatches"]
+    if pp == 1:
+        in_flight = 1.0
+    elif vpp > 1:
+        in_flight = pp * (1 + (pp - 1) / (pp * vpp))
+    else:
+        in_flight = float(min(pp, num_micro))
+    stage0_acts = per_layer * layers_per_stage * in_flight + recompute_peak
+    # embedding output (and its dropout input) on the first stage
+    stage0_acts += act_bytes * sbh / split * in_flight
+    # the last stage holds one micro-batch in flight, plus the output layer and the loss:
+    # bf16 logits and the fp32 copy used by the vocab-parallel cross entropy
+    logits = s * b * v / tp * (act_bytes + 4)
+    last_acts = per_layer * layers_per_stage + recompute_peak + logits + act_bytes * sbh / split
+    if pp == 1:
+        stage0_acts += logits
+
+    other = WORKSPACE_GIB * GIB
+    w0, g0, o0 = static(dense_first)
+    first = Estimate(w0, g0, o0, stage0_acts, other, "first" if pp > 1 else "only",
+                     {"paramsPerGpu": dense_first + expert_params, "inFlight": in_flight,
+                      "perLayerActivationBytes": per_layer})
+    if pp == 1:
+        return first
+    w1, g1, o1 = static(dense_last)
+    last = Estimate(w1, g1, o1, last_acts, other, "last",
+                    {"paramsPerGpu": dense_last + expert_params, "inFlight": 1,
+                     "perLayerActivationBytes": per_layer})
+    return first if first.total >= last.total else last
+
+
+def capacity_gib(job: MegatronJob) -> float | None:
+    r = job.spec.resources
+    if r.gpu_memory_gib is not None:
+        return r.gpu_memory_gib
+    if r.gpu_type is not None:
+        return GPU_MEMORY_GIB[r.gpu_type]
+    return None
+
+
+def fit_report(job: MegatronJob, always: bool = False) -> FitReport | None:
+    """The estimate and verdict; None when the check is off (memoryFit: Ignore) unless ``always``."""
+    if job.spec.resources.memory_fit == "Ignore" and not always:
+        return None
+    return FitReport(estimate(job), capacity_gib(job))

@@ -1,0 +1,448 @@
+"""MegatronJob -> the objects the operator applies (a pure function; no API calls).
+
+``render()`` returns, in apply order: the job's ServiceAccount, a Role that lets that identity
+patch only its own MegatronJob's status, the RoleBinding, and the JobSet that runs torchrun in one
+pod per node. The command line uses Megatron-LM flag names (docs/trainer-contract.md), so a
+Megatron-LM image could run the same job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rules import derived_layout, resolved_model
+from .settings import Settings
+from .spec import API_VERSION, GROUP, KIND, PLURAL, MegatronJob, MegatronJobSpec
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+CONTAINER_NAME = "trainer"
+FIELD_MANAGER = "megatron-operator"
+
+LABEL_JOB_NAME = f"{GROUP}/job-name"
+LABEL_TP_GROUP = f"{GROUP}/tp-group"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOBSET_GLOBAL_INDEX_LABEL = "jobset.sigs.k8s.io/job-global-index"
+JOBSET_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+
+CHECKPOINT_MOUNT = "/checkpoints"
+DATA_MOUNT = "/data"
+
+EFA_ENV = {
+    # aws-ofi-nccl: use the EFA libfabric provider with GPUDirect RDMA (p4d/p5) and make
+    # libfabric's memory registration fork-safe (data-loader workers fork).
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+}
+
+
+def labels_for(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "megatron-trainer",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": "megatron-operator",
+        LABEL_JOB_NAME: name,
+    }
+
+
+def service_account_name(name: str) -> str:
+    return f"{name}-trainer"
+
+
+def checkpoint_dir(job: MegatronJob) -> str | None:
+    ckpt = job.spec.checkpoint
+    if ckpt is None:
+        return None
+    return f"{CHECKPOINT_MOUNT}/{ckpt.path or job.metadata.name}"
+
+
+def shm_size(spec: MegatronJobSpec, settings: Settings) -> str:
+    if spec.resources.shm_size is not None:
+        return str(spec.resources.shm_size)
+    return f"{max(settings.shm_min_gib, settings.shm_gib_per_gpu * spec.gpus_per_node)}Gi"
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer's command line
+# --------------------------------------------------------------------------------------------
+
+
+def _fmt(x: float) -> str:
+    return repr(float(x))  # round-trips exactly through float()
+
+
+def megatron_args(job: MegatronJob) -> list[str]:
+    """Megatron-LM flags for the spec (the table in docs/trainer-contract.md)."""
+    spec = job.spec
+    wire = spec.wire()
+    model = resolved_model(wire)
+    layout = derived_layout(wire)
+    par, tr = spec.parallelism, spec.training
+    a: list[str] = []
+
+    def flag(name: str, value: Any = None) -> None:
+        a.append(f"--{name}")
+        if value is not None:
+            a.append(str(value))
+
+    # parallelism
+    flag("tensor-model-parallel-size", par.tensor)
+    flag("pipeline-model-parallel-size", par.pipeline)
+    if par.virtual_pipeline is not None:
+        flag("num-virtual-stages-per-pipeline-rank", par.virtual_pipeline)
+    flag("context-parallel-size", par.context)
+    flag("expert-model-parallel-size", par.expert)
+    if par.expert_tensor is not None:
+        flag("expert-tensor-parallel-size", par.expert_tensor)
+    if layout["sequenceParallel"]:
+        flag("sequence-parallel")
+    # model
+    flag("num-layers", model["numLayers"])
+    flag("hidden-size", model["hiddenSize"])
+    flag("num-attention-heads", model["numAttentionHeads"])
+    if model["numQueryGroups"] != model["numAttentionHeads"]:
+        flag("group-query-attention")
+        flag("num-query-groups", model["numQueryGroups"])
+    flag("ffn-hidden-size", model["ffnHiddenSize"])
+    flag("seq-length", model["seqLength"])
+    flag("max-position-embeddings", model["maxPositionEmbeddings"])
+    flag("vocab-size", model["vocabSize"])
+    if model["numExperts"]:
+        flag("num-experts", model["numExperts"])
+        flag("moe-router-topk", model["moeRouterTopk"])
+    if model["activation"] == "swiglu":
+        flag("swiglu")
+    flag("normalization", model["normalization"])
+    flag("position-embedding-type", model["positionEmbedding"])
+    if model["positionEmbedding"] == "rope":
+        flag("rotary-base", model["rotaryBase"])
+    if model["untieEmbeddings"]:
+        flag("untie-embeddings-and-output-weights")
+    if not model["addBiasLinear"]:
+        flag("disable-bias-linear")
+    # training
+    flag("transformer-impl", tr.transformer_impl)
+    flag("attention-backend", tr.attention_backend)
+    flag("micro-batch-size", tr.micro_batch_size)
+    flag("global-batch-size", layout["globalBatchSize"])
+    flag("train-iters", tr.train_iters)
+    flag("lr", _fmt(tr.lr))
+    flag("min-lr", _fmt(tr.min_lr if tr.min_lr is not None else tr.lr / 10))
+    flag("lr-decay-style", tr.lr_schedule.style)
+    flag("lr-warmup-iters", tr.lr_schedule.warmup_iters)
+    flag("lr-decay-iters", tr.lr_schedule.decay_iters or tr.train_iters)
+    flag("weight-decay", _fmt(tr.weight_decay))
+    flag("clip-grad", _fmt(tr.clip_grad))
+    flag("adam-beta1", _fmt(tr.adam_beta1))
+    flag("adam-beta2", _fmt(tr.adam_beta2))
+    if tr.precision == "fp16":
+        flag("fp16")
+    else:
+        flag("bf16")
+        if tr.precision == "fp8":
+            flag("fp8-format", "hybrid")
+    if tr.distributed_optimizer:
+        flag("use-distributed-optimizer")
+    if tr.recompute == "selective":
+        flag("recompute-granularity", "selective")
+    elif tr.recompute == "full":
+        flag("recompute-granularity", "full")
+        flag("recompute-method", "uniform")
+        flag("recompute-num-layers", 1)
+    flag("seed", tr.seed)
+    flag("log-interval", tr.log_interval)
+    flag("eval-iters", 0)
+    # data
+    data = spec.data
+    ckpt_dir = checkpoint_dir(job)
+    if data.mock:
+        flag("mock-data")
+        flag("tokenizer-type", "NullTokenizer")
+    else:
+        assert data.paths is not None and data.tokenizer is not None  # rules guarantee both
+        a.append("--data-path")
+        for p in data.paths:
+            a += [_fmt(p.weight), f"{DATA_MOUNT}/{p.prefix}"]
+        flag("split", data.split)
+        if data.tokenizer.type == "HuggingFace":
+            flag("tokenizer-type", "HuggingFaceTokenizer")
+            flag("tokenizer-model", f"{DATA_MOUNT}/{data.tokenizer.path}")
+        else:
+            flag("tokenizer-type", "NullTokenizer")
+        flag("data-cache-path", f"{ckpt_dir}/data-cache" if ckpt_dir else "/tmp/data-cache")
+    # checkpoints
+    if spec.checkpoint is not None:
+        flag("save", ckpt_dir)
+        flag("load", ckpt_dir)
+        flag("save-interval", spec.checkpoint.interval)
+        flag("ckpt-format", "torch_dist")
+        if spec.checkpoint.async_:
+            # Megatron-LM silently drops --async-save without the persistent worker (ARGS:1740-1746).
+            flag("async-save")
+            flag("use-persistent-ckpt-worker")
+        flag("exit-signal-handler")
+    return a + list(tr.extra_args)
+
+
+def launch_command(job: MegatronJob, settings: Settings, first_replicated_job: str) -> list[str]:
+    """torchrun with a static rendezvous on pod 0 (node rank = JobSet's global job index)."""
+    name = job.metadata.name
+    spec = job.spec
+    # JobSet pod host names are <jobset>-<replicated job>-<job index>-<pod index>, in the JobSet's
+    # headless-service subdomain (the JobSet's name).
+    master = f"{name}-{first_replicated_job}-0-0.{name}"
+    return [
+        "torchrun",
+        f"--nnodes={spec.num_nodes}",
+        f"--nproc-per-node={spec.gpus_per_node}",
+        "--node-rank=$(NODE_RANK)",
+        f"--master-addr={master}",
+        f"--master-port={settings.rendezvous_port}",
+        "--max-restarts=0",  # restarts are the JobSet's: the whole gang, from the checkpoint
+        "-m", "megatron_trainer",
+        *megatron_args(job),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Kubernetes objects
+# --------------------------------------------------------------------------------------------
+
+
+def owner_reference(job: MegatronJob, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.metadata.name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(job: MegatronJob, name: str, owner_uid: str | None, labels: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "labels": {**labels_for(job.metadata.name), **(labels or {})}}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    if owner_uid:
+        meta["ownerReferences"] = [owner_reference(job, owner_uid)]
+    return meta
+
+
+def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = job.spec
+
+    def field_ref(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        {"name": "NODE_RANK", **field_ref(f"metadata.labels['{JOBSET_GLOBAL_INDEX_LABEL}']")},
+        {"name": "MEGATRON_RESTART_ATTEMPT", **field_ref(f"metadata.labels['{JOBSET_RESTART_ATTEMPT_LABEL}']")},
+        {"name": "MEGATRON_JOB_NAME", "value": job.metadata.name},
+        {"name": "MEGATRON_JOB_NAMESPACE", **field_ref("metadata.namespace")},
+        {"name": "MEGATRON_PROGRESS_INTERVAL_S", "value": str(settings.progress_interval_s)},
+        {"name": "MEGATRON_METRICS_PORT", "value": str(settings.trainer_metrics_port)},
+        {"name": "MEGATRON_CHECKPOINT_KEEP", "value": str(spec.checkpoint.keep if spec.checkpoint else 0)},
+        {"name": "MEGATRON_DATA_CACHE_SHARED", "value": "true" if spec.checkpoint else "false"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # The root filesystem is read-only: caches (triton, torch) go to the /tmp emptyDir.
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if layout["tensor"] > 1 or layout["context"] > 1:
+        # Megatron-LM asserts this with TP or CP > 1 on Hopper and earlier (ARGS:1413-1439): it keeps
+        # the communication kernels ordered before the compute they overlap with.
+        env.append({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"})
+    if spec.resources.efa_per_node > 0:
+        env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
+    env += [e.model_dump(by_alias=True, exclude_none=True, mode="json") for e in spec.env]
+    return env
+
+
+def _resources(spec: MegatronJobSpec) -> dict[str, Any]:
+    r = spec.resources
+    limits: dict[str, Any] = {GPU_RESOURCE: spec.gpus_per_node}
+    if r.efa_per_node:
+        limits[EFA_RESOURCE] = r.efa_per_node
+    limits.update(r.extended_resources)
+    requests: dict[str, Any] = {}
+    for key, value in (("cpu", r.cpu), ("memory", r.memory)):
+        if value is not None:
+            limits[key] = requests[key] = str(value)
+    out: dict[str, Any] = {"limits": limits}
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], first_rjob: str,
+              tp_group: int | None) -> dict[str, Any]:
+    spec = job.spec
+    name = job.metadata.name
+    volumes: list[dict[str, Any]] = [
+        # NCCL, data-loader workers and async checkpoints need far more than the 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.checkpoint is not None:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    if spec.data.pvc is not None:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
+        mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image or settings.default_image,
+        "command": launch_command(job, settings, first_rjob),
+        "env": _env(job, settings, layout),
+        "resources": _resources(spec),
+        "ports": [
+            {"name": "rendezvous", "containerPort": settings.rendezvous_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": settings.trainer_metrics_port, "protocol": "TCP"},
+        ],
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations]
+    pod: dict[str, Any] = {
+        "serviceAccountName": service_account_name(name),
+        "automountServiceAccountToken": True,  # the trainer writes status.progress with this identity
+        "enableServiceLinks": False,
+        # Never: a failed rank fails its Job, and the JobSet restarts the whole gang (a lone restarted
+        # rank would only hang in NCCL waiting for peers that moved on).
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": (spec.termination_grace_period_seconds
+                                          or settings.termination_grace_period_s),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": tolerations,
+    }
+    if spec.resources.node_selector:
+        pod["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    if tp_group is not None:
+        # This tensor-parallel group spans several pods: keep exactly these pods on one host
+        # (NVLink). Other groups are free to land elsewhere.
+        pod["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {LABEL_JOB_NAME: name, LABEL_TP_GROUP: str(tp_group)}},
+            "topologyKey": "kubernetes.io/hostname",
+        }]}}
+    return pod
+
+
+def replicated_job_plan(spec: MegatronJobSpec) -> list[tuple[str, int, int | None]]:
+    """(replicated job name, replicas, tensor-parallel group or None), in node-rank order.
+
+    Megatron orders ranks tp-cp-ep-dp-pp (parallel_state.initialize_model_parallel), so TP is
+    the fastest-varying dimension and a TP group is TP consecutive global ranks; torchrun numbers
+    ranks node-major (rank = node_rank x gpusPerNode + local_rank). When TP divides gpusPerNode,
+    every TP group therefore lies inside one pod and needs no placement rule. When TP is a multiple
+    of gpusPerNode, group g is exactly the pods with node ranks [g*k, (g+1)*k), k = TP/gpusPerNode;
+    each group gets its own replicated job so that its pods carry a group label for pod affinity,
+    and JobSet's global job index (the node rank) runs through the groups in order.
+    """
+    tp, gpn = spec.parallelism.tensor, spec.gpus_per_node
+    if tp <= gpn:
+        return [("worker", spec.num_nodes, None)]
+    pods_per_group = tp // gpn
+    return [(f"tp{g}", pods_per_group, g) for g in range(spec.num_nodes // pods_per_group)]
+
+
+def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = None) -> dict[str, Any]:
+    spec = job.spec
+    name = job.metadata.name
+    layout = derived_layout(spec.wire())
+    plan = replicated_job_plan(spec)
+    first_rjob = plan[0][0]
+    replicated_jobs = []
+    for rjob_name, replicas, tp_group in plan:
+        pod_labels = labels_for(name)
+        if tp_group is not None:
+            pod_labels[LABEL_TP_GROUP] = str(tp_group)
+        replicated_jobs.append({
+            "name": rjob_name,
+            "replicas": replicas,
+            "template": {
+                "metadata": {"labels": labels_for(name)},
+                "spec": {
+                    "parallelism": 1,
+                    "completions": 1,
+                    "completionMode": "Indexed",
+                    "backoffLimit": 0,
+                    # A pod evicted or preempted (DisruptionTarget) fails its Job with reason
+                    # PodFailurePolicy; the JobSet rule below restarts the gang without counting it.
+                    "podFailurePolicy": {"rules": [{
+                        "action": "FailJob",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    }]},
+                    "template": {
+                        "metadata": {"labels": pod_labels},
+                        "spec": _pod_spec(job, settings, layout, first_rjob, tp_group),
+                    },
+                },
+            },
+        })
+    max_restarts = spec.restart.max_restarts
+    labels = {}
+    if spec.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = spec.queue_name
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": _meta(job, name, owner_uid, labels),
+        "spec": {
+            # With Kueue the JobSet is created suspended and Kueue un-suspends it on admission.
+            "suspend": bool(spec.suspend or spec.queue_name),
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": name},
+            "failurePolicy": {
+                "maxRestarts": settings.max_restarts if max_restarts is None else max_restarts,
+                # Old pods are gone before new ones start, so no rank talks to a stale peer.
+                "restartStrategy": "BlockingRecreate",
+                "rules": [{
+                    "name": "disruptionDoesNotCount",
+                    "action": "RestartJobSetAndIgnoreMaxRestarts",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                }],
+            },
+            "successPolicy": {"operator": "All"},
+            "replicatedJobs": replicated_jobs,
+        },
+    }
+
+
+def render_identity(job: MegatronJob, owner_uid: str | None = None) -> list[dict[str, Any]]:
+    """The job's own ServiceAccount, allowed to patch only its MegatronJob's status."""
+    name = job.metadata.name
+    sa = service_account_name(name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, sa, owner_uid),
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, sa, owner_uid),
+         "rules": [{"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [name],
+                    "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(job, sa, owner_uid),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+         "subjects": [{"kind": "ServiceAccount", "name": sa,
+                       **({"namespace": job.metadata.namespace} if job.metadata.namespace else {})}]},
+    ]
+
+
+def render(job: MegatronJob, settings: Settings | None = None, owner_uid: str | None = None) -> list[dict[str, Any]]:
+    """Every object the operator creates for ``job``, in apply order."""
+    settings = settings or Settings()
+    return [*render_identity(job, owner_uid), render_jobset(job, settings, owner_uid)]

@@ -1,0 +1,403 @@
+"""Admission rules: what Megatron checks at start-up, checked when the MegatronJob is applied.
+
+Each rule is written once in the ``expr`` language and used twice: evaluated in Python by the
+pydantic models (operator and CLI) and emitted as a CEL rule on ``spec`` in the CRD (API server,
+so ``kubectl apply`` and Argo CD show the message). Messages name the field path, the numbers and a
+fix. Upstream references are to megatron-core 0.19.2 (``megatron/core/...``) and Megatron-LM's
+``megatron/training/arguments.py`` (ARGS).
+
+``self`` is ``spec`` after API-server defaulting (every field with a default is present).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .expr import All, Attr, Expr, Field, Filter, Has, Index, Lit, Matches, Missing, Var, concat, cond, lit, lookup
+from .presets import MODEL_PRESETS
+from .spec import MAX_NAME_LENGTH
+
+# --------------------------------------------------------------------------------------------
+# Values every rule shares (each is an expression: CEL and Python at once)
+# --------------------------------------------------------------------------------------------
+
+
+def f(path: str) -> Field:
+    return Field(path)
+
+
+def has(path: str) -> Expr:
+    return Has(Field(path))
+
+
+def opt(path: str, default: Any) -> Expr:
+    """The field's value, or ``default`` when it is absent."""
+    return cond(has(path), f(path), default)
+
+
+tp = f("parallelism.tensor")
+pp = f("parallelism.pipeline")
+cp = f("parallelism.context")
+ep = f("parallelism.expert")
+etp = opt("parallelism.expertTensor", tp)  # Megatron: expert_tensor_parallel_size defaults to TP
+nodes = f("numNodes")
+gpn = f("gpusPerNode")
+world = nodes * gpn
+model_parallel = tp * pp * cp
+dp = world // model_parallel
+uses_te = f("training.transformerImpl").eq("transformer_engine")
+# Default: on with TP > 1, where Transformer Engine allows it (torch norms refuse it).
+sequence_parallel = opt("parallelism.sequenceParallel", (tp > 1) & uses_te)
+mbs = f("training.microBatchSize")
+precision = f("training.precision")
+
+
+def model_value(name: str, derived: Any) -> Expr:
+    """An effective model field: explicit value, else the preset's, else the derived default."""
+    explicit = f"model.{name}"
+    by_preset = {p: v[name] for p, v in MODEL_PRESETS.items() if name in v}
+    fallback = lit(derived)
+    if by_preset:
+        preset = f("model.preset")
+        in_table = has("model.preset")
+        if len(by_preset) < len(MODEL_PRESETS):
+            in_table = in_table & _in(preset, list(by_preset))
+        fallback = cond(in_table, lookup(by_preset, preset), fallback)
+    return cond(has(explicit), f(explicit), fallback)
+
+
+def _in(e: Expr, values: list[str]) -> Expr:
+    out: Expr = Lit(False)
+    for v in values:
+        out = out | e.eq(v)
+    return out
+
+
+# 0 marks "neither given nor in the preset"; the model-complete rule reports it.
+layers = model_value("numLayers", 0)
+hidden = model_value("hiddenSize", 0)
+heads = model_value("numAttentionHeads", 0)
+seq = model_value("seqLength", 0)
+vocab = model_value("vocabSize", 0)
+groups = model_value("numQueryGroups", heads)
+activation = model_value("activation", "gelu")
+# Megatron-LM's default FFN size: 4h, or int(8h/3 / 64) * 64 = (h / 24) * 64 with SwiGLU.
+ffn = model_value("ffnHiddenSize", cond(activation.eq("swiglu"), (hidden // 24) * 64, hidden * 4))
+max_positions = model_value("maxPositionEmbeddings", seq)
+experts = model_value("numExperts", 0)
+topk = model_value("moeRouterTopk", 2)
+normalization = model_value("normalization", "LayerNorm")
+position_embedding = model_value("positionEmbedding", "learned_absolute")
+rotary_base = model_value("rotaryBase", 10000)
+untie_embeddings = model_value("untieEmbeddings", False)
+add_bias_linear = model_value("addBiasLinear", True)
+
+MODEL_VALUES: dict[str, Expr] = {
+    "numLayers": layers, "hiddenSize": hidden, "numAttentionHeads": heads, "numQueryGroups": groups,
+    "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
+    "numExperts": experts, "moeRouterTopk": topk, "activation": activation, "normalization": normalization,
+    "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
+    "addBiasLinear": add_bias_linear,
+}
+
+model_complete = (layers > 0) & (hidden > 0) & (heads > 0) & (seq > 0) & (vocab > 0)
+layout_ok = (world % model_parallel).eq(0)
+gbs = opt("training.globalBatchSize", mbs * dp)
+microbatches = gbs // (mbs * dp)
+
+# Flags the operator renders from the spec; extraArgs must not contradict them.
+MANAGED_FLAGS: tuple[str, ...] = (
+    "tensor-model-parallel-size", "pipeline-model-parallel-size", "num-virtual-stages-per-pipeline-rank",
+    "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size",
+    "context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size", "sequence-parallel",
+    "num-layers", "hidden-size", "num-attention-heads", "group-query-attention", "num-query-groups",
+    "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
+    "moe-router-topk", "swiglu", "normalization", "position-embedding-type", "rotary-base",
+    "untie-embeddings-and-output-weights", "disable-bias-linear", "transformer-impl", "attention-backend",
+    "micro-batch-size", "global-batch-size", "train-iters", "lr", "min-lr", "lr-decay-style",
+    "lr-warmup-iters", "lr-decay-iters", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "bf16",
+    "fp16", "fp8-format", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
+    "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
+    "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
+    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "world-size", "rank", "local-rank",
+)
+MANAGED_FLAG_RE = r"^--(" + "|".join(fl.replace(".", r"\.") for fl in MANAGED_FLAGS) + r")(=.*)?$"
+
+# Environment the operator sets in the trainer container; spec.env may not override it.
+RESERVED_ENV: tuple[str, ...] = (
+    "NODE_RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "HOME", "PYTHONUNBUFFERED", "FI_PROVIDER",
+    "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+    "WORLD_SIZE",
+)
+RESERVED_ENV_RE = r"^(MEGATRON_.*|" + "|".join(RESERVED_ENV) + r")$"
+
+
+def multiple_hint(value: Expr, m: Expr) -> Expr:
+    """' such as 96 or 128': the multiples of m around value (or m and 2m below it)."""
+    lower = (value // m) * m
+    return cond(lower > 0, concat(" such as ", lower.str(), " or ", (lower + m).str()),
+                concat(" such as ", m.str(), " or ", (m * 2).str()))
+
+
+# --------------------------------------------------------------------------------------------
+# The rules
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``check`` must hold whenever ``when`` holds; else ``message`` (a string expression)."""
+
+    name: str
+    field: str  # the field the error is reported on, relative to spec (CEL fieldPath)
+    check: Expr
+    message: Expr
+    when: Expr | None = None
+
+    def condition(self) -> Expr:
+        return self.check if self.when is None else (~self.when) | self.check
+
+    def to_cel(self) -> dict[str, str]:
+        return {
+            "rule": self.condition().cel(),
+            "messageExpression": self.message.cel(),
+            "fieldPath": "." + self.field,
+            "reason": "FieldValueInvalid",
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One violated rule, as the CLI and the operator report it."""
+
+    field: str  # full path, e.g. spec.training.globalBatchSize
+    message: str
+    rule: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"field": self.field, "message": self.message, "rule": self.rule}
+
+
+def _msg(*parts: Any) -> Expr:
+    return concat(*parts)
+
+
+SPEC_RULES: list[Rule] = [
+    Rule("model-complete", "model",
+         model_complete,
+         _msg("spec.model: missing", cond(layers > 0, "", " numLayers"), cond(hidden > 0, "", " hiddenSize"),
+              cond(heads > 0, "", " numAttentionHeads"), cond(seq > 0, "", " seqLength"),
+              cond(vocab > 0, "", " vocabSize"),
+              "; set them, or choose spec.model.preset (e.g. gpt-7.5b or llama3-8b)")),
+    # parallel_state.py:812-826; ARGS:429-431
+    Rule("world-divisible", "numNodes",
+         layout_ok,
+         _msg("spec.numNodes x spec.gpusPerNode: ", world.str(), " GPUs are not divisible by tensor x pipeline x "
+              "context = ", tp.str(), " x ", pp.str(), " x ", cp.str(), " = ", model_parallel.str(),
+              "; use a multiple of ", model_parallel.str(), " GPUs", multiple_hint(world, model_parallel),
+              ", or smaller parallel sizes")),
+    # parallel_state.py:872-884 (expert grid; "MoE parallel folding")
+    Rule("expert-grid", "parallelism.expert",
+         (world % (etp * ep * pp)).eq(0),
+         _msg("spec.parallelism.expert: expert x expertTensor x pipeline = ", ep.str(), " x ", etp.str(), " x ",
+              pp.str(), " = ", (etp * ep * pp).str(), " does not divide the ", world.str(),
+              " GPUs; choose expert and expertTensor so that their product divides ", (world // pp).str())),
+    # ours: a tensor-parallel group must fit on one host (TP groups are consecutive ranks)
+    Rule("tensor-placement", "parallelism.tensor",
+         (gpn % tp).eq(0) | (tp % gpn).eq(0),
+         _msg("spec.parallelism.tensor: ", tp.str(), " must divide spec.gpusPerNode ", gpn.str(),
+              " or be a multiple of it, so that each tensor-parallel group sits on whole nodes; use a tensor "
+              "size such as ", cond((gpn % 2).eq(0), (gpn // 2).str(), gpn.str()), " or ", gpn.str())),
+    # transformer_config.py:1323
+    Rule("heads-divisible-by-tensor", "model.numAttentionHeads",
+         (heads % tp).eq(0), when=model_complete,
+         message=_msg("spec.model.numAttentionHeads: ", heads.str(), " heads are not divisible by "
+                      "spec.parallelism.tensor ", tp.str(), "; use a tensor size that divides ", heads.str())),
+    # ARGS:1292 (kv_channels = hidden / heads)
+    Rule("hidden-divisible-by-heads", "model.hiddenSize",
+         (hidden % heads).eq(0), when=model_complete,
+         message=_msg("spec.model.hiddenSize: ", hidden.str(), " is not divisible by numAttentionHeads ",
+                      heads.str(), "; use a multiple of ", heads.str(), multiple_hint(hidden, heads))),
+    # attention.py (heads per query group)
+    Rule("heads-divisible-by-groups", "model.numQueryGroups",
+         (heads % groups).eq(0), when=model_complete,
+         message=_msg("spec.model.numQueryGroups: ", groups.str(), " does not divide numAttentionHeads ",
+                      heads.str(), "; use a divisor of ", heads.str())),
+    # transformer_config.py:1338-1345
+    Rule("groups-vs-tensor", "model.numQueryGroups",
+         (groups % tp).eq(0) | (tp % groups).eq(0), when=model_complete,
+         message=_msg("spec.model.numQueryGroups: ", groups.str(), " query groups must be a multiple or a "
+                      "divisor of spec.parallelism.tensor ", tp.str(), "; change one of them")),
+    # transformer_block.py:150-152; ARGS:963-964
+    Rule("layers-divisible-by-pipeline", "model.numLayers",
+         (layers % pp).eq(0), when=model_complete,
+         message=_msg("spec.model.numLayers: ", layers.str(), " layers do not split evenly over "
+                      "spec.parallelism.pipeline ", pp.str(), " stages; use a pipeline size that divides ",
+                      layers.str(), ", or a multiple of ", pp.str(), " layers", multiple_hint(layers, pp))),
+    # parallel_state.py:828-831; ARGS:966-975 (overlap-p2p on, Megatron-LM's default)
+    Rule("virtual-needs-pipeline", "parallelism.virtualPipeline",
+         pp > 1, when=has("parallelism.virtualPipeline"),
+         message=_msg("spec.parallelism.virtualPipeline: the interleaved schedule needs "
+                      "spec.parallelism.pipeline > 1 (it is ", pp.str(), "); omit virtualPipeline or raise "
+                      "pipeline")),
+    # transformer_block.py:170-172; ARGS:938-939
+    Rule("layers-divisible-by-virtual", "parallelism.virtualPipeline",
+         ((layers // pp) % f("parallelism.virtualPipeline")).eq(0),
+         when=has("parallelism.virtualPipeline") & model_complete & (pp > 1) & (layers % pp).eq(0),
+         message=_msg("spec.parallelism.virtualPipeline: ", layers.str(), " layers / ", pp.str(),
+                      " pipeline stages = ", (layers // pp).str(), " layers per stage are not divisible by ",
+                      f("parallelism.virtualPipeline").str(), " virtual stages; use a divisor of ",
+                      (layers // pp).str())),
+    # num_microbatches_calculator.py:381-387
+    Rule("global-batch-divisible", "training.globalBatchSize",
+         (gbs % (mbs * dp)).eq(0), when=layout_ok,
+         message=_msg("spec.training.globalBatchSize: ", gbs.str(), " is not divisible by microBatchSize ",
+                      mbs.str(), " x data parallel ", dp.str(), " = ", (mbs * dp).str(), "; use a multiple of ",
+                      (mbs * dp).str(), multiple_hint(gbs, mbs * dp))),
+    # schedules.py:1133-1153 (interleaved schedule, microbatch_group_size_per_vp_stage = PP)
+    Rule("virtual-microbatches", "training.globalBatchSize",
+         (microbatches % pp).eq(0),
+         when=has("parallelism.virtualPipeline") & layout_ok & (gbs % (mbs * dp)).eq(0),
+         message=_msg("spec.training.globalBatchSize: the interleaved schedule needs the number of "
+                      "micro-batches (", gbs.str(), " / (", mbs.str(), " x ", dp.str(), ") = ",
+                      microbatches.str(), ") to be a multiple of spec.parallelism.pipeline ", pp.str(),
+                      "; use a global batch size that is a multiple of ", (mbs * dp * pp).str(),
+                      multiple_hint(gbs, mbs * dp * pp))),
+    # ARGS:1295-1298 (load-balanced causal split)
+    Rule("context-divides-sequence", "model.seqLength",
+         (seq % (cp * 2)).eq(0), when=(cp > 1) & model_complete,
+         message=_msg("spec.model.seqLength: ", seq.str(), " is not divisible by 2 x spec.parallelism.context = ",
+                      (cp * 2).str(), "; use a multiple of ", (cp * 2).str(), multiple_hint(seq, cp * 2))),
+    # ARGS:1313-1316
+    Rule("positions-cover-sequence", "model.maxPositionEmbeddings",
+         max_positions >= seq, when=model_complete,
+         message=_msg("spec.model.maxPositionEmbeddings: ", max_positions.str(), " is smaller than seqLength ",
+                      seq.str(), "; set it to at least ", seq.str(), " (or omit it: it defaults to seqLength)")),
+    # transformer_config.py:1468-1469; moe_layer.py:185; ARGS:1600-1603
+    Rule("experts-for-expert-parallel", "model.numExperts",
+         experts > 0, when=ep > 1,
+         message=_msg("spec.model.numExperts: spec.parallelism.expert is ", ep.str(), " but the model has no "
+                      "experts; set numExperts (a multiple of ", ep.str(), ") or expert: 1")),
+    Rule("experts-divisible", "model.numExperts",
+         (experts % ep).eq(0), when=experts > 0,
+         message=_msg("spec.model.numExperts: ", experts.str(), " experts are not divisible by "
+                      "spec.parallelism.expert ", ep.str(), "; use a multiple of ", ep.str(),
+                      multiple_hint(experts, ep))),
+    Rule("topk-within-experts", "model.moeRouterTopk",
+         (topk <= experts) & (experts > 0), when=has("model.moeRouterTopk"),
+         message=_msg("spec.model.moeRouterTopk: ", topk.str(), " needs a mixture-of-experts model with at least ",
+                      topk.str(), " experts (numExperts is ", experts.str(), ")")),
+    # model_parallel_config.py:503-504
+    Rule("sequence-parallel-needs-tensor", "parallelism.sequenceParallel",
+         tp > 1, when=sequence_parallel,
+         message=lit("spec.parallelism.sequenceParallel: sequence parallelism needs spec.parallelism.tensor > 1; "
+                     "set sequenceParallel: false or raise tensor")),
+    # torch_norm.py:50 (WrappedTorchNorm asserts not sequence_parallel)
+    Rule("local-no-sequence-parallel", "parallelism.sequenceParallel",
+         ~sequence_parallel, when=~uses_te,
+         message=lit("spec.parallelism.sequenceParallel: transformerImpl local (no Transformer Engine) does not "
+                     "support sequence parallelism (torch LayerNorm refuses it); set sequenceParallel: false or "
+                     "use transformerImpl transformer_engine")),
+    # dot_product_attention.py:57-59 (local attention asserts CP == 1)
+    Rule("local-no-context-parallel", "parallelism.context",
+         cp.eq(1), when=~uses_te,
+         message=_msg("spec.parallelism.context: ", cp.str(), " needs Transformer Engine attention; use "
+                      "transformerImpl transformer_engine or context: 1")),
+    Rule("local-no-fp8", "training.precision",
+         precision.ne("fp8"), when=~uses_te,
+         message=lit("spec.training.precision: fp8 needs Transformer Engine; use transformerImpl "
+                     "transformer_engine or precision bf16")),
+    # Transformer Engine runs context parallelism only in its flash/fused attention backends.
+    Rule("context-needs-flash", "training.attentionBackend",
+         f("training.attentionBackend").eq("flash"), when=cp > 1,
+         message=lit("spec.training.attentionBackend: context parallelism needs attentionBackend flash")),
+    # OptimizerParamScheduler: lr_warmup_steps < lr_decay_steps
+    Rule("warmup-before-decay", "training.lrSchedule.warmupIters",
+         f("training.lrSchedule.warmupIters") < opt("training.lrSchedule.decayIters", f("training.trainIters")),
+         message=_msg("spec.training.lrSchedule.warmupIters: ", f("training.lrSchedule.warmupIters").str(),
+                      " must be smaller than the decay iterations ",
+                      opt("training.lrSchedule.decayIters", f("training.trainIters")).str(),
+                      " (lrSchedule.decayIters, default trainIters)")),
+    Rule("extra-args-not-managed", "training.extraArgs",
+         All(f("training.extraArgs"), "a", ~Matches(Var("a"), MANAGED_FLAG_RE)),
+         message=_msg("spec.training.extraArgs: ",
+                      Index(Filter(f("training.extraArgs"), "a", Matches(Var("a"), MANAGED_FLAG_RE)), 0),
+                      " is set by the operator from the spec (parallel sizes, model shape, batch, precision, "
+                      "data, checkpoint); set the spec field instead")),
+    Rule("env-not-reserved", "env",
+         All(f("env"), "e", ~Matches(Field("name", "e"), RESERVED_ENV_RE)),
+         message=_msg("spec.env: ",
+                      Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), RESERVED_ENV_RE)), 0), "name"),
+                      " is set by the operator (rendezvous, progress reporting, NCCL); use another name")),
+    Rule("data-exactly-one", "data",
+         cond(has("data.mock"), f("data.mock"), False).ne(has("data.pvc")),
+         message=lit("spec.data: give exactly one of mock: true or pvc (with paths)")),
+    Rule("data-paths-with-pvc", "data.paths",
+         has("data.paths").eq(has("data.pvc")),
+         message=lit("spec.data.paths: datasets are read from spec.data.pvc; give both pvc and paths, or "
+                     "neither (mock: true)")),
+    Rule("data-tokenizer-with-pvc", "data.tokenizer",
+         has("data.tokenizer"), when=has("data.pvc"),
+         message=lit("spec.data.tokenizer: real data needs a tokenizer (type HuggingFace with path, or Null)")),
+    Rule("tokenizer-path", "data.tokenizer.path",
+         has("data.tokenizer.path").eq(f("data.tokenizer.type").eq("HuggingFace")),
+         when=has("data.tokenizer"),
+         message=lit("spec.data.tokenizer.path: a HuggingFace tokenizer needs path (a directory in the data PVC); "
+                     "a Null tokenizer takes none")),
+]
+
+
+# Rules on the whole object (``self`` is the MegatronJob): only metadata.name is visible there.
+NAME_RULE = {
+    "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+    "message": f"metadata.name: at most {MAX_NAME_LENGTH} characters (the JobSet, its Jobs and the pod host "
+               "names are built from it)",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Python evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def evaluate_spec_rules(spec: dict[str, Any]) -> list[Problem]:
+    """Every violated rule for a spec in wire form (camelCase, defaults applied)."""
+    env = {"self": spec}
+    problems = []
+    for rule in SPEC_RULES:
+        try:
+            ok = rule.condition().eval(env)
+        except (Missing, ZeroDivisionError) as exc:  # a rule bug, never the user's
+            raise RuntimeError(f"rule {rule.name} could not be evaluated: {exc}") from exc
+        if not ok:
+            problems.append(Problem("spec." + rule.field, str(rule.message.eval(env)), rule.name))
+    return problems
+
+
+def resolved_model(spec: dict[str, Any]) -> dict[str, Any]:
+    """The effective model (preset + explicit fields + derived defaults), from the same expressions."""
+    env = {"self": spec}
+    return {name: e.eval(env) for name, e in MODEL_VALUES.items()}
+
+
+def derived_layout(spec: dict[str, Any]) -> dict[str, Any]:
+    env = {"self": spec}
+    return {
+        "world": world.eval(env),
+        "data": dp.eval(env),
+        "tensor": tp.eval(env),
+        "pipeline": pp.eval(env),
+        "context": cp.eval(env),
+        "expert": ep.eval(env),
+        "expertTensor": etp.eval(env),
+        "sequenceParallel": bool(sequence_parallel.eval(env)),
+        "globalBatchSize": gbs.eval(env),
+        "numMicrobatches": microbatches.eval(env),
+    }
+
+
+__all__ = [
+    "SPEC_RULES", "NAME_RULE", "MANAGED_FLAGS", "Problem", "Rule", "evaluate_spec_rules", "resolved_model",
+    "derived_layout",
+]

@@ -1,0 +1,59 @@
+"""Operator-wide defaults and knobs, in one place (pure; read from the environment at start-up).
+
+Every field can be set with an environment variable ``MEGATRON_OPERATOR_<FIELD IN UPPER CASE>``
+(the Helm chart sets them from its values). A spec field, where it exists, always wins.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from . import __version__
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: Trainer image when ``spec.image`` is omitted.
+    default_image: str = f"ghcr.io/megatron-operator/megatron-trainer:{__version__}"
+    #: /dev/shm per GPU when ``spec.resources.shmSize`` is omitted (GiB) ...
+    shm_gib_per_gpu: int = 8
+    #: ... and never less than this (GiB).
+    shm_min_gib: int = 16
+    #: ``terminationGracePeriodSeconds`` when the spec has none: time for a checkpoint on SIGTERM.
+    termination_grace_period_s: int = 600
+    #: Gang restarts when ``spec.restart.maxRestarts`` is omitted.
+    max_restarts: int = 3
+    #: Seconds between the trainer's progress writes to ``status.progress``.
+    progress_interval_s: int = 30
+    #: Port of the trainer's Prometheus endpoint.
+    trainer_metrics_port: int = 9400
+    #: torchrun rendezvous port on pod 0.
+    rendezvous_port: int = 29500
+    #: A Running job whose ``status.progress.iteration`` has not moved for this long is ``Stalled``.
+    stall_timeout_s: int = 1800
+    #: UID/GID the trainer runs as (non-root).
+    run_as_user: int = 1000
+    #: Seconds between status re-derivations of a live job (a timer; events also trigger it).
+    resync_interval_s: float = 10.0
+    #: Port of the operator's /metrics and /healthz.
+    metrics_port: int = 8080
+    #: Namespaces to watch (comma-separated); empty watches the whole cluster.
+    namespaces: str = ""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            key = "MEGATRON_OPERATOR_" + f.name.upper()
+            if key in env:
+                raw = env[key]
+                try:
+                    values[f.name] = type(getattr(cls, f.name))(raw)
+                except ValueError as exc:
+                    raise ValueError(f"{key}={raw!r}: {exc}") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    def watched_namespaces(self) -> list[str]:
+        return [n.strip() for n in self.namespaces.split(",") if n.strip()]

@@ -1,0 +1,454 @@
+"""The MegatronJob API (megatron-operator.io/v1alpha1): pydantic models, the single source of truth.
+
+The same models generate the CRD schema (``crd.py``); the cross-field rules in ``rules.py`` are
+enforced here (``MegatronJobSpec`` validator) and emitted as CEL into the CRD, so a layout that
+Megatron would refuse at start-up is refused at ``kubectl apply`` with the same message.
+
+Conventions:
+- Python attributes are snake_case; the wire names (aliases) are the Kubernetes camelCase names.
+- An optional field without a default is *omitted* when unset. ``null`` is refused everywhere
+  (omit the field instead): CEL's ``has()`` is true for an explicit null, so accepting nulls would
+  make every rule need a second guard, and the API server would otherwise treat them differently.
+- Unknown fields are errors (``extra="forbid"``): a typo must never be silently dropped.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
+
+GROUP = "megatron-operator.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "MegatronJob"
+PLURAL = "megatronjobs"
+
+# The longest MegatronJob name: the JobSet, its Jobs and pod hostnames are built from it
+# (``<name>-tp-<g>-<job index>-<pod index>`` must stay a 63-character DNS label).
+MAX_NAME_LENGTH = 40
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+RFC1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# A relative path inside a volume: no leading slash, no '..' component, no empty components.
+REL_PATH = r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# Extended resource names: a domain-prefixed name, e.g. rdma/hca_shared_devices_a.
+RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+Quantity = Annotated[
+    int | Annotated[str, Field(pattern=QUANTITY, max_length=32)],
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+
+
+class ApiModel(BaseModel):
+    """Base: camelCase wire names, unknown fields and nulls refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=False,
+        frozen=False,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = sorted(k for k, v in data.items() if v is None)
+            if nulls:
+                raise PydanticCustomError(
+                    "null_field", "{fields}: null is not allowed; omit the field instead",
+                    {"fields": ", ".join(str(k) for k in nulls)},
+                )
+        return data
+
+    def wire(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase, unset optional fields omitted."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --------------------------------------------------------------------------------------------
+# spec.parallelism
+# --------------------------------------------------------------------------------------------
+
+
+class Parallelism(ApiModel):
+    """How the model is split over GPUs. Data parallelism is derived:
+    DP = numNodes x gpusPerNode / (tensor x pipeline x context)."""
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel size (Megatron --tensor-model-parallel-size).")
+    pipeline: int = Field(1, ge=1, le=128, description="Pipeline-parallel size (--pipeline-model-parallel-size).")
+    context: int = Field(1, ge=1, le=64, description="Context-parallel size (--context-parallel-size): the sequence "
+                         "is split over this many GPUs. Needs Transformer Engine.")
+    expert: int = Field(1, ge=1, le=1024, description="Expert-parallel size (--expert-model-parallel-size) for "
+                        "mixture-of-experts models.")
+    expert_tensor: int | None = Field(None, ge=1, le=64, description="Tensor-parallel size inside experts "
+                                      "(--expert-tensor-parallel-size). Megatron's default: the tensor size.")
+    virtual_pipeline: int | None = Field(None, ge=2, le=64, description="Virtual pipeline stages per pipeline "
+                                         "rank (interleaved schedule, --num-virtual-stages-per-pipeline-rank). "
+                                         "Omit for the plain 1F1B schedule. Needs pipeline > 1.")
+    sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism (--sequence-parallel). "
+                                           "Default: on when tensor > 1 and Transformer Engine is used.")
+
+
+# --------------------------------------------------------------------------------------------
+# spec.model
+# --------------------------------------------------------------------------------------------
+
+PresetName = Literal[
+    "gpt-1.7b", "gpt-3.6b", "gpt-7.5b", "gpt-18.4b", "gpt-39.1b", "gpt-76.1b", "gpt-145.6b", "gpt-310.1b",
+    "llama3-8b", "llama3-70b",
+]
+assert set(PresetName.__args__) == set(MODEL_PRESETS)  # type: ignore[attr-defined]
+
+
+class ModelSpec(ApiModel):
+    """The GPT model: a preset, explicit sizes, or a preset with explicit overrides."""
+
+    preset: PresetName | None = Field(None, description="A named size; explicit fields below override it. "
+                                      "gpt-* follow the Megatron-LM paper table; llama3-* are Llama-3-style.")
+    num_layers: int | None = Field(None, ge=1, le=1024, description="Transformer layers (--num-layers).")
+    hidden_size: int | None = Field(None, ge=8, le=131072, description="Hidden size (--hidden-size).")
+    num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention heads "
+                                            "(--num-attention-heads).")
+    num_query_groups: int | None = Field(None, ge=1, le=1024, description="Key/value groups for grouped-query "
+                                         "attention (--num-query-groups). Default: one per head (plain MHA).")
+    ffn_hidden_size: int | None = Field(None, ge=8, le=1048576, description="MLP hidden size (--ffn-hidden-size). "
+                                        "Default: 4 x hiddenSize.")
+    seq_length: int | None = Field(None, ge=16, le=1048576, description="Training sequence length (--seq-length).")
+    max_position_embeddings: int | None = Field(None, ge=16, le=1048576, description="Position-embedding table "
+                                                "size (--max-position-embeddings). Default: seqLength.")
+    vocab_size: int | None = Field(None, ge=2, le=4194304, description="Vocabulary size before padding "
+                                   "(--vocab-size); Megatron pads it to a multiple of 128 x tensor.")
+    num_experts: int | None = Field(None, ge=1, le=4096, description="Experts per MoE layer (--num-experts); omit "
+                                    "for a dense model.")
+    moe_router_topk: int | None = Field(None, ge=1, le=64, description="Experts each token is routed to "
+                                        "(--moe-router-topk). Default 2; only with numExperts.")
+    activation: Literal["gelu", "swiglu"] | None = Field(None, description="MLP activation. Default gelu "
+                                                         "(swiglu renders --swiglu).")
+    normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Normalization "
+                                                                  "(--normalization). Default LayerNorm.")
+    position_embedding: Literal["learned_absolute", "rope"] | None = Field(
+        None, description="Position embedding (--position-embedding-type). Default learned_absolute.")
+    rotary_base: int | None = Field(None, ge=1, le=100000000, description="RoPE base (--rotary-base). "
+                                    "Default 10000.")
+    untie_embeddings: bool | None = Field(None, description="Separate input embedding and output layer "
+                                          "(--untie-embeddings-and-output-weights). Default false.")
+    add_bias_linear: bool | None = Field(None, description="Biases in linear layers; false renders "
+                                         "--disable-bias-linear. Default true.")
+
+
+# --------------------------------------------------------------------------------------------
+# spec.training
+# --------------------------------------------------------------------------------------------
+
+
+class LrSchedule(ApiModel):
+    """Learning-rate schedule (Megatron's OptimizerParamScheduler)."""
+
+    style: Literal["cosine", "linear", "constant", "WSD"] = Field("cosine", description="Decay style "
+                                                                 "(--lr-decay-style).")
+    warmup_iters: int = Field(0, ge=0, le=100000000, description="Linear warm-up iterations (--lr-warmup-iters).")
+    decay_iters: int | None = Field(None, ge=1, le=100000000, description="Iterations over which the rate decays "
+                                    "(--lr-decay-iters). Default: trainIters.")
+
+
+class TrainingSpec(ApiModel):
+    """Optimisation and numerics."""
+
+    micro_batch_size: int = Field(1, ge=1, le=4096, description="Sequences per GPU per forward pass "
+                                  "(--micro-batch-size).")
+    global_batch_size: int | None = Field(None, ge=1, le=16777216, description="Sequences per optimizer step "
+                                          "(--global-batch-size); a multiple of microBatchSize x data parallel. "
+                                          "Default: microBatchSize x data parallel.")
+    train_iters: int = Field(..., ge=1, le=1000000000, description="Optimizer steps to run (--train-iters).")
+    lr: float = Field(3.0e-4, gt=0, le=10, description="Peak learning rate (--lr).")
+    min_lr: float | None = Field(None, ge=0, le=10, description="Final learning rate (--min-lr). Default lr / 10.")
+    lr_schedule: LrSchedule = Field(default_factory=LrSchedule, description="Warm-up and decay.")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay (--weight-decay).")
+    clip_grad: float = Field(1.0, ge=0, le=1000, description="Gradient-norm clip (--clip-grad); 0 disables.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1 (--adam-beta1).")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2 (--adam-beta2).")
+    precision: Literal["bf16", "fp16", "fp8"] = Field("bf16", description="Numerics: bf16, fp16, or fp8 (bf16 with "
+                                                      "Transformer Engine fp8 GEMMs, hybrid format).")
+    distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks "
+                                        "(--use-distributed-optimizer).")
+    recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recomputation: "
+                                                            "selective recomputes attention, full every layer.")
+    transformer_impl: Literal["transformer_engine", "local"] = Field(
+        "transformer_engine", description="Layer implementation (--transformer-impl). local is Megatron's "
+        "TE-free spec: no sequence or context parallelism, no fp8.")
+    attention_backend: Literal["flash", "unfused"] = Field(
+        "flash", description="Attention kernel (--attention-backend). flash: fused flash/cuDNN attention; "
+        "unfused: materialises the s x s score matrix (Megatron's local attention with transformerImpl local).")
+    seed: int = Field(1234, ge=0, le=2147483647, description="Random seed (--seed).")
+    log_interval: int = Field(10, ge=1, le=1000000, description="Iterations between log lines (--log-interval).")
+    extra_args: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list, max_length=64, description="Extra Megatron-LM flags passed through verbatim. "
+        "Flags the operator sets from this spec are refused.")
+
+
+# --------------------------------------------------------------------------------------------
+# spec.data / spec.checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+class DataPath(ApiModel):
+    """One dataset of a blend: a Megatron .bin/.idx prefix and its weight."""
+
+    prefix: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Path of the "
+                        ".bin/.idx pair inside the data PVC, without the extension.")
+    weight: float = Field(1.0, gt=0, le=1000000, description="Relative sampling weight in the blend.")
+
+
+class Tokenizer(ApiModel):
+    """A tokenizer that is read from the data PVC (never downloaded at run time)."""
+
+    type: Literal["HuggingFace", "Null"] = Field("HuggingFace", description="HuggingFace: a local tokenizer "
+                                                 "directory (tokenizer.json); Null: token ids are used as is.")
+    path: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Tokenizer directory inside "
+                             "the data PVC (HuggingFace only).")
+
+
+class DataSpec(ApiModel):
+    """Training data: ``mock: true``, or a PVC with Megatron .bin/.idx datasets. Exactly one."""
+
+    mock: bool | None = Field(None, description="Synthetic tokens (no dataset needed).")
+    pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim holding "
+                            "the datasets, mounted read-only at /data.")
+    paths: list[DataPath] | None = Field(None, min_length=1, max_length=64, description="Datasets to blend.")
+    split: str = Field("969,30,1", max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(,[0-9]+(\.[0-9]+)?){0,2}$",
+                       description="train,valid,test proportions (--split).")
+    tokenizer: Tokenizer | None = Field(None, description="Tokenizer for real data.")
+
+
+class CheckpointSpec(ApiModel):
+    """Distributed (torch_dist) checkpoints on a PVC; resume after any restart is automatic."""
+
+    pvc: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim for "
+                     "checkpoints (ReadWriteMany: every pod writes its shards), mounted at /checkpoints.")
+    path: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Directory inside the PVC. "
+                             "Default: the MegatronJob's name.")
+    interval: int = Field(1000, ge=1, le=100000000, description="Iterations between checkpoints "
+                          "(--save-interval).")
+    async_: bool = Field(True, alias="async", description="Write shards in the background while training "
+                         "continues (--async-save).")
+    keep: int = Field(3, ge=0, le=10000, description="Complete checkpoints to keep; older complete ones are "
+                      "deleted (the newest is never deleted). 0 keeps all.")
+
+
+# --------------------------------------------------------------------------------------------
+# spec.resources / restart / env
+# --------------------------------------------------------------------------------------------
+
+
+class Toleration(ApiModel):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0)
+
+
+GpuType = Literal["A100-40GB", "A100-80GB", "H100-80GB", "H100-94GB", "H200", "B200", "L40S"]
+assert set(GpuType.__args__) == set(GPU_MEMORY_GIB)  # type: ignore[attr-defined]
+
+
+class Resources(ApiModel):
+    """What each pod (one per node) asks for."""
+
+    gpu_type: GpuType | None = Field(None, description="GPU model; gives the memory size for the fit check "
+                                     "and the peak FLOP/s for MFU.")
+    gpu_memory_gib: float | None = Field(None, alias="gpuMemoryGiB", gt=0, le=4096, description="GPU memory "
+                                         "in GiB for the fit check (overrides gpuType).")
+    memory_fit: Literal["Warn", "Reject", "Ignore"] = Field(
+        "Warn", description="When the predicted peak GPU memory exceeds the GPU: Warn sets condition "
+        "MemoryFit=False; Reject also refuses the job (InvalidSpec, no pods); Ignore skips the check.")
+    efa_per_node: int = Field(0, ge=0, le=64, description="AWS EFA devices per pod (vpc.amazonaws.com/efa); "
+                              "NCCL is configured for EFA when > 0.")
+    cpu: Quantity | None = Field(None, description="CPU request and limit per pod.")
+    memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
+    shm_size: Quantity | None = Field(None, description="Size of the memory-backed /dev/shm (NCCL, data "
+                                      "loaders, async checkpoints). Default from the operator (8Gi per GPU, "
+                                      "at least 16Gi).")
+    node_selector: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Node labels the pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Extra tolerations "
+                                          "(the nvidia.com/gpu taint is always tolerated).")
+    extended_resources: dict[Annotated[str, Field(max_length=253, pattern=RESOURCE_NAME)],
+                             Annotated[int, Field(ge=0, le=1000000)]] = Field(
+        default_factory=dict, max_length=16, description="Other extended resources per pod, e.g. RDMA devices "
+        "(rdma/hca_shared_devices_a: 1).")
+
+
+class RestartSpec(ApiModel):
+    """Gang restarts: any failed pod restarts the whole JobSet, which resumes from the checkpoint."""
+
+    max_restarts: int | None = Field(None, ge=0, le=10000, description="Gang restarts before the job is Failed. "
+                                     "Default from the operator (3).")
+
+
+class SecretKeyRef(ApiModel):
+    name: str = Field(..., max_length=253, pattern=DNS_LABEL)
+    key: str = Field(..., max_length=253)
+    optional: bool | None = None
+
+
+class EnvValueFrom(ApiModel):
+    """Only Secret and ConfigMap keys; the pod reads them, the operator never does."""
+
+    secret_key_ref: SecretKeyRef | None = None
+    config_map_key_ref: SecretKeyRef | None = None
+
+
+class EnvVar(ApiModel):
+    name: str = Field(..., max_length=256, pattern=ENV_NAME)
+    value: str | None = Field(None, max_length=4096)
+    value_from: EnvValueFrom | None = None
+
+
+class MegatronJobSpec(ApiModel):
+    """Desired state of a MegatronJob: one Megatron-Core pretraining run."""
+
+    image: str | None = Field(None, max_length=512, description="Trainer image. Default from the operator.")
+    image_pull_secrets: list[Annotated[str, Field(max_length=253, pattern=DNS_LABEL)]] = Field(
+        default_factory=list, max_length=8, description="Names of image pull secrets.")
+    num_nodes: int = Field(..., ge=1, le=4096, description="Pods, one per node.")
+    gpus_per_node: int = Field(..., ge=1, le=16, description="GPUs per pod (nvidia.com/gpu); one trainer "
+                               "process per GPU.")
+    parallelism: Parallelism = Field(default_factory=Parallelism, description="TP/PP/CP/EP sizes.")
+    model: ModelSpec = Field(..., description="The model.")
+    training: TrainingSpec = Field(..., description="Optimisation and numerics.")
+    data: DataSpec = Field(default_factory=lambda: DataSpec(mock=True), description="Training data "
+                           "(default: mock data).")
+    checkpoint: CheckpointSpec | None = Field(None, description="Checkpoints; without them a restart "
+                                              "starts from iteration 0.")
+    resources: Resources = Field(default_factory=Resources, description="Per-pod resources and placement.")
+    restart: RestartSpec = Field(default_factory=RestartSpec, description="Restart policy.")
+    suspend: bool = Field(False, description="Suspend the job: pods are deleted, the job keeps its "
+                          "checkpoint; set back to false to resume.")
+    queue_name: str | None = Field(None, max_length=63, pattern=DNS_LABEL, description="Kueue LocalQueue; the "
+                                   "JobSet starts suspended and Kueue admits it.")
+    priority_class_name: str | None = Field(None, max_length=253, pattern=DNS_LABEL,
+                                            description="PriorityClass of the pods.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment for the "
+                              "trainer container.")
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=30, le=86400, description="Seconds between SIGTERM and SIGKILL; the trainer saves a checkpoint "
+        "in that window. Default from the operator (600).")
+    active_deadline_seconds: int | None = Field(None, ge=1, le=31536000, description="Fail the job (reason "
+                                                "DeadlineExceeded) when it has run longer than this.")
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> MegatronJobSpec:
+        from .rules import evaluate_spec_rules
+
+        problems = evaluate_spec_rules(self.wire())
+        if problems:
+            raise PydanticCustomError(
+                "megatron_rules", "{summary}",
+                {"summary": "; ".join(p.message for p in problems), "problems": [p.as_dict() for p in problems]},
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# status
+# --------------------------------------------------------------------------------------------
+
+Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+
+
+class Condition(ApiModel):
+    """A metav1.Condition."""
+
+    type: str = Field(..., max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(..., max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: datetime
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class StatusParallelism(ApiModel):
+    """The layout as Megatron will see it."""
+
+    data: int = Field(..., ge=1, description="Derived data-parallel size.")
+    tensor: int = Field(..., ge=1)
+    pipeline: int = Field(..., ge=1)
+    context: int = Field(..., ge=1)
+    expert: int = Field(..., ge=1)
+
+
+class Progress(ApiModel):
+    """Written by the trainer (field manager megatron-trainer); the operator only reads it."""
+
+    iteration: int | None = Field(None, ge=0, description="Completed iterations.")
+    train_iters: int | None = Field(None, ge=0)
+    loss: float | None = Field(None, description="Last logged language-model loss.")
+    tokens_per_second: float | None = Field(None, ge=0, description="Whole-job throughput.")
+    tflops_per_gpu: float | None = Field(None, ge=0)
+    mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (fraction of peak).")
+    last_checkpoint_iteration: int | None = Field(None, ge=0)
+    update_time: datetime | None = None
+
+
+class MemoryEstimate(ApiModel):
+    """Predicted peak GPU memory (``megatron-operator estimate``)."""
+
+    per_gpu_gib: float = Field(..., alias="perGpuGiB", ge=0)
+    capacity_gib: float | None = Field(None, alias="capacityGiB", ge=0)
+    fits: bool | None = None
+
+
+class MegatronJobStatus(ApiModel):
+    """Observed state, derived from the JobSet and its pods."""
+
+    phase: Phase | None = None
+    reason: str | None = Field(None, max_length=1024)
+    message: str | None = Field(None, max_length=32768)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    observed_generation: int | None = Field(None, ge=0)
+    parallelism: StatusParallelism | None = None
+    world_size: int | None = Field(None, ge=1, description="GPUs in the job.")
+    layout: str | None = Field(None, max_length=64, description="TP/PP/DP for kubectl get.")
+    job_set_name: str | None = Field(None, max_length=63)
+    restarts: int = Field(0, ge=0)
+    progress: Progress | None = None
+    memory: MemoryEstimate | None = None
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+
+
+class ObjectMeta(BaseModel):
+    """The metadata a manifest may carry (validated for the CLI; the API server owns the rest)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1, max_length=MAX_NAME_LENGTH, pattern=RFC1035_LABEL)
+    namespace: str | None = Field(None, max_length=63, pattern=DNS_LABEL)
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    uid: str | None = None
+    generation: int | None = None
+
+
+class MegatronJob(BaseModel):
+    """A MegatronJob manifest."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["megatron-operator.io/v1alpha1"] = Field(..., alias="apiVersion")
+    kind: Literal["MegatronJob"]
+    metadata: ObjectMeta
+    spec: MegatronJobSpec
+    status: MegatronJobStatus | None = None
