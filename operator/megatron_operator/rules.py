@@ -198,11 +198,13 @@ SPEC_RULES: list[Rule] = [
               "; use a multiple of ", model_parallel.str(), " GPUs", multiple_hint(world, model_parallel),
               ", or smaller parallel sizes")),
     # parallel_state.py:872-884 (expert grid; "MoE parallel folding")
+    # (for a dense model this is implied by world-divisible, so it is only checked with experts)
     Rule("expert-grid", "parallelism.expert",
-         (world % (etp * ep * pp)).eq(0),
-         _msg("spec.parallelism.expert: expert x expertTensor x pipeline = ", ep.str(), " x ", etp.str(), " x ",
+         (world % (etp * ep * pp)).eq(0), when=(ep > 1) | has("parallelism.expertTensor"),
+         message=_msg("spec.parallelism.expert: expert x expertTensor x pipeline = ", ep.str(), " x ", etp.str(), " x ",
               pp.str(), " = ", (etp * ep * pp).str(), " does not divide the ", world.str(),
-              " GPUs; choose expert and expertTensor so that their product divides ", (world // pp).str())),
+              " GPUs; choose expert and expertTensor so that their product divides GPUs / pipeline = ",
+              (world // pp).str())),
     # ours: a tensor-parallel group must fit on one host (TP groups are consecutive ranks)
     Rule("tensor-placement", "parallelism.tensor",
          (gpn % tp).eq(0) | (tp % gpn).eq(0),

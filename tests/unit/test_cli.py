@@ -1,0 +1,133 @@
+"""The megatron-operator CLI, run as a user would (a subprocess), on good and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from factory import make_job
+
+ROOT = Path(__file__).parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_operator", *args], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin"},
+                          timeout=120)
+
+
+def write(tmp_path: Path, name: str, docs) -> str:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump_all(docs) if isinstance(docs, list) else docs)
+    return str(p)
+
+
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"kubeflow-tp2.yaml", "gpt3-7.5b-efa.yaml", "llama3-70b-checkpoint.yaml", "moe-expert-parallel.yaml",
+            "long-context-cp.yaml"} <= names
+
+
+def test_validate_every_example():
+    r = cli("validate", *map(str, EXAMPLES))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(": valid") == len(EXAMPLES)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_render_every_example(example):
+    r = cli("render", str(example))
+    assert r.returncode == 0, r.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+
+
+def test_validate_reports_one_line_per_problem_with_file_and_field(tmp_path):
+    bad = make_job(training__globalBatchSize=100, model__hiddenSize=1000)
+    f = write(tmp_path, "bad.yaml", [bad])
+    r = cli("validate", f)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2
+    assert all(line.startswith(f"{f}: spec.") for line in lines)
+    assert any("spec.training.globalBatchSize: 100 is not divisible" in line for line in lines)
+
+
+def test_typo_is_an_error_with_a_suggestion(tmp_path):
+    doc = make_job()
+    doc["spec"]["parallelism"]["tensr"] = 2
+    r = cli("validate", write(tmp_path, "typo.yaml", [doc]))
+    assert r.returncode == 1
+    assert "spec.parallelism.tensr: unknown field; did you mean tensor?" in r.stderr
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda d: d["spec"]["parallelism"].update(tensor=0), "spec.parallelism.tensor: Input should be greater than or equal to 1"),
+    (lambda d: d["spec"]["training"].update(precision="bf32"), "spec.training.precision: Input should be"),
+    (lambda d: d["spec"]["training"].pop("trainIters"), "spec.training.trainIters: required"),
+    (lambda d: d["spec"]["parallelism"].update(tensor=None), "null is not allowed; omit the field"),
+    (lambda d: d["spec"].update(resources={"memory": "lots"}), "spec.resources.memory: must be an integer or a quantity"),
+    (lambda d: d["metadata"].update(name="Bad_Name"), "metadata.name: String should match pattern"),
+    (lambda d: d.update(apiVersion="megatron-operator.io/v9"), "is not a megatron-operator.io/v1alpha1 MegatronJob"),
+])
+def test_structural_errors_are_clear(tmp_path, mutate, expected):
+    doc = make_job()
+    mutate(doc)
+    r = cli("validate", write(tmp_path, "x.yaml", [doc]))
+    assert r.returncode == 1
+    assert expected in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_yaml_and_missing_file_never_traceback(tmp_path):
+    r = cli("validate", write(tmp_path, "broken.yaml", "spec: [unclosed\n"))
+    assert r.returncode == 1 and "invalid YAML: line" in r.stderr and "Traceback" not in r.stderr
+    r = cli("validate", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 1 and "cannot read" in r.stderr and "Traceback" not in r.stderr
+    r = cli("render", write(tmp_path, "scalar.yaml", "42\n"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+def test_non_megatronjob_documents_are_named_and_skipped(tmp_path):
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"}}
+    f = write(tmp_path, "mixed.yaml", [pvc, make_job()])
+    r = cli("validate", f)
+    assert r.returncode == 0
+    assert f"{f}[1]: skipped: v1/PersistentVolumeClaim ckpt is not a MegatronJob" in r.stderr
+    assert f"{f}[2]: job: valid" in r.stdout
+
+
+def test_file_without_megatronjob_fails(tmp_path):
+    r = cli("validate", write(tmp_path, "pvc.yaml", [{"apiVersion": "v1", "kind": "ConfigMap"}]))
+    assert r.returncode == 1 and "no MegatronJob found" in r.stderr
+
+
+def test_validate_from_stdin():
+    r = cli("validate", "-", stdin=yaml.safe_dump(make_job()))
+    assert r.returncode == 0 and "-: job: valid" in r.stdout
+
+
+def test_render_json_and_namespace(tmp_path):
+    doc = make_job()
+    del doc["metadata"]["namespace"]
+    r = cli("render", "-o", "json", "-n", "ml", write(tmp_path, "j.yaml", [doc]))
+    assert r.returncode == 0
+    items = json.loads(r.stdout)["items"]
+    assert {i["metadata"]["namespace"] for i in items} == {"ml"}
+
+
+def test_crd_command_matches_committed_file():
+    """Drift test: crds/ must be regenerated (megatron-operator crd > crds/...) after model changes."""
+    r = cli("crd")
+    assert r.returncode == 0
+    assert r.stdout == (ROOT / "crds" / "megatron-operator.io_megatronjobs.yaml").read_text()
+
+
+def test_usage_error_exit_code():
+    r = cli("frobnicate")
+    assert r.returncode == 2

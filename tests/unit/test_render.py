@@ -1,0 +1,260 @@
+"""render(): MegatronJob -> ServiceAccount, Role, RoleBinding, JobSet. One test per promise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from factory import make_job
+
+from megatron_operator.crd import to_yaml
+from megatron_operator.render import megatron_args, render, replicated_job_plan
+from megatron_operator.settings import Settings
+from megatron_operator.validation import parse_job
+
+GOLDEN = Path(__file__).parent / "golden"
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def objects(doc, settings=None, uid="uid-1"):
+    job = parse_job(doc)
+    return {o["kind"]: o for o in render(job, settings or Settings(), owner_uid=uid)}
+
+
+def pod_spec(jobset, i=0):
+    return jobset["spec"]["replicatedJobs"][i]["template"]["spec"]["template"]["spec"]
+
+
+def container(jobset, i=0):
+    return pod_spec(jobset, i)["containers"][0]
+
+
+def env_of(c):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def test_apply_order_and_kinds():
+    objs = render(parse_job(make_job()), Settings(), owner_uid="u")
+    assert [o["kind"] for o in objs] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+
+
+def test_torchrun_nnodes_nproc_node_rank_and_rendezvous():
+    js = objects(make_job(numNodes=4, gpusPerNode=8))["JobSet"]
+    cmd = container(js)["command"]
+    assert cmd[:8] == ["torchrun", "--nnodes=4", "--nproc-per-node=8", "--node-rank=$(NODE_RANK)",
+                       "--master-addr=job-worker-0-0.job", "--master-port=29500", "--max-restarts=0", "-m"]
+    assert cmd[8] == "megatron_trainer"
+    # node rank from JobSet's global job index; pod 0's DNS name via the JobSet's headless service
+    assert env_of(container(js))["NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-global-index']"}}
+    assert js["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True,
+                                     "subdomain": "job"}
+
+
+def test_one_pod_per_node():
+    js = objects(make_job(numNodes=4))["JobSet"]
+    (rjob,) = js["spec"]["replicatedJobs"]
+    assert rjob["replicas"] == 4
+    assert rjob["template"]["spec"]["parallelism"] == 1 and rjob["template"]["spec"]["completions"] == 1
+
+
+def test_dev_shm_is_memory_backed_with_default_and_explicit_size():
+    js = objects(make_job(gpusPerNode=8))["JobSet"]
+    vols = {v["name"]: v for v in pod_spec(js)["volumes"]}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}  # 8Gi per GPU
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(js)["volumeMounts"]
+    js1 = objects(make_job(numNodes=2, gpusPerNode=1, parallelism={"tensor": 2},
+                           training={"microBatchSize": 1, "trainIters": 1}))["JobSet"]
+    assert {v["name"]: v for v in pod_spec(js1)["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"  # floor
+    js2 = objects(make_job(resources={"shmSize": "100Gi"}))["JobSet"]
+    assert {v["name"]: v for v in pod_spec(js2)["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "100Gi"
+
+
+def test_tp_inside_a_pod_needs_no_affinity():
+    js = objects(make_job(parallelism={"tensor": 8}))["JobSet"]
+    assert "affinity" not in pod_spec(js)
+    assert [r["name"] for r in js["spec"]["replicatedJobs"]] == ["worker"]
+
+
+def test_tp_group_spanning_pods_gets_affinity_on_exactly_its_pods():
+    doc = make_job(numNodes=4, gpusPerNode=1, parallelism={"tensor": 2},
+                   training={"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 1})
+    js = objects(doc)["JobSet"]
+    rjobs = js["spec"]["replicatedJobs"]
+    assert [(r["name"], r["replicas"]) for r in rjobs] == [("tp0", 2), ("tp1", 2)]
+    for g, r in enumerate(rjobs):
+        pod_labels = r["template"]["spec"]["template"]["metadata"]["labels"]
+        assert pod_labels["megatron-operator.io/tp-group"] == str(g)
+        term = pod_spec(js, g)["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        # the group's own pods, not every pod of the job
+        assert term["labelSelector"]["matchLabels"] == {"megatron-operator.io/job-name": "job",
+                                                        "megatron-operator.io/tp-group": str(g)}
+    assert "--master-addr=job-tp0-0-0.job" in container(js)["command"]
+
+
+def test_plan_keeps_tp_groups_in_node_rank_order():
+    job = parse_job(make_job(numNodes=8, gpusPerNode=2, parallelism={"tensor": 4},
+                             training={"microBatchSize": 1, "trainIters": 1}))
+    assert replicated_job_plan(job.spec) == [("tp0", 2, 0), ("tp1", 2, 1), ("tp2", 2, 2), ("tp3", 2, 3)]
+
+
+def test_gpu_efa_limits_env_toleration_selector_extended():
+    doc = make_job(resources={"efaPerNode": 32, "cpu": 96, "memory": "1Ti",
+                              "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+                              "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
+                                               "effect": "NoSchedule"}],
+                              "extendedResources": {"rdma/hca_shared_devices_a": 1}})
+    js = objects(doc)["JobSet"]
+    c = container(js)
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
+                                        "rdma/hca_shared_devices_a": 1, "cpu": "96", "memory": "1Ti"}
+    assert c["resources"]["requests"] == {"cpu": "96", "memory": "1Ti"}
+    env = env_of(c)
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    ps = pod_spec(js)
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in ps["tolerations"]
+    assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in ps["tolerations"]
+    assert ps["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+
+
+def test_no_efa_env_without_efa():
+    env = env_of(container(objects(make_job())["JobSet"]))
+    assert "FI_PROVIDER" not in env
+
+
+def test_checkpoint_and_data_mounts_and_flags():
+    doc = make_job(checkpoint={"pvc": "ckpt", "interval": 50, "keep": 2},
+                   data={"pvc": "corpus", "paths": [{"prefix": "wiki/w_text_document", "weight": 0.7},
+                                                    {"prefix": "code_text_document", "weight": 0.3}],
+                         "tokenizer": {"type": "HuggingFace", "path": "tok/gpt"}})
+    js = objects(doc)["JobSet"]
+    vols = {v["name"]: v for v in pod_spec(js)["volumes"]}
+    assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    assert vols["data"]["persistentVolumeClaim"] == {"claimName": "corpus", "readOnly": True}
+    mounts = {m["name"]: m for m in container(js)["volumeMounts"]}
+    assert mounts["data"]["readOnly"] is True and mounts["checkpoints"]["mountPath"] == "/checkpoints"
+    args = container(js)["command"]
+    i = args.index("--save")
+    assert args[i:i + 6] == ["--save", "/checkpoints/job", "--load", "/checkpoints/job", "--save-interval", "50"]
+    assert "--ckpt-format" in args and args[args.index("--ckpt-format") + 1] == "torch_dist"
+    assert "--async-save" in args and "--use-persistent-ckpt-worker" in args and "--exit-signal-handler" in args
+    d = args.index("--data-path")
+    assert args[d + 1:d + 5] == ["0.7", "/data/wiki/w_text_document", "0.3", "/data/code_text_document"]
+    assert args[args.index("--tokenizer-model") + 1] == "/data/tok/gpt"
+    assert args[args.index("--data-cache-path") + 1] == "/checkpoints/job/data-cache"
+    assert env_of(container(js))["MEGATRON_CHECKPOINT_KEEP"] == "2"
+
+
+def test_checkpoint_path_override_and_sync_save():
+    args = megatron_args(parse_job(make_job(checkpoint={"pvc": "c", "path": "runs/a", "async": False})))
+    assert args[args.index("--save") + 1] == "/checkpoints/runs/a"
+    assert "--async-save" not in args
+
+
+def test_megatron_lm_flag_names():
+    args = megatron_args(parse_job(make_job(parallelism={"tensor": 2, "pipeline": 2, "virtualPipeline": 2,
+                                                         "context": 1, "expert": 2},
+                                            model={"preset": "llama3-8b", "numExperts": 4},
+                                            training={"trainIters": 10, "globalBatchSize": 8, "recompute": "full"})))
+    expected = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                "--num-virtual-stages-per-pipeline-rank", "--context-parallel-size", "--expert-model-parallel-size",
+                "--sequence-parallel", "--num-layers", "--hidden-size", "--num-attention-heads",
+                "--group-query-attention", "--num-query-groups", "--ffn-hidden-size", "--seq-length",
+                "--max-position-embeddings", "--vocab-size", "--swiglu", "--normalization",
+                "--position-embedding-type", "--rotary-base", "--untie-embeddings-and-output-weights",
+                "--disable-bias-linear", "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr",
+                "--bf16", "--use-distributed-optimizer", "--recompute-granularity", "--recompute-method",
+                "--recompute-num-layers", "--mock-data", "--num-experts", "--moe-router-topk"]
+    for flag in expected:
+        assert flag in args, flag
+    assert args[args.index("--num-layers") + 1] == "32"
+    assert args[args.index("--rotary-base") + 1] == "500000"
+
+
+def test_expert_run_has_no_experts_flag_when_dense():
+    args = megatron_args(parse_job(make_job()))
+    assert "--num-experts" not in args and "--swiglu" not in args and "--group-query-attention" not in args
+
+
+def test_cuda_device_max_connections_only_where_megatron_requires_it():
+    assert env_of(container(objects(make_job())["JobSet"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    js = objects(make_job(parallelism={"pipeline": 2}, training__globalBatchSize=32))["JobSet"]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env_of(container(js))
+
+
+def test_failure_policy_gang_restart_and_grace_period():
+    js = objects(make_job(restart={"maxRestarts": 7}, terminationGracePeriodSeconds=1200))["JobSet"]
+    fp = js["spec"]["failurePolicy"]
+    assert fp["maxRestarts"] == 7 and fp["restartStrategy"] == "BlockingRecreate"
+    assert fp["rules"][0]["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    tmpl = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert tmpl["backoffLimit"] == 0
+    assert pod_spec(js)["restartPolicy"] == "Never"
+    assert pod_spec(js)["terminationGracePeriodSeconds"] == 1200
+    default = objects(make_job(), Settings(max_restarts=5, termination_grace_period_s=777))["JobSet"]
+    assert default["spec"]["failurePolicy"]["maxRestarts"] == 5
+    assert pod_spec(default)["terminationGracePeriodSeconds"] == 777
+
+
+def test_owner_references_and_labels_on_every_object():
+    for obj in objects(make_job(), uid="abc").values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob", "name": "job",
+                       "uid": "abc", "controller": True, "blockOwnerDeletion": True}
+        assert obj["metadata"]["labels"]["megatron-operator.io/job-name"] == "job"
+        assert obj["metadata"]["namespace"] == "team-a"
+
+
+def test_kueue_label_and_suspended_start():
+    js = objects(make_job(queueName="team-queue"))["JobSet"]
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-queue"
+    assert js["spec"]["suspend"] is True
+    assert objects(make_job())["JobSet"]["spec"]["suspend"] is False
+    assert objects(make_job(suspend=True))["JobSet"]["spec"]["suspend"] is True
+
+
+def test_service_account_role_only_patches_own_status():
+    objs = objects(make_job())
+    sa, role, rb = objs["ServiceAccount"], objs["Role"], objs["RoleBinding"]
+    assert role["rules"] == [{"apiGroups": ["megatron-operator.io"], "resources": ["megatronjobs/status"],
+                              "resourceNames": ["job"], "verbs": ["get", "patch"]}]
+    assert rb["roleRef"]["name"] == role["metadata"]["name"]
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "team-a"}]
+    assert pod_spec(objs["JobSet"])["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_pod_security_non_root_read_only_no_host_paths():
+    js = objects(make_job(checkpoint={"pvc": "c"}))["JobSet"]
+    ps = pod_spec(js)
+    assert ps["securityContext"]["runAsNonRoot"] is True
+    assert ps["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container(js)["securityContext"]
+    assert sc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    assert all("hostPath" not in v for v in ps["volumes"])
+
+
+def test_user_env_is_appended():
+    env = container(objects(make_job(env=[{"name": "NCCL_DEBUG", "value": "INFO"}]))["JobSet"])["env"]
+    assert env[-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
+
+
+def test_extra_args_appended_last():
+    args = megatron_args(parse_job(make_job(training__extraArgs=["--manual-gc"])))
+    assert args[-1] == "--manual-gc"
+
+
+@pytest.mark.parametrize("example", ["kubeflow-tp2.yaml", "llama3-70b-checkpoint.yaml"])
+def test_golden_render(example):
+    """Full render snapshots. Regenerate deliberately with UPDATE_GOLDEN=1 and review the diff."""
+    import os
+
+    doc = yaml.safe_load((EXAMPLES / example).read_text())
+    doc["metadata"]["namespace"] = "default"
+    text = "\n---\n".join(to_yaml(o).rstrip() for o in render(parse_job(doc), Settings(), owner_uid="UID"))
+    golden = GOLDEN / (example.removesuffix(".yaml") + ".rendered.yaml")
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text + "\n")
+    assert text + "\n" == golden.read_text()

@@ -1,0 +1,103 @@
+"""The admission rules, through the pydantic models and through the generated CEL."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from celeval import apply_defaults, cel_errors
+from factory import make_job
+from spec_table import CASES
+
+from megatron_operator import crd
+from megatron_operator.rules import SPEC_RULES
+from megatron_operator.validation import SpecError, parse_job
+
+ROOT = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+RULE_NAMES = {r.name for r in SPEC_RULES}
+
+
+def python_problems(doc):
+    try:
+        parse_job(doc)
+        return []
+    except SpecError as exc:
+        return exc.problems
+
+
+def test_table_is_large_and_covers_every_rule():
+    assert len(CASES) >= 40
+    assert len({c[0] for c in CASES}) == len(CASES), "duplicate case ids"
+    broken = {rule for _, _, rule in CASES if rule}
+    assert broken <= RULE_NAMES
+    assert broken == RULE_NAMES, f"rules without an invalid case: {sorted(RULE_NAMES - broken)}"
+
+
+@pytest.mark.parametrize("case_id,doc,rule", CASES, ids=[c[0] for c in CASES])
+def test_models_and_cel_agree(case_id, doc, rule):
+    problems = python_problems(doc)
+    assert [p.rule for p in problems] == ([rule] if rule else []), [p.message for p in problems]
+
+    defaulted = apply_defaults(ROOT, copy.deepcopy(doc))
+    cel = cel_errors(ROOT, defaulted)
+    assert cel == [p.message for p in problems]
+
+
+@pytest.mark.parametrize("case_id,doc,rule", [c for c in CASES if c[2] is None], ids=[c[0] for c in CASES if c[2] is None])
+def test_crd_defaults_equal_model_defaults(case_id, doc, rule):
+    """The API server's defaulting (from the CRD) yields exactly the spec the models produce."""
+    job = parse_job(doc)
+    assert apply_defaults(ROOT, copy.deepcopy(doc))["spec"] == job.spec.wire()
+
+
+def test_messages_name_field_numbers_and_fix():
+    problems = python_problems(make_job(training__globalBatchSize=100))
+    assert problems[0].message == (
+        "spec.training.globalBatchSize: 100 is not divisible by microBatchSize 2 x data parallel 4 = 8; "
+        "use a multiple of 8 such as 96 or 104")
+    assert problems[0].field == "spec.training.globalBatchSize"
+
+
+def test_message_hint_when_batch_below_multiple():
+    problems = python_problems(make_job(training__globalBatchSize=6))
+    assert problems[0].message.endswith("use a multiple of 8 such as 8 or 16")
+
+
+def test_every_invalid_case_message_starts_with_its_field():
+    for case_id, doc, rule in CASES:
+        for p in python_problems(doc):
+            assert p.message.startswith(p.field + ":") or p.message.startswith(p.field.rsplit(".", 1)[0]), case_id
+
+
+def test_several_problems_are_all_reported():
+    doc = make_job(training__globalBatchSize=100, model__hiddenSize=1000)
+    rules = {p.rule for p in python_problems(doc)}
+    assert rules == {"global-batch-divisible", "hidden-divisible-by-heads"}
+    assert len(cel_errors(ROOT, apply_defaults(ROOT, doc))) == 2
+
+
+def test_name_rule_in_cel():
+    doc = make_job(metadata={"name": "a" * 41})
+    assert any("at most 40 characters" in e for e in cel_errors(ROOT, apply_defaults(ROOT, doc)))
+    assert python_problems(doc)[0].field == "metadata.name"
+
+
+@pytest.mark.parametrize("field,old,new,allowed", [
+    ("numNodes", 2, 4, False),
+    ("suspend", False, True, True),
+    ("activeDeadlineSeconds", None, 3600, True),
+    ("checkpoint", None, {"pvc": "c"}, False),
+    ("training", {"trainIters": 100}, {"trainIters": 200}, False),
+])
+def test_immutability_transition_rules(field, old, new, allowed):
+    spec_schema = ROOT["properties"]["spec"]
+    old_doc = make_job() if old is None else make_job(**{field: old})
+    new_doc = make_job(**{field: new})
+    if field == "training":
+        old_doc = make_job(training={**make_job()["spec"]["training"], **old})
+        new_doc = make_job(training={**make_job()["spec"]["training"], **new})
+    old_spec = apply_defaults(ROOT, old_doc)["spec"]
+    new_spec = apply_defaults(ROOT, new_doc)["spec"]
+    errors = cel_errors(spec_schema, new_spec, old=old_spec)
+    immut = [e for e in errors if "immutable" in e]
+    assert (not immut) == allowed, errors
