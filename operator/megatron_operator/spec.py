@@ -426,6 +426,9 @@ class MegatronJobStatus(ApiModel):
     job_set_name: str | None = Field(None, max_length=63)
     restarts: int = Field(0, ge=0)
     progress: Progress | None = None
+    last_progress_iteration: int | None = Field(None, ge=0, description="The iteration the operator last saw "
+                                                "advance (for the Stalled condition).")
+    last_progress_time: datetime | None = Field(None, description="When the operator saw it advance.")
     memory: MemoryEstimate | None = None
     start_time: datetime | None = None
     completion_time: datetime | None = None

@@ -1,0 +1,159 @@
+"""The reconcile steps, as a flat list of named functions (no kopf here; ``handlers.py`` is glue).
+
+``reconcile`` runs on create and on resume: validate, then make sure the children exist.
+``observe`` runs on a timer for every live MegatronJob: derive the status from what exists
+(the JobSet and pods come from watch-fed indexes), act on the difference (recreate a JobSet that
+was deleted while the job was unfinished, enforce suspend and the deadline), write the status once
+if it changed, and emit events for transitions. Both are idempotent: an operator killed at any
+point and restarted leaves exactly one JobSet per MegatronJob (children have fixed names, a
+create that finds the object is a success).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from . import status as st
+from .kube import Kube
+from .memory import fit_report
+from .metrics import Metrics
+from .render import render
+from .rules import Problem, derived_layout
+from .settings import Settings
+from .spec import MegatronJob
+from .validation import SpecError, parse_job
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[st.Event], None]
+
+
+class InvalidSpec(Exception):
+    """The spec can never run (the operator's models or the memory check refuse it)."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(p.message for p in problems))
+
+
+@dataclass
+class Parsed:
+    job: MegatronJob | None
+    problems: list[Problem]
+
+
+def parse(body: dict[str, Any]) -> Parsed:
+    """Validate the object as the API server gave it (status and server metadata stripped)."""
+    doc = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+           "metadata": {k: v for k, v in (body.get("metadata") or {}).items()
+                        if k in ("name", "namespace", "labels", "annotations", "uid", "generation")},
+           "spec": body.get("spec")}
+    try:
+        job = parse_job(doc)
+    except SpecError as exc:
+        return Parsed(None, exc.problems)
+    report = fit_report(job)
+    if report is not None and report.fits is False and job.spec.resources.memory_fit == "Reject":
+        return Parsed(job, [Problem("spec.resources", "spec.resources.memoryFit is Reject and the job does not "
+                                    "fit: " + report.summary(), "memory-fit")])
+    return Parsed(job, [])
+
+
+class Controller:
+    def __init__(self, kube: Kube, settings: Settings, metrics: Metrics):
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics
+
+    # ---- create / resume ------------------------------------------------------------------------
+
+    def reconcile(self, body: dict[str, Any], emit: EmitFn) -> None:
+        parsed = parse(body)
+        if parsed.problems:
+            self.observe(body, None, [], emit, parsed=parsed)
+            raise InvalidSpec(parsed.problems)
+        assert parsed.job is not None
+        if (body.get("status") or {}).get("phase") in st.TERMINAL:
+            return  # a finished job is never restarted (resume after an operator restart)
+        self.ensure_children(parsed.job, body, emit)
+
+    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn) -> bool:
+        """Create whatever child is missing; True when the JobSet was created now."""
+        meta = body["metadata"]
+        objects = render(job, self.settings, owner_uid=meta["uid"])
+        created_jobset = False
+        for obj in objects:
+            created = self.kube.create(obj)
+            if obj["kind"] == "JobSet" and created:
+                created_jobset = True
+                self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
+                recreated = bool((body.get("status") or {}).get("jobSetName"))
+                emit(st.Event("Normal" if not recreated else "Warning",
+                              "JobSetRecreated" if recreated else "JobSetCreated",
+                              (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
+                               f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
+        return created_jobset
+
+    # ---- the level-based loop -------------------------------------------------------------------
+
+    def observe(self, body: dict[str, Any], jobset: dict[str, Any] | None, pods: Iterable[st.PodView],
+                emit: EmitFn, parsed: Parsed | None = None) -> None:
+        meta = body["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        parsed = parsed or parse(body)
+        previous = dict(body.get("status") or {})
+        spec = body.get("spec") or {}
+        job = parsed.job
+        js_view = st.JobSetView.from_jobset(jobset) if jobset else None
+        obs = st.Observation(
+            name=name, generation=int(meta.get("generation") or 0),
+            num_nodes=int(spec.get("numNodes") or 0),
+            world_size=int(spec.get("numNodes") or 0) * int(spec.get("gpusPerNode") or 0),
+            layout=derived_layout(job.spec.wire()) if job else _fallback_layout(spec),
+            suspend=bool(spec.get("suspend")), queue_name=spec.get("queueName"),
+            previous=previous, problems=parsed.problems, jobset=js_view,
+            pods=list(pods),
+            fit=fit_report(job) if job else None,
+            deadline_s=spec.get("activeDeadlineSeconds"),
+            stall_timeout_s=self.settings.stall_timeout_s,
+        )
+        desired, events = st.derive(obs)
+        phase = desired["phase"]
+
+        # act on the difference
+        if job is not None and not parsed.problems:
+            if js_view is None and phase not in st.TERMINAL:
+                self.ensure_children(job, body, emit)
+            elif js_view is not None:
+                if phase == "Failed" and desired["reason"] == "DeadlineExceeded":
+                    self.kube.delete_jobset(ns, js_view.name)
+                elif phase not in st.TERMINAL:
+                    self.sync_suspend(ns, js_view, bool(spec.get("suspend")), bool(spec.get("queueName")))
+
+        if st.changed(previous, desired):
+            self.kube.apply_status(ns, name, desired)
+            self.metrics.status_writes.inc()
+        for ev in events:
+            emit(ev)
+        self.metrics.set_phase(ns, name, phase)
+
+    def sync_suspend(self, ns: str, js: st.JobSetView, want_suspended: bool, kueue: bool) -> None:
+        """Make the JobSet's suspend follow spec.suspend. With Kueue, never un-suspend: Kueue does."""
+        if want_suspended and not js.suspended:
+            self.kube.set_jobset_suspend(ns, js.name, True)
+        elif not want_suspended and js.suspended and not kueue:
+            self.kube.set_jobset_suspend(ns, js.name, False)
+
+    def forget(self, ns: str, name: str) -> None:
+        self.metrics.forget(ns, name)
+
+
+def _fallback_layout(spec: dict[str, Any]) -> dict[str, Any]:
+    """Best-effort layout for a spec the models refuse (for the status columns only)."""
+    par = spec.get("parallelism") or {}
+    tp, pp, cp = (int(par.get(k) or 1) for k in ("tensor", "pipeline", "context"))
+    world = int(spec.get("numNodes") or 0) * int(spec.get("gpusPerNode") or 0)
+    return {"tensor": tp, "pipeline": pp, "context": cp, "expert": int(par.get("expert") or 1),
+            "data": max(1, world // max(1, tp * pp * cp))}

@@ -1,0 +1,140 @@
+"""The one seam between the operator and the Kubernetes API (sync client; handlers are sync).
+
+Creates children (create-only: an existing object is never re-applied, so nothing fights Kueue
+or JobSet's own defaulting), server-side-applies the operator's status fields, patches a JobSet's
+``suspend``, deletes a JobSet. Errors are translated into ``kopf``-independent exceptions:
+``Conflict``-free creates (409 is success), ``TransientError`` for anything worth a retry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from .render import FIELD_MANAGER, JOBSET_API_VERSION
+from .spec import GROUP, KIND, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+
+class TransientError(RuntimeError):
+    """Worth retrying: API server unavailable, throttled, conflicts, timeouts."""
+
+
+class PermanentApiError(RuntimeError):
+    """A request the API server refuses for good (e.g. validation, forbidden)."""
+
+
+_PLURALS = {"ServiceAccount": ("", "v1", "serviceaccounts"),
+            "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+            "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+            "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets")}
+
+
+def load_config(kubeconfig: str | None = None) -> client.ApiClient:
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    return client.ApiClient()
+
+
+def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    group, version, plural = _PLURALS[kind]
+    base = f"/api/{version}" if group == "" else f"/apis/{group}/{version}"
+    out = f"{base}/namespaces/{namespace}/{plural}"
+    if name:
+        out += f"/{name}"
+    if sub:
+        out += f"/{sub}"
+    return out
+
+
+def _raise(exc: ApiException, what: str) -> None:
+    if exc.status in (429, 500, 502, 503, 504, 409) or exc.status is None or exc.status == 0:
+        raise TransientError(f"{what}: HTTP {exc.status} {exc.reason}") from None
+    detail = exc.body
+    try:
+        detail = json.loads(exc.body).get("message", exc.body)
+    except (TypeError, ValueError, AttributeError):
+        pass
+    raise PermanentApiError(f"{what}: HTTP {exc.status}: {detail}") from None
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient, timeout_s: float = 30.0):
+        self.api = api
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+              query: list[tuple[str, str]] | None = None) -> Any:
+        try:
+            data = self.api.call_api(
+                path, method, body=body, query_params=query or [],
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
+                _preload_content=True, _request_timeout=self.timeout_s)
+            return data
+        except ApiException as exc:
+            _raise(exc, f"{method} {path}")
+        except (OSError, ValueError) as exc:  # connection refused / reset / TLS while the API server restarts
+            raise TransientError(f"{method} {path}: {exc}") from None
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Create ``obj``; False when it already exists (409 is success: creation is idempotent)."""
+        meta = obj["metadata"]
+        try:
+            self.api.call_api(_path(obj["kind"], meta["namespace"]), "POST", body=obj,
+                              query_params=[("fieldManager", FIELD_MANAGER)],
+                              header_params={"Content-Type": "application/json", "Accept": "application/json"},
+                              response_type="object", auth_settings=["BearerToken"],
+                              _return_http_data_only=True, _request_timeout=self.timeout_s)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            _raise(exc, f"create {obj['kind']} {meta['namespace']}/{meta['name']}")
+        except (OSError, ValueError) as exc:
+            raise TransientError(f"create {obj['kind']}: {exc}") from None
+        return False
+
+    def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Server-side apply of the operator's status fields (the trainer owns status.progress)."""
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+                "status": status}
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+        self._call("PATCH", path, body=body, content_type="application/apply-patch+yaml",
+                   query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+
+    def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        self._call("PATCH", _path("JobSet", namespace, name), body={"spec": {"suspend": suspend}},
+                   content_type="application/merge-patch+json", query=[("fieldManager", FIELD_MANAGER)])
+
+    def delete_jobset(self, namespace: str, name: str) -> None:
+        try:
+            self._call("DELETE", _path("JobSet", namespace, name),
+                       body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        except PermanentApiError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+
+    def missing_apis(self) -> list[str]:
+        """API groups the operator needs that the cluster does not serve (JobSet, MegatronJob)."""
+        missing = []
+        for api_version, plural, what in ((JOBSET_API_VERSION, "jobsets", "the JobSet CRD (sigs.k8s.io/jobset)"),
+                                          (f"{GROUP}/{VERSION}", PLURAL, "the MegatronJob CRD (crds/)")):
+            try:
+                res = self._call("GET", f"/apis/{api_version}")
+                names = {r.get("name") for r in (res or {}).get("resources", [])}
+                if plural not in names:
+                    missing.append(f"{what}: {api_version} does not serve {plural}")
+            except PermanentApiError as exc:
+                missing.append(f"{what}: {api_version} is not served ({exc})")
+        return missing

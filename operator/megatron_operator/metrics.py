@@ -1,0 +1,57 @@
+"""The operator's Prometheus metrics (its own registry) and the /metrics + /healthz endpoint."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timezone
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.reconciles = Counter("megatron_operator_reconciles_total", "Reconcile passes, by kind and result",
+                                  ["kind", "result"], registry=self.registry)
+        self.errors = Counter("megatron_operator_reconcile_errors_total", "Failed reconcile passes, by kind and "
+                              "error class", ["kind", "error"], registry=self.registry)
+        self.jobset_latency = Histogram(
+            "megatron_operator_jobset_creation_seconds",
+            "Seconds from MegatronJob creation (its creationTimestamp) to its JobSet created",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=self.registry)
+        self.jobs = Gauge("megatron_operator_jobs", "MegatronJobs by phase", ["phase"], registry=self.registry)
+        self.status_writes = Counter("megatron_operator_status_writes_total", "Status writes (once per change)",
+                                     registry=self.registry)
+        self._phases: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+        for p in PHASES:
+            self.jobs.labels(phase=p).set(0)
+
+    def observe_jobset_created(self, creation_timestamp: str | None) -> None:
+        if not creation_timestamp:
+            return
+        created = datetime.strptime(creation_timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        self.jobset_latency.observe(max(0.0, (datetime.now(timezone.utc) - created).total_seconds()))
+
+    def set_phase(self, ns: str, name: str, phase: str) -> None:
+        with self._lock:
+            self._phases[(ns, name)] = phase
+            self._refresh()
+
+    def forget(self, ns: str, name: str) -> None:
+        with self._lock:
+            self._phases.pop((ns, name), None)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        counts = dict.fromkeys(PHASES, 0)
+        for phase in self._phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase, n in counts.items():
+            self.jobs.labels(phase=phase).set(n)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,64 @@
+"""``megatron-operator run``: check the cluster, then hand over to kopf."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    if args.metrics_port is not None:
+        os.environ["MEGATRON_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
+    if args.namespace:
+        os.environ["MEGATRON_OPERATOR_NAMESPACES"] = ",".join(args.namespace)
+
+    from .settings import Settings
+
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:
+        print(f"megatron-operator: bad setting: {exc}", file=sys.stderr)
+        return 2
+
+    import kopf
+    from kubernetes.config import ConfigException
+
+    from .controller import Controller
+    from .kube import Kube, TransientError, load_config
+    from .metrics import Metrics
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        kube = Kube(load_config(args.kubeconfig))
+        missing = kube.missing_apis()
+    except (ConfigException, FileNotFoundError) as exc:
+        print(f"megatron-operator: no cluster configuration: {exc}", file=sys.stderr)
+        return 1
+    except TransientError as exc:
+        print(f"megatron-operator: cannot reach the API server: {exc}", file=sys.stderr)
+        return 1
+    if missing:
+        for m in missing:
+            print(f"megatron-operator: missing {m}", file=sys.stderr)
+        print("megatron-operator: install JobSet (https://jobset.sigs.k8s.io) and the MegatronJob CRD "
+              "(helm install ... --set crds.enabled=true, or kubectl apply --server-side -f crds/) first",
+              file=sys.stderr)
+        return 1
+
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    memo = kopf.Memo(controller=Controller(kube, settings, Metrics()), metrics_port=settings.metrics_port,
+                     metrics_host=os.environ.get("MEGATRON_OPERATOR_METRICS_HOST", "0.0.0.0"))
+    namespaces = settings.watched_namespaces()
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        memo=memo,
+    )
+    return 0

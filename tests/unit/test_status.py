@@ -1,0 +1,198 @@
+"""status.derive(): phases, reasons, conditions and events from observed children (pure)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from megatron_operator.memory import FitReport, estimate
+from megatron_operator.rules import Problem
+from megatron_operator.status import JobSetView, Observation, PodView, changed, derive, iso
+from megatron_operator.validation import parse_job
+
+from factory import make_job
+
+NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
+LAYOUT = {"tensor": 2, "pipeline": 2, "context": 1, "expert": 1, "data": 4}
+
+
+def js(restarts=0, suspended=False, **conds):
+    return JobSetView(name="job", suspended=suspended, restarts=restarts,
+                      conditions={k: {"status": "True", "reason": v[0], "message": v[1]} for k, v in conds.items()},
+                      created=iso(NOW - timedelta(minutes=5)))
+
+
+def pods(n, phase="Running", attempt=0, **kw):
+    return [PodView(name=f"p{i}", phase=phase, restart_attempt=attempt, **kw) for i in range(n)]
+
+
+def obs(**kw):
+    base = dict(name="job", generation=1, num_nodes=2, world_size=16, layout=LAYOUT, suspend=False,
+                queue_name=None, previous={})
+    base.update(kw)
+    return Observation(**base)
+
+
+def cond(status, kind):
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_no_jobset_yet_is_pending_creating():
+    s, _ = derive(obs(), NOW)
+    assert (s["phase"], s["reason"]) == ("Pending", "Creating")
+    assert cond(s, "Created")["status"] == "False"
+
+
+def test_unschedulable_pod_gives_the_schedulers_message():
+    p = [PodView("p0", "Pending", unschedulable="0/19 nodes are available: 19 Insufficient nvidia.com/gpu."),
+         PodView("p1", "Pending")]
+    s, events = derive(obs(jobset=js(), pods=p), NOW)
+    assert (s["phase"], s["reason"]) == ("Pending", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in s["message"]
+    assert events and events[0].type == "Warning"
+
+
+def test_image_pull_backoff_is_the_pending_reason():
+    p = [PodView("p0", "Pending", waiting_reason="ImagePullBackOff", waiting_message="pull access denied")]
+    s, _ = derive(obs(jobset=js(), pods=p), NOW)
+    assert (s["phase"], s["reason"]) == ("Pending", "ImagePullBackOff")
+
+
+def test_all_pods_running_is_running_and_start_time_is_set_once():
+    s, events = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    assert s["phase"] == "Running" and s["startTime"] == iso(NOW)
+    assert cond(s, "Running")["status"] == "True" and cond(s, "Created")["status"] == "True"
+    assert [e.reason for e in events] == ["Running"]
+    later, _ = derive(obs(jobset=js(), pods=pods(2), previous=s), NOW + timedelta(hours=1))
+    assert later["startTime"] == iso(NOW)
+
+
+def test_restart_is_restarting_until_the_new_attempt_runs():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    # attempt 1: old pods terminating, new ones pending
+    p = pods(2, attempt=0, terminating=True) + pods(1, phase="Pending", attempt=1)
+    s, events = derive(obs(jobset=js(restarts=1), pods=p, previous=running), NOW + timedelta(minutes=1))
+    assert (s["phase"], s["restarts"]) == ("Restarting", 1)
+    assert cond(s, "Restarting")["status"] == "True" and cond(s, "Running")["status"] == "False"
+    assert events[0].type == "Warning"
+    back, _ = derive(obs(jobset=js(restarts=1), pods=pods(2, attempt=1), previous=s), NOW + timedelta(minutes=2))
+    assert back["phase"] == "Running" and back["restarts"] == 1
+
+
+def test_pods_of_an_old_attempt_do_not_count_as_running():
+    s, _ = derive(obs(jobset=js(restarts=2), pods=pods(2, attempt=1)), NOW)
+    assert s["phase"] == "Restarting"
+
+
+def test_succeeded_and_completion_time():
+    s, _ = derive(obs(jobset=js(Completed=("AllJobsCompleted", "jobset completed successfully")), pods=[]), NOW)
+    assert s["phase"] == "Succeeded" and s["completionTime"] == iso(NOW)
+    assert cond(s, "Succeeded")["status"] == "True"
+
+
+def test_restarts_exhausted_is_failed_with_reason():
+    s, events = derive(obs(jobset=js(restarts=3, Failed=("ReachedMaxRestarts", "jobset failed due to reaching "
+                                                                               "max number of restarts"))), NOW)
+    assert (s["phase"], s["reason"]) == ("Failed", "RestartsExhausted")
+    assert events[0].type == "Warning"
+
+
+def test_invalid_spec_is_failed_with_condition():
+    p = [Problem("spec.training.globalBatchSize", "spec.training.globalBatchSize: 100 is not divisible", "r")]
+    s, events = derive(obs(problems=p), NOW)
+    assert (s["phase"], s["reason"]) == ("Failed", "InvalidSpec")
+    assert cond(s, "InvalidSpec")["status"] == "True"
+    assert "globalBatchSize" in cond(s, "InvalidSpec")["message"]
+    assert events[0].reason == "InvalidSpec" and events[0].type == "Warning"
+
+
+def test_finished_job_stays_finished_when_its_jobset_is_gone():
+    done, _ = derive(obs(jobset=js(Completed=("AllJobsCompleted", "ok"))), NOW)
+    s, events = derive(obs(jobset=None, previous=done), NOW + timedelta(hours=1))
+    assert s["phase"] == "Succeeded" and not events
+    assert not changed(done, s)
+
+
+def test_unfinished_job_without_jobset_is_pending_again():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    s, _ = derive(obs(jobset=None, previous=running), NOW + timedelta(minutes=1))
+    assert (s["phase"], s["reason"]) == ("Pending", "Creating")
+    assert s["startTime"] == running["startTime"]
+
+
+def test_suspended_and_kueue_queued():
+    s, _ = derive(obs(jobset=js(suspended=True), suspend=True), NOW)
+    assert s["phase"] == "Suspended" and cond(s, "Suspended")["status"] == "True"
+    q, _ = derive(obs(jobset=js(suspended=True), queue_name="team"), NOW)
+    assert (q["phase"], q["reason"]) == ("Pending", "Queued")
+
+
+def test_deadline_exceeded():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    s, _ = derive(obs(jobset=js(), pods=pods(2), previous=running, deadline_s=60), NOW + timedelta(seconds=61))
+    assert (s["phase"], s["reason"]) == ("Failed", "DeadlineExceeded")
+
+
+def test_completion_wins_over_a_late_deadline_check():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    s, _ = derive(obs(jobset=js(Completed=("AllJobsCompleted", "ok")), previous=running, deadline_s=60),
+                  NOW + timedelta(hours=1))
+    assert s["phase"] == "Succeeded"
+
+
+def test_transition_time_kept_unless_the_condition_flips():
+    first, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    again, events = derive(obs(jobset=js(), pods=pods(2), previous=first), NOW + timedelta(minutes=10))
+    assert cond(again, "Running")["lastTransitionTime"] == cond(first, "Running")["lastTransitionTime"]
+    assert not events and not changed(first, again)
+
+
+def test_stalled_after_timeout_without_new_iteration():
+    running, _ = derive(obs(jobset=js(), pods=pods(2), previous={"progress": {"iteration": 10}}), NOW)
+    assert cond(running, "Stalled")["status"] == "False"
+    prev = {**running, "progress": {"iteration": 10}}
+    s, events = derive(obs(jobset=js(), pods=pods(2), previous=prev, stall_timeout_s=600), NOW + timedelta(minutes=11))
+    assert cond(s, "Stalled")["status"] == "True"
+    assert [e.reason for e in events] == ["Stalled"]
+    # progress resumes: Stalled flips back, and the clock restarts
+    prev2 = {**s, "progress": {"iteration": 11}}
+    s2, _ = derive(obs(jobset=js(), pods=pods(2), previous=prev2, stall_timeout_s=600), NOW + timedelta(minutes=12))
+    assert cond(s2, "Stalled")["status"] == "False" and s2["lastProgressIteration"] == 11
+
+
+def test_operator_never_writes_progress():
+    s, _ = derive(obs(jobset=js(), pods=pods(2), previous={"progress": {"iteration": 5, "loss": 2.0}}), NOW)
+    assert "progress" not in s
+
+
+def test_layout_column_and_world_size():
+    s, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    assert s["layout"] == "2/2/4" and s["worldSize"] == 16 and s["parallelism"]["data"] == 4
+
+
+def test_memory_fit_condition():
+    job = parse_job(make_job(model={"preset": "gpt-18.4b"}, parallelism={"tensor": 1, "pipeline": 1},
+                             numNodes=1, gpusPerNode=1, training={"trainIters": 1, "microBatchSize": 1},
+                             resources={"gpuType": "H100-80GB"}))
+    fit = FitReport(estimate(job), 79.6)
+    s, events = derive(obs(fit=fit), NOW)
+    assert cond(s, "MemoryFit")["status"] == "False" and s["memory"]["fits"] is False
+    assert any(e.reason == "PredictedOutOfMemory" for e in events)
+
+
+@pytest.mark.parametrize("phase", ["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"])
+def test_exactly_one_core_phase_condition_is_true(phase):
+    cases = {
+        "Pending": obs(jobset=js(), pods=pods(1, phase="Pending")),
+        "Running": obs(jobset=js(), pods=pods(2)),
+        "Restarting": obs(jobset=js(restarts=1), pods=[]),
+        "Succeeded": obs(jobset=js(Completed=("AllJobsCompleted", ""))),
+        "Failed": obs(jobset=js(Failed=("FailedJobs", ""))),
+        "Suspended": obs(jobset=js(suspended=True), suspend=True),
+    }
+    s, _ = derive(cases[phase], NOW)
+    assert s["phase"] == phase
+    true = [c["type"] for c in s["conditions"] if c["status"] == "True" and c["type"] in
+            ("Running", "Restarting", "Suspended", "Succeeded", "Failed")]
+    assert true == ([] if phase == "Pending" else [phase])
