@@ -371,7 +371,7 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
     first_rjob = plan[0][0]
     replicated_jobs = []
     for rjob_name, replicas, tp_group in plan:
-        pod_labels = labels_for(name)
+        pod_labels = {**spec.pod_metadata.labels, **labels_for(name)}
         if tp_group is not None:
             pod_labels[LABEL_TP_GROUP] = str(tp_group)
         replicated_jobs.append({
@@ -391,7 +391,9 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
                         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
                     }]},
                     "template": {
-                        "metadata": {"labels": pod_labels},
+                        "metadata": {"labels": pod_labels,
+                                     **({"annotations": dict(spec.pod_metadata.annotations)}
+                                        if spec.pod_metadata.annotations else {})},
                         "spec": _pod_spec(job, settings, layout, first_rjob, tp_group),
                     },
                 },

@@ -131,6 +131,8 @@ RESERVED_ENV: tuple[str, ...] = (
     "WORLD_SIZE",
 )
 RESERVED_ENV_RE = r"^(MEGATRON_.*|" + "|".join(RESERVED_ENV) + r")$"
+# Pod label keys the operator and JobSet set themselves.
+RESERVED_LABEL_RE = r"^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kubernetes\.io/|batch\.kubernetes\.io/)"
 
 
 def multiple_hint(value: Expr, m: Expr) -> Expr:
@@ -332,6 +334,11 @@ SPEC_RULES: list[Rule] = [
          message=_msg("spec.env: ",
                       Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), RESERVED_ENV_RE)), 0), "name"),
                       " is set by the operator (rendezvous, progress reporting, NCCL); use another name")),
+    Rule("pod-labels-not-reserved", "podMetadata.labels",
+         All(f("podMetadata.labels"), "k", ~Matches(Var("k"), RESERVED_LABEL_RE)),
+         message=_msg("spec.podMetadata.labels: ",
+                      Index(Filter(f("podMetadata.labels"), "k", Matches(Var("k"), RESERVED_LABEL_RE)), 0),
+                      " is a label the operator or JobSet sets; use another key")),
     Rule("data-exactly-one", "data",
          cond(has("data.mock"), f("data.mock"), False).ne(has("data.pvc")),
          message=lit("spec.data: give exactly one of mock: true or pvc (with paths)")),

@@ -318,6 +318,16 @@ class EnvVar(ApiModel):
     value_from: EnvValueFrom | None = None
 
 
+class PodMetadata(ApiModel):
+    """Extra labels and annotations for the trainer pods (e.g. for sidecars or monitoring)."""
+
+    labels: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Pod labels; the operator's and JobSet's own keys "
+        "(megatron-operator.io/*, jobset.sigs.k8s.io/*, app.kubernetes.io/*) are refused.")
+    annotations: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict, max_length=32, description="Pod annotations.")
+
+
 class MegatronJobSpec(ApiModel):
     """Desired state of a MegatronJob: one Megatron-Core pretraining run."""
 
@@ -344,6 +354,8 @@ class MegatronJobSpec(ApiModel):
                                             description="PriorityClass of the pods.")
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment for the "
                               "trainer container.")
+    pod_metadata: PodMetadata = Field(default_factory=PodMetadata, description="Extra pod labels and "
+                                      "annotations.")
     termination_grace_period_seconds: int | None = Field(
         None, ge=30, le=86400, description="Seconds between SIGTERM and SIGKILL; the trainer saves a checkpoint "
         "in that window. Default from the operator (600).")

@@ -46,6 +46,7 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      None),
     ("preset-override-seq", make_job(model={"preset": "gpt-1.7b", "seqLength": 4096}), None),
     ("kueue", make_job(queueName="team-a", suspend=True), None),
+    ("pod-metadata", make_job(podMetadata={"labels": {"team": "nlp"}, "annotations": {"a/b": "c"}}), None),
     # ---------------------------------------------------------------- invalid: one rule each
     ("bad-world", make_job(numNodes=1, gpusPerNode=6), "world-divisible"),
     ("bad-expert-grid", make_job(parallelism__expert=3, model__numExperts=6), "expert-grid"),
@@ -98,4 +99,6 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("bad-tokenizer-no-path", make_job(data={"pvc": "c", "paths": [{"prefix": "a"}],
                                              "tokenizer": {"type": "HuggingFace"}}), "tokenizer-path"),
     ("bad-model-incomplete", make_job(model={"numLayers": 8}), "model-complete"),
+    ("bad-pod-label", make_job(podMetadata={"labels": {"team": "x", "jobset.sigs.k8s.io/jobset-name": "y"}}),
+     "pod-labels-not-reserved"),
 ]

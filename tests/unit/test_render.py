@@ -258,3 +258,10 @@ def test_golden_render(example):
         golden.parent.mkdir(exist_ok=True)
         golden.write_text(text + "\n")
     assert text + "\n" == golden.read_text()
+
+
+def test_pod_metadata_reaches_the_pods_and_cannot_override_ours():
+    js = objects(make_job(podMetadata={"labels": {"team": "nlp"}, "annotations": {"sidecar/inject": "false"}}))["JobSet"]
+    meta = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]
+    assert meta["labels"]["team"] == "nlp" and meta["labels"]["megatron-operator.io/job-name"] == "job"
+    assert meta["annotations"] == {"sidecar/inject": "false"}

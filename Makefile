@@ -1,0 +1,62 @@
+# megatron-operator developer entry points. The README's two set-up commands:
+#   make demo   - the local demo: a real control plane (kwok GPU nodes, JobSet) + the operator + a job
+#   make test   - unit tests, then e2e tests against the real local control plane (what CI runs)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: help venv test unit e2e cluster-build cluster-up cluster-down demo run lint constraints clean
+
+help:
+	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run"
+
+# A Python 3.12 virtualenv with the operator and test extras, pinned by constraints.txt.
+$(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
+	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[operator,test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+unit: $(STAMP)
+	$(PY) -m pytest tests -q
+
+cluster-build: $(STAMP)
+	$(PY) e2e/cluster/cluster.py build
+
+e2e: cluster-build
+	$(PY) -m pytest e2e -q -m e2e
+
+# What CI runs (.ci/run calls exactly this).
+test: unit e2e
+
+cluster-up: cluster-build
+	$(PY) e2e/cluster/cluster.py up
+
+cluster-down:
+	$(PY) e2e/cluster/cluster.py down
+
+demo: cluster-build
+	$(PY) e2e/demo.py
+
+# The operator against the cluster of the current kubeconfig.
+run: $(STAMP)
+	$(VENV)/bin/megatron-operator run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check operator tests e2e bench
+	$(VENV)/bin/lint-imports
+
+constraints:
+	rm -rf /tmp/mo-constraints && py=$$(scripts/find-python.sh) && "$$py" -m venv /tmp/mo-constraints
+	/tmp/mo-constraints/bin/pip install -q -e '.[operator,test]'
+	(echo "# Pinned versions of everything the operator and test extras install (what CI tested)."; \
+	 echo "# Regenerate: make constraints (pip freeze of a fresh virtualenv)."; \
+	 /tmp/mo-constraints/bin/pip freeze --exclude-editable) > constraints.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache
