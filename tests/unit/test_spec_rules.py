@@ -101,3 +101,11 @@ def test_immutability_transition_rules(field, old, new, allowed):
     errors = cel_errors(spec_schema, new_spec, old=old_spec)
     immut = [e for e in errors if "immutable" in e]
     assert (not immut) == allowed, errors
+
+
+def test_every_rule_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "validation.md").read_text()
+    missing = [r.name for r in SPEC_RULES if f"`{r.name}`" not in doc]
+    assert not missing, f"document these rules in docs/validation.md: {missing}"

@@ -1,0 +1,226 @@
+"""MegatronJob helpers and fixtures for the e2e tests: install the CRD, run the operator process,
+create jobs, read their status. Import the fixtures into a test module with
+``from mjob import crd, operator, jobs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from k8s import Cluster, pod_runtime_annotations
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD_FILE = ROOT / "crds" / "megatron-operator.io_megatronjobs.yaml"
+EXAMPLES = ROOT / "examples"
+GROUP, VERSION, PLURAL = "megatron-operator.io", "v1alpha1", "megatronjobs"
+OPERATOR_START_TIMEOUT_S = 60
+# Phase changes show within one resync tick plus kwok's pod delays.
+PHASE_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_job(name: str, **spec_overrides: Any) -> dict[str, Any]:
+    """A tiny valid MegatronJob (2 pods x 8 GPUs, TP=8) for lifecycle tests."""
+    spec: dict[str, Any] = {
+        "numNodes": 2,
+        "gpusPerNode": 8,
+        "parallelism": {"tensor": 8},
+        "model": {"numLayers": 4, "hiddenSize": 512, "numAttentionHeads": 8, "seqLength": 512, "vocabSize": 1000},
+        "training": {"microBatchSize": 1, "trainIters": 10},
+        "resources": {"efaPerNode": 32},
+    }
+    for key, value in spec_overrides.items():
+        node = spec
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = copy.deepcopy(value)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "MegatronJob", "metadata": {"name": name}, "spec": spec}
+
+
+def run_for(seconds: float) -> dict[str, Any]:
+    """spec.podMetadata that makes kwok complete each pod after ``seconds`` of Running."""
+    return {"annotations": pod_runtime_annotations(seconds)}
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+class Jobs:
+    """CRUD on MegatronJobs and a view of their children."""
+
+    def __init__(self, cluster: Cluster, namespace: str):
+        self.cluster = cluster
+        self.ns = namespace
+        api = cluster.api_client()
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+
+    def create(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, doc)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.get(name).get("status") or {}
+
+    def phase(self, name: str) -> str | None:
+        return self.status(name).get("phase")
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec})
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def jobsets(self) -> list[dict[str, Any]]:
+        return self.custom.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", self.ns, "jobsets")["items"]
+
+    def jobset(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", self.ns, "jobsets", name)
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def pods(self, job: str) -> list[Any]:
+        return self.core.list_namespaced_pod(self.ns, label_selector=f"megatron-operator.io/job-name={job}").items
+
+    def events(self, name: str) -> list[Any]:
+        return self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={name}").items
+
+    def wait_phase(self, name: str, phases: str | tuple[str, ...], timeout: float = PHASE_TIMEOUT_S) -> dict:
+        want = (phases,) if isinstance(phases, str) else phases
+
+        def ready() -> dict | None:
+            st = self.status(name)
+            return st if st.get("phase") in want else None
+
+        return self.cluster.wait_for(ready, timeout, f"MegatronJob {self.ns}/{name} phase in {want}",
+                                     namespace=self.ns, kinds=("megatronjobs", "jobsets", "jobs", "pods"))
+
+
+@dataclass
+class OperatorProcess:
+    """The operator as a host process (`python -m megatron_operator run`) against the cluster."""
+
+    cluster: Cluster
+    metrics_port: int
+    extra_env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.cluster.logs_dir / "operator.log"
+
+    def start(self) -> None:
+        env = self.cluster.env(
+            PYTHONPATH=f"{ROOT / 'operator'}",
+            PYTHONUNBUFFERED="1",
+            MEGATRON_OPERATOR_METRICS_HOST="127.0.0.1",
+            **self.extra_env,
+        )
+        log = open(self.log_path, "a")
+        log.write(f"\n===== operator start #{self.starts + 1} =====\n")
+        log.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_operator", "run", "--kubeconfig", str(self.cluster.kubeconfig),
+             "--metrics-port", str(self.metrics_port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.starts += 1
+        self.cluster.wait_for(self.healthy, OPERATOR_START_TIMEOUT_S, "the operator's /healthz",
+                              kinds=("megatronjobs",))
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited (rc={self.proc.returncode if self.proc else None}); "
+                                 f"log: {self.log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: Cluster) -> None:
+    """The MegatronJob CRD, installed server-side and Established."""
+    cluster.apply(CRD_FILE)
+
+    def established() -> bool:
+        out = cluster.kubectl("get", "crd", f"{PLURAL}.{GROUP}", "-o", "json").stdout
+        conds = {c["type"]: c["status"] for c in json.loads(out)["status"].get("conditions", [])}
+        return conds.get("Established") == "True"
+
+    cluster.wait_for(established, 30, "the MegatronJob CRD to be Established", kinds=("crd",))
+
+
+@pytest.fixture(scope="session")
+def operator(cluster: Cluster, crd: None):
+    op = OperatorProcess(cluster, free_port(), {
+        "MEGATRON_OPERATOR_RESYNC_INTERVAL_S": "1",
+        "MEGATRON_OPERATOR_STALL_TIMEOUT_S": "15",
+        "MEGATRON_OPERATOR_TERMINATION_GRACE_PERIOD_S": "30",
+    })
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def jobs(cluster: Cluster, namespace: str) -> Jobs:
+    return Jobs(cluster, namespace)
+
+
+def wait_gone(cluster: Cluster, fetch, what: str, namespace: str, timeout: float = 60) -> None:
+    def gone() -> bool:
+        try:
+            return fetch() in (None, [])
+        except kubernetes.client.ApiException as e:
+            return e.status == 404
+
+    cluster.wait_for(gone, timeout, what, namespace=namespace)
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,225 @@
+"""The MegatronJob API against the real API server and the real scheduler (no operator here):
+the CRD installs, the admission rules reject exactly what the models reject with the same
+message, rendered objects pass server-side dry-run, and rendered JobSets are placed as promised.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import kubernetes
+import pytest
+import yaml
+from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, pod_runtime_annotations
+from mjob import EXAMPLES, GROUP, PLURAL, VERSION, crd  # noqa: F401  (fixture)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+from spec_table import CASES  # noqa: E402
+
+from megatron_operator.render import render  # noqa: E402
+from megatron_operator.settings import Settings  # noqa: E402
+from megatron_operator.validation import SpecError, parse_job  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def server_verdict(api: kubernetes.client.CustomObjectsApi, namespace: str, doc: dict) -> str | None:
+    """None if the API server admits ``doc`` (server dry-run, strict field validation), else its message."""
+    doc = copy.deepcopy(doc)
+    doc["metadata"].pop("namespace", None)
+    try:
+        api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc, dry_run="All",
+                                            field_validation="Strict")
+        return None
+    except kubernetes.client.ApiException as e:
+        assert e.status == 422 or e.status == 400, (e.status, e.body)
+        return json.loads(e.body)["message"]
+
+
+def test_crd_is_established_with_printer_columns(cluster, crd):
+    out = json.loads(cluster.kubectl("get", "crd", f"{PLURAL}.{GROUP}", "-o", "json").stdout)
+    cols = [c["name"] for c in out["spec"]["versions"][0]["additionalPrinterColumns"]]
+    assert cols[:5] == ["Phase", "GPUs", "TP/PP/DP", "Iteration", "Restarts"]
+    assert out["spec"]["names"]["shortNames"] == ["mj", "mjob"]
+
+
+@pytest.mark.parametrize("case_id,doc,rule", CASES, ids=[c[0] for c in CASES])
+def test_api_server_agrees_with_the_models(cluster, crd, namespace, case_id, doc, rule):
+    api = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    verdict = server_verdict(api, namespace, doc)
+    if rule is None:
+        assert verdict is None, verdict
+        return
+    with pytest.raises(SpecError) as exc:
+        parse_job(doc)
+    (problem,) = exc.value.problems
+    assert verdict is not None, f"the API server admitted {case_id}"
+    # the API server's error carries the very message the CLI and the operator print
+    assert problem.message in verdict, verdict
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda s: s["parallelism"].update(tensor=0), "spec.parallelism.tensor: Invalid value: 0"),
+    (lambda s: s["parallelism"].update(tensr=2), 'unknown field "spec.parallelism.tensr"'),
+    (lambda s: s["training"].update(precision="bf32"), 'spec.training.precision: Unsupported value: "bf32"'),
+    (lambda s: s["training"].pop("trainIters"), "spec.training.trainIters: Required value"),
+    (lambda s: s.update(numNodes=None), "spec.numNodes"),
+])
+def test_structural_errors_rejected(cluster, crd, namespace, mutate, expected):
+    doc = copy.deepcopy(CASES[0][1])
+    mutate(doc["spec"])
+    verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, doc)
+    assert verdict is not None and expected in verdict, verdict
+
+
+def test_name_too_long_rejected(cluster, crd, namespace):
+    doc = copy.deepcopy(CASES[0][1])
+    doc["metadata"]["name"] = "a" * 41
+    verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, doc)
+    assert verdict and "at most 40 characters" in verdict
+
+
+def test_immutable_fields_and_suspend(cluster, crd, namespace):
+    api = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    doc = copy.deepcopy(CASES[0][1])
+    doc["metadata"] = {"name": "immut"}
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    with pytest.raises(kubernetes.client.ApiException) as e:
+        api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "immut", {"spec": {"numNodes": 4}})
+    assert "spec.numNodes is immutable" in e.value.body
+    api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "immut", {"spec": {"suspend": True}})
+    with pytest.raises(kubernetes.client.ApiException) as e:
+        api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "immut",
+                                           {"spec": {"checkpoint": {"pvc": "late"}}})
+    assert "spec.checkpoint is immutable" in e.value.body
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
+def test_examples_apply_and_renders_pass_server_dry_run(cluster, crd, namespace, path):
+    doc = yaml.safe_load(path.read_text())
+    stored = cluster.apply(doc, namespace=namespace)[0]
+    assert stored["spec"]["numNodes"] == doc["spec"]["numNodes"]
+    job = parse_job({**doc, "metadata": {**doc["metadata"], "namespace": namespace}})
+    objs = render(job, Settings(), owner_uid=stored["metadata"]["uid"])
+    text = "\n---\n".join(yaml.safe_dump(o) for o in objs)
+    out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=e2e", "-f", "-",
+                          input=text)
+    assert out.stdout.count("(server dry run)") == len(objs), out.stdout
+
+
+# ---- rendered JobSets on the real scheduler (applied by the test; no operator) -----------------
+
+def apply_rendered(cluster, namespace, doc, run_s=None):
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["namespace"] = namespace
+    if run_s is not None:
+        doc["spec"].setdefault("podMetadata", {})["annotations"] = pod_runtime_annotations(run_s)
+    objs = render(parse_job(doc), Settings())
+    cluster.apply(objs, namespace=namespace)
+    return doc["metadata"]["name"]
+
+
+def pods_of(cluster, namespace, job):
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    return core.list_namespaced_pod(namespace, label_selector=f"megatron-operator.io/job-name={job}").items
+
+
+def tp_job(name, num_nodes, tp, **spec):
+    d = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "MegatronJob", "metadata": {"name": name},
+         "spec": {"numNodes": num_nodes, "gpusPerNode": 1, "parallelism": {"tensor": tp},
+                  "model": {"numLayers": 2, "hiddenSize": 256, "numAttentionHeads": 4, "seqLength": 256,
+                            "vocabSize": 1000},
+                  "training": {"microBatchSize": 1, "trainIters": 1}}}
+    d["spec"].update(spec)
+    return d
+
+
+def test_kubeflow_example_keeps_the_tp_group_on_one_node(cluster, namespace, wait_for):
+    name = apply_rendered(cluster, namespace, yaml.safe_load((EXAMPLES / "kubeflow-tp2.yaml").read_text()),
+                          run_s=60)
+
+    def scheduled():
+        pods = pods_of(cluster, namespace, name)
+        return pods if len(pods) == 2 and all(p.spec.node_name for p in pods) else None
+
+    pods = wait_for(scheduled, 60, "both pods of the TP group scheduled")
+    assert pods[0].spec.node_name == pods[1].spec.node_name
+
+
+def test_two_tp_groups_are_not_forced_onto_one_node(cluster, namespace, wait_for):
+    # 2-GPU nodes fit exactly one TP=2 group of 1-GPU pods: the second group must land elsewhere,
+    # which it can only do if the affinity binds each group, not the whole job, to a host.
+    doc = tp_job("twogroups", 4, 2, resources={"nodeSelector": {"node.kubernetes.io/instance-type": "kwok-2xh100"}})
+    name = apply_rendered(cluster, namespace, doc, run_s=60)
+
+    def scheduled():
+        pods = pods_of(cluster, namespace, name)
+        return pods if len(pods) == 4 and all(p.spec.node_name for p in pods) else None
+
+    pods = wait_for(scheduled, 60, "all 4 pods scheduled")
+    by_group: dict[str, set[str]] = {}
+    for p in pods:
+        by_group.setdefault(p.metadata.labels["megatron-operator.io/tp-group"], set()).add(p.spec.node_name)
+    assert all(len(nodes) == 1 for nodes in by_group.values()), by_group
+    assert by_group["0"] != by_group["1"], by_group
+
+
+def test_gpu_and_efa_requests_are_honoured(cluster, namespace, wait_for):
+    doc = tp_job("efa", 2, 8, gpusPerNode=8, resources={"efaPerNode": 32})
+    name = apply_rendered(cluster, namespace, doc, run_s=60)
+
+    def scheduled():
+        pods = pods_of(cluster, namespace, name)
+        return pods if len(pods) == 2 and all(p.spec.node_name for p in pods) else None
+
+    pods = wait_for(scheduled, 60, "both EFA pods scheduled")
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    for p in pods:
+        node = core.read_node(p.spec.node_name)
+        assert node.status.allocatable.get("vpc.amazonaws.com/efa") == "32"
+        assert p.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"
+    assert pods[0].spec.node_name != pods[1].spec.node_name  # 8 GPUs each: one node apiece
+
+
+def test_more_gpus_per_node_than_any_node_stays_pending_with_the_schedulers_reason(cluster, namespace, wait_for):
+    doc = tp_job("toobig", 1, 16, gpusPerNode=16)
+    name = apply_rendered(cluster, namespace, doc)
+
+    def unschedulable():
+        for p in pods_of(cluster, namespace, name):
+            for c in p.status.conditions or []:
+                if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
+                    return c.message
+        return None
+
+    message = wait_for(unschedulable, 60, "the scheduler to report the pod Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in message
+
+
+def test_injected_failure_restarts_the_gang(cluster, namespace, wait_for):
+    doc = tp_job("restart", 2, 1, gpusPerNode=1, restart={"maxRestarts": 2})
+    name = apply_rendered(cluster, namespace, doc, run_s=30)
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+
+    def running():
+        pods = pods_of(cluster, namespace, name)
+        return pods if len(pods) == 2 and all(p.status.phase == "Running" for p in pods) else None
+
+    first = wait_for(running, 60, "both pods Running")
+    old = {p.metadata.name for p in first}
+    victim = first[0]
+    core.patch_namespaced_pod(victim.metadata.name, namespace, {"metadata": {
+        "labels": {POD_FAIL_LABEL: "true"}, "annotations": {POD_FAIL_EXIT_CODE: "1"}}})
+    api = kubernetes.client.CustomObjectsApi(cluster.api_client())
+
+    def restarted():
+        js = api.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)
+        pods = [p for p in pods_of(cluster, namespace, name) if p.metadata.name not in old]
+        return (js.get("status", {}).get("restarts", 0) >= 1 and len(pods) == 2 and
+                all(p.metadata.labels.get("jobset.sigs.k8s.io/restart-attempt") == "1" for p in pods))
+
+    wait_for(restarted, 90, "the JobSet to restart the whole gang (restarts=1, two new pods)")

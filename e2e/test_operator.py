@@ -1,0 +1,226 @@
+"""The operator process against the real local control plane (API server, scheduler, KCM, JobSet
+controller, kwok pods): lifecycle, restarts, crash-safety, invalid specs, progress identity,
+garbage collection, Kueue hand-off, stall detection, metrics and events."""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import kubernetes
+import pytest
+from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL
+from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone  # noqa: F401  (fixtures)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
+from megatron_trainer.progress import Progress, ProgressWriter  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def running_pods(jobs: Jobs, name: str, n: int):
+    pods = [p for p in jobs.pods(name) if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+    return pods if len(pods) >= n else None
+
+
+def test_happy_path_to_succeeded_and_kubectl_get(cluster, operator, jobs):
+    jobs.create(small_job("happy", podMetadata=run_for(8)))
+    running = jobs.wait_phase("happy", ("Running", "Succeeded"))
+    assert running["worldSize"] == 16 and running["layout"] == "8/1/2"
+    assert running["jobSetName"] == "happy"
+    done = jobs.wait_phase("happy", "Succeeded")
+    conds = {c["type"]: c["status"] for c in done["conditions"]}
+    assert conds["Succeeded"] == "True" and conds["Running"] == "False" and conds["Created"] == "True"
+    assert done["startTime"] <= done["completionTime"]
+    out = cluster.kubectl("get", "mj", "-n", jobs.ns).stdout.splitlines()
+    assert out[0].split() == ["NAME", "PHASE", "GPUS", "TP/PP/DP", "ITERATION", "RESTARTS", "AGE"]
+    assert out[1].split()[:6] == ["happy", "Succeeded", "16", "8/1/2", "<none>", "0"]
+    reasons = {e.reason for e in jobs.events("happy")}
+    assert {"JobSetCreated", "Running", "Completed"} <= reasons, reasons
+
+
+def test_failure_restarts_then_succeeds(cluster, operator, jobs):
+    jobs.create(small_job("flaky", podMetadata=run_for(20), restart={"maxRestarts": 2}))
+    jobs.wait_phase("flaky", "Running")
+    first = cluster.wait_for(lambda: running_pods(jobs, "flaky", 2), 60, "2 running pods", namespace=jobs.ns)
+    jobs.core.patch_namespaced_pod(first[0].metadata.name, jobs.ns, {"metadata": {
+        "labels": {POD_FAIL_LABEL: "true"}, "annotations": {POD_FAIL_EXIT_CODE: "137"}}})
+    st = jobs.wait_phase("flaky", "Restarting")
+    assert st["restarts"] == 1
+    st = jobs.wait_phase("flaky", "Running")
+    assert st["restarts"] == 1
+    out = cluster.kubectl("get", "mj", "flaky", "-n", jobs.ns, "--no-headers").stdout.split()
+    assert out[1] == "Running" and out[5] == "1"  # the column says Running after a restart, not a condition name
+    done = jobs.wait_phase("flaky", "Succeeded", timeout=120)
+    assert done["restarts"] == 1
+
+
+def test_restarts_exhausted_is_failed(cluster, operator, jobs):
+    jobs.create(small_job("doomed", podMetadata={"labels": {POD_FAIL_LABEL: "true"},
+                                                 "annotations": {POD_FAIL_EXIT_CODE: "1"}},
+                          restart={"maxRestarts": 1}))
+    st = jobs.wait_phase("doomed", "Failed", timeout=180)
+    assert st["reason"] == "RestartsExhausted" and st["restarts"] == 1
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Failed"] == "True"
+
+
+def test_admitted_but_invalid_spec_gets_invalid_spec_and_no_jobset(cluster, operator, jobs):
+    # The API server cannot predict memory; the operator's check refuses this one (memoryFit Reject).
+    doc = small_job("too-big", numNodes=1, gpusPerNode=1, parallelism={"tensor": 1},
+                    model={"preset": "gpt-39.1b"}, resources={"gpuType": "H100-80GB", "memoryFit": "Reject"})
+    jobs.create(doc)
+    st = jobs.wait_phase("too-big", "Failed")
+    assert st["reason"] == "InvalidSpec" and "does not fit" in st["message"]
+    assert {c["type"]: c["status"] for c in st["conditions"]}["InvalidSpec"] == "True"
+    assert jobs.jobset("too-big") is None
+    assert any(e.reason == "InvalidSpec" and e.type == "Warning" for e in jobs.events("too-big"))
+
+
+def test_progress_with_the_jobs_own_identity(cluster, operator, jobs, tmp_path):
+    jobs.create(small_job("mine", podMetadata=run_for(120)))
+    jobs.create(small_job("theirs", podMetadata=run_for(120)))
+    jobs.wait_phase("mine", ("Pending", "Running"))
+    cluster.wait_for(lambda: jobs.core.read_namespaced_service_account("mine-trainer", jobs.ns), 30,
+                     "the job's ServiceAccount", namespace=jobs.ns)
+    token = jobs.core.create_namespaced_service_account_token(
+        "mine-trainer", jobs.ns, {"spec": {"expirationSeconds": 600}}).status.token
+    (tmp_path / "token").write_text(token)
+    cfg = kubernetes.client.Configuration.get_default_copy()
+    kubernetes.config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=cfg)
+    server, ca = cfg.host, cfg.ssl_ca_cert
+
+    def writer(name):
+        return ProgressWriter(server, name, jobs.ns, token_path=str(tmp_path / "token"), ca_path=ca)
+
+    assert writer("mine").write_now(Progress(iteration=42, train_iters=100, loss=2.5, mfu=0.41))
+    progress = jobs.status("mine")["progress"]
+    assert progress["iteration"] == 42 and progress["loss"] == 2.5
+    # the same token may not touch another job's status
+    assert not writer("theirs").write_now(Progress(iteration=1, train_iters=100))
+    req = urllib.request.Request(
+        f"{server}/apis/megatron-operator.io/v1alpha1/namespaces/{jobs.ns}/megatronjobs/theirs/status"
+        "?fieldManager=megatron-trainer", data=b'{"status": {"progress": {"iteration": 1}}}', method="PATCH",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, context=ssl.create_default_context(cafile=ca), timeout=10)
+    assert e.value.code == 403
+    # field ownership: the operator's status writes leave progress alone
+    cluster.wait_for(lambda: jobs.status("mine").get("phase") == "Running", 60, "mine Running", namespace=jobs.ns)
+    managers = {m["manager"]: m for m in jobs.get("mine")["metadata"]["managedFields"]
+                if m.get("subresource") == "status"}
+    assert "f:progress" in json.dumps(managers["megatron-trainer"]["fieldsV1"])
+    assert "f:progress" not in json.dumps(managers["megatron-operator"]["fieldsV1"])
+    assert jobs.status("mine")["progress"]["iteration"] == 42
+    out = cluster.kubectl("get", "mj", "mine", "-n", jobs.ns, "--no-headers").stdout.split()
+    assert out[4] == "42"
+
+
+def test_stalled_when_iteration_does_not_move(cluster, operator, jobs, tmp_path):
+    jobs.create(small_job("stuck", podMetadata=run_for(120)))
+    jobs.wait_phase("stuck", "Running")
+
+    def stalled():
+        conds = {c["type"]: c for c in jobs.status("stuck").get("conditions", [])}
+        return conds.get("Stalled", {}).get("status") == "True" and conds["Stalled"]
+
+    cond = cluster.wait_for(stalled, 60, "condition Stalled=True (stall timeout 15 s)", namespace=jobs.ns)
+    assert "no new iteration" in cond["message"]
+
+
+def test_delete_garbage_collects_everything(cluster, operator, jobs):
+    jobs.create(small_job("gc", podMetadata=run_for(120)))
+    cluster.wait_for(lambda: running_pods(jobs, "gc", 2), 60, "pods running", namespace=jobs.ns)
+    jobs.delete("gc")
+    wait_gone(cluster, lambda: jobs.jobset("gc"), "JobSet gc garbage-collected", jobs.ns)
+    wait_gone(cluster, lambda: jobs.pods("gc"), "pods of gc garbage-collected", jobs.ns, timeout=90)
+    for read in (lambda: jobs.core.read_namespaced_service_account("gc-trainer", jobs.ns),
+                 lambda: jobs.rbac.read_namespaced_role("gc-trainer", jobs.ns),
+                 lambda: jobs.rbac.read_namespaced_role_binding("gc-trainer", jobs.ns)):
+        wait_gone(cluster, read, "the job's identity garbage-collected", jobs.ns)
+
+
+def test_jobset_deleted_by_hand_is_recreated_unless_finished(cluster, operator, jobs):
+    jobs.create(small_job("again", podMetadata=run_for(60)))
+    jobs.wait_phase("again", "Running")
+    uid = jobs.jobset("again")["metadata"]["uid"]
+    jobs.custom.delete_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "again")
+    cluster.wait_for(lambda: (js := jobs.jobset("again")) and js["metadata"]["uid"] != uid, 60,
+                     "the JobSet recreated", namespace=jobs.ns)
+    assert any(e.reason == "JobSetRecreated" for e in jobs.events("again"))
+    # a finished job's JobSet is never recreated
+    jobs.create(small_job("finished", podMetadata=run_for(3)))
+    jobs.wait_phase("finished", "Succeeded")
+    jobs.custom.delete_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "finished")
+    wait_gone(cluster, lambda: jobs.jobset("finished"), "JobSet finished deleted", jobs.ns)
+    import time
+    time.sleep(5)  # several resync ticks (1 s): a bug would recreate it within this window
+    assert jobs.jobset("finished") is None
+    assert jobs.phase("finished") == "Succeeded"
+
+
+def test_suspend_and_resume(cluster, operator, jobs):
+    jobs.create(small_job("pause", podMetadata=run_for(60)))
+    jobs.wait_phase("pause", "Running")
+    jobs.patch_spec("pause", {"suspend": True})
+    jobs.wait_phase("pause", "Suspended")
+    wait_gone(cluster, lambda: [p for p in jobs.pods("pause") if not p.metadata.deletion_timestamp],
+              "pods stopped while suspended", jobs.ns)
+    jobs.patch_spec("pause", {"suspend": False})
+    jobs.wait_phase("pause", "Running")
+
+
+def test_kueue_queue_is_never_unsuspended_by_the_operator(cluster, operator, jobs):
+    jobs.create(small_job("queued", queueName="team-a", podMetadata=run_for(5)))
+    st = jobs.wait_phase("queued", "Pending")
+    cluster.wait_for(lambda: jobs.status("queued").get("reason") == "Queued", 30, "reason Queued",
+                     namespace=jobs.ns)
+    js = jobs.jobset("queued")
+    assert js["spec"]["suspend"] is True and js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    import time
+    time.sleep(3)
+    assert jobs.jobset("queued")["spec"]["suspend"] is True  # still suspended: admission is Kueue's call
+    # Kueue admits: it un-suspends the JobSet; the operator does not fight it
+    jobs.custom.patch_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "queued",
+                                               {"spec": {"suspend": False}})
+    jobs.wait_phase("queued", ("Running", "Succeeded"))
+    assert st["phase"] == "Pending"
+    jobs.wait_phase("queued", "Succeeded")
+
+
+def test_operator_killed_mid_burst_leaves_exactly_one_jobset_each(cluster, operator, jobs):
+    n = 50
+    for i in range(n):
+        jobs.create(small_job(f"burst-{i:02d}", numNodes=1, podMetadata=run_for(2)))
+        if i == 20:
+            operator.kill(signal.SIGKILL)
+    operator.start()
+
+    def all_done():
+        sets = jobs.jobsets()
+        phases = [(j.get("status") or {}).get("phase") for j in
+                  jobs.custom.list_namespaced_custom_object("megatron-operator.io", "v1alpha1", jobs.ns,
+                                                            "megatronjobs")["items"]]
+        return len(sets) == n and all(p == "Succeeded" for p in phases) and (len(sets), phases)
+
+    cluster.wait_for(all_done, 300, f"{n} JobSets and {n} Succeeded MegatronJobs after an operator SIGKILL",
+                     namespace=jobs.ns, kinds=("megatronjobs", "jobsets"))
+    names = sorted(j["metadata"]["name"] for j in jobs.jobsets())
+    assert names == [f"burst-{i:02d}" for i in range(n)]
+    for js in jobs.jobsets():
+        (ref,) = js["metadata"]["ownerReferences"]
+        assert ref["kind"] == "MegatronJob" and ref["name"] == js["metadata"]["name"]
+
+
+def test_metrics_and_healthz(cluster, operator, jobs):
+    jobs.create(small_job("metered", podMetadata=run_for(2)))
+    jobs.wait_phase("metered", "Succeeded")
+    text = operator.metrics()
+    assert 'megatron_operator_jobs{phase="Succeeded"}' in text
+    assert "megatron_operator_jobset_creation_seconds_count" in text
+    assert 'megatron_operator_reconciles_total{kind="MegatronJob",result="success"}' in text
+    assert operator.healthy()
