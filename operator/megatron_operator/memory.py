@@ -38,6 +38,10 @@ GIB = 1024**3
 RESERVED_OVERHEAD_GIB = 3.0
 # Allocator workspaces inside max_memory_allocated (cuBLAS workspace, small temporaries).
 WORKSPACE_GIB = 0.25
+# Bytes per s x s score element in Megatron's unfused attention: fp32 softmax output + bf16 probs.
+UNFUSED_SCORE_BYTES = 6
+# Bytes per logit on the last stage: bf16 logits, fp32 copy, fp32 exp-logits kept for the backward.
+LOGITS_BYTES = 10
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,9 @@ def estimate(job: MegatronJob) -> Estimate:
     layers_per_stage = L / pp
     embed = v * h / tp + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)
     output = v * h / tp if (m["untieEmbeddings"] or pp > 1) else 0  # tied + PP>1: a copy on the last stage
-    first_extra = embed + (output if pp == 1 else 0)
-    last_extra = output + h * 2  # final norm
+    final_norm = h * 2
+    last_extra = output + final_norm
+    first_extra = embed + (last_extra if pp == 1 else 0)
     dense_first = layers_per_stage * dense_per_layer + first_extra
     dense_last = layers_per_stage * dense_per_layer + last_extra
     expert_params = layers_per_stage * expert_per_layer
@@ -158,38 +163,36 @@ def estimate(job: MegatronJob) -> Estimate:
         w = (dense + expert_params) * weight_b
         gr = (dense + expert_params) * grad_b
         op = dense * opt_b / dense_opt_div + expert_params * opt_b / expert_opt_div
-        if dist:  # fp32 master shard aside, Megatron keeps a bf16 param buffer = weights (counted)
-            pass
         return w, gr, op
 
     # ---- activations per layer per micro-batch (bytes) ----------------------------------------
+    # What autograd keeps alive with dropout 0 (no masks: torch's dropout with p=0 saves nothing).
     sbh = s * b * h
-    split = tp if sp else 1  # sequence parallel splits the layer-norm and dropout regions too
-    # attention block: LN input, QKV input, Q/K/V, output-projection input (Korthikanti's 11sbh
-    # without the dropout mask, with GQA-sized K and V)
-    attn_act = act_bytes * (sbh / split + sbh / split + (sbh + 2 * s * b * kv) / tp + sbh / tp)
-    scores = 0.0
+    split = tp if sp else 1  # sequence parallel also splits the norm and linear-input regions
+    replicated = act_bytes * 4 * sbh / split  # inputs of: attention norm, QKV, MLP norm, fc1
+    qkv = act_bytes * (sbh + 2 * s * b * kv) / tp  # Q, K, V kept for attention's backward
+    attn_out = act_bytes * sbh / tp  # attention output = input of the output projection
     if tr.attention_backend == "unfused":
-        # softmax input (fp32 from baddbmm in Megatron's local attention is bf16 here) and output,
-        # per head on this TP rank: 2 x a/t x s x s x b x 2 bytes
-        scores = 2 * act_bytes * (a / tp) * s * s * b
+        # Megatron's local attention: the fp32 softmax output and the bf16 probabilities, s x s per head
+        core = UNFUSED_SCORE_BYTES * (a / tp) * s * s * b
     else:
-        scores = 4 * s * b * (a / tp)  # flash: the fp32 log-sum-exp only
-    mlp_mult = 2 if swiglu else 1
-    mlp_act = act_bytes * (sbh / split + sbh / split  # LN input, fc1 input
-                           + mlp_mult * s * b * ffn / tp  # activation input
-                           + s * b * ffn / tp)            # fc2 input
+        # flash / SDPA: its own copy of the output plus the fp32 log-sum-exp
+        core = act_bytes * sbh / tp + 4 * s * b * a / tp
     if experts:
         topk = m["moeRouterTopk"]
-        mlp_act = act_bytes * (sbh / split * 2 + topk * (mlp_mult + 1) * s * b * ffn / (etp)) / 1
-    residual = act_bytes * sbh / split  # the residual stream kept for the bias-dropout-add
-    full_layer = attn_act + scores + mlp_act + residual
+        # routed tokens (topk copies) through expert MLPs split over expert-tensor parallel, plus the
+        # permuted/unpermuted token buffers and the router's fp32 logits
+        mlp = act_bytes * topk * s * b * ((2 if swiglu else 1) + 1) * ffn / etp \
+            + act_bytes * 2 * topk * sbh + 4 * s * b * experts
+    else:
+        mlp = act_bytes * ((2 if swiglu else 1) + 1) * s * b * ffn / tp  # activation input + fc2 input
+    full_layer = replicated + qkv + attn_out + core + mlp
     if tr.recompute == "full":
-        per_layer = act_bytes * sbh / split  # only each layer's input is kept
-        recompute_peak = full_layer  # one layer's activations rebuilt during backward
+        per_layer = act_bytes * sbh / split  # only each layer's input is kept ...
+        recompute_peak = full_layer  # ... and one layer is rebuilt at a time in the backward pass
     elif tr.recompute == "selective":
-        per_layer = full_layer - scores  # the attention core is recomputed
-        recompute_peak = scores
+        per_layer = full_layer - core  # the attention core is recomputed from Q, K, V
+        recompute_peak = core
     else:
         per_layer = full_layer
         recompute_peak = 0.0
@@ -198,18 +201,16 @@ def estimate(job: MegatronJob) -> Estimate:
     if pp == 1:
         in_flight = 1.0
     elif vpp > 1:
-        in_flight = pp * (1 + (pp - 1) / (pp * vpp))
+        in_flight = min(num_micro, pp) * (1 + (pp - 1) / (pp * vpp))
     else:
         in_flight = float(min(pp, num_micro))
+    # Output layer and loss (last stage): the final norm's input and output, the bf16 logits, and the
+    # fp32 logits / exp-logits of the vocab-parallel cross entropy.
+    head = act_bytes * 2 * sbh / split + s * b * v / tp * LOGITS_BYTES
     stage0_acts = per_layer * layers_per_stage * in_flight + recompute_peak
-    # embedding output (and its dropout input) on the first stage
-    stage0_acts += act_bytes * sbh / split * in_flight
-    # the last stage holds one micro-batch in flight, plus the output layer and the loss:
-    # bf16 logits and the fp32 copy used by the vocab-parallel cross entropy
-    logits = s * b * v / tp * (act_bytes + 4)
-    last_acts = per_layer * layers_per_stage + recompute_peak + logits + act_bytes * sbh / split
+    last_acts = per_layer * layers_per_stage + recompute_peak + head
     if pp == 1:
-        stage0_acts += logits
+        stage0_acts += head
 
     other = WORKSPACE_GIB * GIB
     w0, g0, o0 = static(dense_first)

@@ -122,6 +122,8 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("untie-embeddings-and-output-weights")
     if not model["addBiasLinear"]:
         flag("disable-bias-linear")
+    flag("hidden-dropout", _fmt(spec.model.hidden_dropout))
+    flag("attention-dropout", _fmt(spec.model.attention_dropout))
     # training
     flag("transformer-impl", tr.transformer_impl)
     flag("attention-backend", tr.attention_backend)

@@ -145,6 +145,10 @@ class ModelSpec(ApiModel):
                                           "(--untie-embeddings-and-output-weights). Default false.")
     add_bias_linear: bool | None = Field(None, description="Biases in linear layers; false renders "
                                          "--disable-bias-linear. Default true.")
+    hidden_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after attention and MLP "
+                                  "(--hidden-dropout). 0 for LLM pretraining (Megatron-LM's own default is 0.1).")
+    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities "
+                                     "(--attention-dropout).")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""The memory estimate: hand-checked arithmetic, directions that must hold, the CLI, and (in
+test_memory_calibration.py) agreement with peak memory measured on GPUs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from factory import make_job
+
+from megatron_operator.memory import GIB, estimate, fit_report, padded_vocab
+from megatron_operator.validation import parse_job
+
+ROOT = Path(__file__).parents[2]
+
+
+def est(**over):
+    base = dict(numNodes=1, gpusPerNode=8, parallelism={"tensor": 1},
+                model={"numLayers": 24, "hiddenSize": 2048, "numAttentionHeads": 16, "seqLength": 2048,
+                       "vocabSize": 32768},
+                training={"microBatchSize": 4, "globalBatchSize": 32, "trainIters": 10,
+                          "transformerImpl": "local"})
+    base.update(over)
+    return estimate(parse_job(make_job(**base)))
+
+
+def test_padded_vocab():
+    assert padded_vocab(50257, 1) == 50304
+    assert padded_vocab(50257, 8) == 51200
+    assert padded_vocab(32768, 2) == 32768
+
+
+def test_static_memory_by_hand():
+    # GPT 1.35B-class on 8 GPUs, DP=8, distributed optimizer: 2 + 4 bytes per parameter + 12/8
+    e = est()
+    h, L, V = 2048, 24, 32768
+    layer = (4 * h * h + 4 * h) + (8 * h * h + 5 * h) + 2 * 2 * h  # attention, MLP (with biases), 2 LayerNorms
+    params = L * layer + V * h + 2048 * h + 2 * h  # + embedding, learned positions, final norm (tied output)
+    assert e.details["paramsPerGpu"] == pytest.approx(params, rel=1e-9)
+    assert e.weights == pytest.approx(2 * params)
+    assert e.gradients == pytest.approx(4 * params)
+    assert e.optimizer == pytest.approx(12 * params / 8)
+
+
+def test_directions():
+    base = est().total
+    assert est(parallelism={"tensor": 2}).total < base
+    assert est(training={"microBatchSize": 8, "globalBatchSize": 64, "trainIters": 10,
+                         "transformerImpl": "local"}).total > base
+    no_dist = est(training={"microBatchSize": 4, "globalBatchSize": 32, "trainIters": 10,
+                            "transformerImpl": "local", "distributedOptimizer": False})
+    assert no_dist.optimizer == pytest.approx(est().optimizer * 8)
+    acts = {r: est(training={"microBatchSize": 4, "globalBatchSize": 32, "trainIters": 10,
+                             "transformerImpl": "local", "recompute": r}).activations
+            for r in ("none", "selective", "full")}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    unfused = est(training={"microBatchSize": 4, "globalBatchSize": 32, "trainIters": 10,
+                            "transformerImpl": "local", "attentionBackend": "unfused"})
+    assert unfused.activations > est().activations
+
+
+def test_unfused_score_term_is_quadratic_in_sequence():
+    def delta(seq):
+        kw = dict(model={"numLayers": 24, "hiddenSize": 2048, "numAttentionHeads": 16, "seqLength": seq,
+                         "vocabSize": 32768})
+        t = {"microBatchSize": 1, "globalBatchSize": 8, "trainIters": 10, "transformerImpl": "local"}
+        return (est(training={**t, "attentionBackend": "unfused"}, **kw).activations
+                - est(training=t, **kw).activations)
+
+    assert delta(4096) / delta(2048) == pytest.approx(4.0, rel=0.05)
+
+
+def test_pipeline_first_stage_holds_in_flight_microbatches():
+    e = est(parallelism={"pipeline": 4}, training={"microBatchSize": 1, "globalBatchSize": 16, "trainIters": 10,
+                                                   "transformerImpl": "local"})
+    assert e.details["inFlight"] in (4, 1)
+
+
+def test_fit_report_and_json():
+    job = parse_job(make_job(numNodes=1, gpusPerNode=1, parallelism={"tensor": 1, "pipeline": 1},
+                             model={"preset": "gpt-18.4b"}, training={"trainIters": 1, "microBatchSize": 1},
+                             resources={"gpuType": "H100-80GB"}))
+    rep = fit_report(job)
+    assert rep.fits is False and rep.per_gpu_gib > 200
+    js = rep.as_json()
+    assert set(js) >= {"perGpuGiB", "breakdown", "fits"} and js["fits"] is False
+    assert set(js["breakdown"]) == {"weights", "gradients", "optimizer", "activations", "other"}
+    assert fit_report(parse_job(make_job(resources={"memoryFit": "Ignore"}))) is None
+
+
+def test_estimate_cli_json_and_exit_code(tmp_path):
+    env = {"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-m", "megatron_operator", "estimate", "-o", "json",
+                        str(ROOT / "examples" / "llama3-70b-checkpoint.yaml")], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["fits"] is True and out["capacityGiB"] == pytest.approx(140.4)
+    big = make_job(numNodes=1, gpusPerNode=1, parallelism={"tensor": 1, "pipeline": 1},
+                   model={"preset": "gpt-18.4b"}, training={"trainIters": 1, "microBatchSize": 1},
+                   resources={"gpuType": "H100-80GB"})
+    import yaml
+    f = tmp_path / "big.yaml"
+    f.write_text(yaml.safe_dump(big))
+    r = subprocess.run([sys.executable, "-m", "megatron_operator", "estimate", str(f)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 1 and "does NOT fit" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "megatron_operator", "validate", str(f)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "warning: predicted peak" in r.stderr  # Warn is the default
+    big["spec"]["resources"]["memoryFit"] = "Reject"
+    f.write_text(yaml.safe_dump(big))
+    r = subprocess.run([sys.executable, "-m", "megatron_operator", "validate", str(f)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 1 and "error: predicted peak" in r.stderr
+
+
+def test_total_is_sum_of_breakdown():
+    e = est()
+    assert e.total == pytest.approx(e.weights + e.gradients + e.optimizer + e.activations + e.other)
+    assert e.total / GIB < 80
