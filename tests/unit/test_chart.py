@@ -1,0 +1,564 @@
+"""The Helm chart (charts/megatron-operator), rendered by the real `helm` binary with various values.
+
+helm-unittest is not available offline, so these tests run `helm template` / `helm lint` and
+assert on the parsed objects. Helm is required: without it every test here FAILS with a message
+saying how to get it (never a silent skip). It is found at $HELM, then at the pinned build of
+e2e/cluster (`e2e/cluster/cluster.py build`), then on PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from factory import make_job
+from megatron_operator import __version__, crd
+from megatron_operator.cli import build_parser
+from megatron_operator.metrics import Metrics
+from megatron_operator.render import labels_for, render
+from megatron_operator.settings import Settings
+from megatron_operator.validation import parse_job
+from megatron_trainer.metrics import _GAUGES as TRAINER_GAUGES
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "megatron-operator"
+CRD_FILE = ROOT / "crds" / "megatron-operator.io_megatronjobs.yaml"
+VERSIONS = ROOT / "e2e" / "cluster" / "versions.env"
+RELEASE, NAMESPACE = "rel", "ops"
+HELM_TIMEOUT_S = 60
+
+
+def _pinned_versions() -> dict[str, str]:
+    out = {}
+    for line in VERSIONS.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+KUBE_VERSION = _pinned_versions()["KUBE_VERSION"]
+
+
+def helm_binary() -> str:
+    """$HELM, else e2e/cluster's pinned build, else `helm` on PATH; a test failure if none exists."""
+    if os.environ.get("HELM"):
+        return os.environ["HELM"]
+    cache = Path(os.environ.get("MEGATRON_OPERATOR_CACHE")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-operator")
+    pinned = cache / "bin" / f"helm-{_pinned_versions()['HELM_VERSION']}" / "helm"
+    if os.access(pinned, os.X_OK):
+        return str(pinned)
+    found = shutil.which("helm")
+    if found:
+        return found
+    pytest.fail(f"helm not found: build the pinned one with `.venv/bin/python e2e/cluster/cluster.py build` "
+                f"(expected at {pinned}), put helm on PATH, or set HELM=/path/to/helm", pytrace=False)
+
+
+def helm(*args: str, chart: Path = CHART, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([helm_binary(), *args[:1], *(["--kube-version", KUBE_VERSION] if args[0] in
+                                                          ("template", "lint") else []), *args[1:]],
+                          capture_output=True, text=True, timeout=HELM_TIMEOUT_S, cwd=chart.parent, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed (rc={proc.returncode}):\n{proc.stderr}{proc.stdout}")
+    return proc
+
+
+def render_chart(values: dict[str, Any] | None = None, tmp_path: Path | None = None, chart: Path = CHART,
+                 check: bool = True) -> list[dict[str, Any]] | subprocess.CompletedProcess:
+    """`helm template` with `values` (as a values file); the parsed objects, or the process when not check."""
+    args = ["template", RELEASE, str(chart), "--namespace", NAMESPACE]
+    if values:
+        assert tmp_path is not None, "pass tmp_path with values"
+        vf = tmp_path / "values.yaml"
+        vf.write_text(yaml.safe_dump(values))
+        args += ["--values", str(vf)]
+    proc = helm(*args, chart=chart, check=check)
+    if not check:
+        return proc
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(objs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(objs: list[dict[str, Any]]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container(objs)["env"]}
+
+
+@pytest.fixture(scope="module")
+def default_objs() -> list[dict[str, Any]]:
+    return render_chart()
+
+
+ALL_ON = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
+                      "prometheusRule": {"enabled": True}},
+          "dashboards": {"enabled": True}}
+
+
+# ---- lint and the default render -------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [None, ALL_ON, {"watchNamespaces": ["team-a", "team-b"]}],
+                         ids=["defaults", "all-features", "namespaced"])
+def test_helm_lint_strict(values, tmp_path):
+    args = ["lint", "--strict", str(CHART)]
+    if values:
+        vf = tmp_path / "v.yaml"
+        vf.write_text(yaml.safe_dump(values))
+        args += ["--values", str(vf)]
+    out = helm(*args)
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_default_render_has_exactly_the_operator_objects(default_objs):
+    kinds = sorted(o["kind"] for o in default_objs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Service",
+                     "ServiceAccount"]
+    for o in default_objs:
+        if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
+            assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
+        assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_chart_app_version_is_the_operator_version():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__, "bump Chart.yaml appVersion with megatron_operator.__version__"
+
+
+# ---- the Deployment ---------------------------------------------------------------------------------
+
+def test_deployment_runs_one_active_operator(default_objs):
+    spec = one(default_objs, "Deployment")["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}  # the old pod is gone before the new one starts
+    assert "--peering" not in container(default_objs)["args"]  # standalone: no peering CRDs needed
+
+
+def test_deployment_is_hardened(default_objs):
+    pod = one(default_objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    c = container(default_objs)
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert c["resources"]["limits"]["memory"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
+
+
+def test_container_command_is_the_cli_run_command(default_objs):
+    c = container(default_objs)
+    assert c["command"] == ["megatron-operator"]
+    args = build_parser().parse_args(c["args"])  # the real CLI accepts exactly these arguments
+    assert args.command == "run"
+    assert args.namespace is None and args.peering is None and args.kubeconfig is None
+
+
+def test_every_operator_setting_is_set_from_values(default_objs):
+    env = env_of(default_objs)
+    expected = {"MEGATRON_OPERATOR_" + f.name.upper() for f in fields(Settings)} | {"MEGATRON_OPERATOR_METRICS_HOST"}
+    assert expected == {k for k in env if k.startswith("MEGATRON_OPERATOR_")}
+
+
+def test_default_values_equal_the_operators_own_defaults(default_objs):
+    """Installing the chart with no values changes none of the operator's defaults."""
+    assert Settings.from_env(env_of(default_objs)) == Settings()
+
+
+def test_config_values_reach_the_operator(tmp_path):
+    objs = render_chart({"config": {"shmGiBPerGpu": 4, "shmMinGiB": 8, "terminationGracePeriodSeconds": 1200,
+                                    "maxRestarts": 7, "progressIntervalSeconds": 15, "trainerMetricsPort": 9500,
+                                    "rendezvousPort": 29600, "stallTimeoutSeconds": 3600, "runAsUser": 2000,
+                                    "resyncIntervalSeconds": 2.5},
+                         "metrics": {"port": 9090, "bindAddress": "127.0.0.1"},
+                         "trainerImage": {"repository": "registry.example/megatron-trainer", "tag": "2026.11"}},
+                        tmp_path)
+    env = env_of(objs)
+    s = Settings.from_env(env)
+    assert s == Settings(default_image="registry.example/megatron-trainer:2026.11", shm_gib_per_gpu=4, shm_min_gib=8,
+                         termination_grace_period_s=1200, max_restarts=7, progress_interval_s=15,
+                         trainer_metrics_port=9500, rendezvous_port=29600, stall_timeout_s=3600, run_as_user=2000,
+                         resync_interval_s=2.5, metrics_port=9090, namespaces="")
+    assert env["MEGATRON_OPERATOR_METRICS_HOST"] == "127.0.0.1"
+    c = container(objs)
+    assert c["ports"][0]["containerPort"] == 9090
+    svc = one(objs, "Service")
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+
+
+def test_large_values_render_as_integers_the_operator_parses(tmp_path):
+    # Helm reads numbers as float64; the template must not print 1e+06.
+    env = env_of(render_chart({"config": {"stallTimeoutSeconds": 1000000}}, tmp_path))
+    assert env["MEGATRON_OPERATOR_STALL_TIMEOUT_S"] == "1000000"
+    assert Settings.from_env(env).stall_timeout_s == 1000000
+
+
+@pytest.mark.parametrize("image, expected", [
+    ({}, f"ghcr.io/megatron-operator/megatron-operator:{__version__}"),
+    ({"tag": "v9"}, "ghcr.io/megatron-operator/megatron-operator:v9"),
+    ({"tag": "v9", "digest": "sha256:" + "a" * 64}, "ghcr.io/megatron-operator/megatron-operator@sha256:" + "a" * 64),
+])
+def test_operator_image_reference(image, expected, tmp_path):
+    objs = render_chart({"image": image}, tmp_path) if image else render_chart()
+    assert container(objs)["image"] == expected
+
+
+def test_trainer_image_digest_wins(tmp_path):
+    env = env_of(render_chart({"trainerImage": {"repository": "r/t", "tag": "x", "digest": "sha256:" + "b" * 64}},
+                              tmp_path))
+    assert env["MEGATRON_OPERATOR_DEFAULT_IMAGE"] == "r/t@sha256:" + "b" * 64
+
+
+def test_pod_placement_and_extra_env(tmp_path):
+    objs = render_chart({"nodeSelector": {"pool": "system"},
+                         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops",
+                                          "effect": "NoSchedule"}],
+                         "priorityClassName": "system-cluster-critical",
+                         "imagePullSecrets": [{"name": "regcred"}],
+                         "podAnnotations": {"a": "b"}, "podLabels": {"team": "ml"},
+                         "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]}, tmp_path)
+    pod = one(objs, "Deployment")["spec"]["template"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "system"}
+    assert pod["spec"]["tolerations"][0]["key"] == "dedicated"
+    assert pod["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["metadata"]["annotations"] == {"a": "b"} and pod["metadata"]["labels"]["team"] == "ml"
+    assert env_of(objs)["HTTPS_PROXY"] == "http://proxy:3128"
+    # pod labels never leak into the selector (it is immutable)
+    assert "team" not in one(objs, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+# ---- RBAC ---------------------------------------------------------------------------------------------
+
+# Exactly what the operator and kopf call (operator/megatron_operator/kube.py, handlers.py, kopf's
+# watching, patching and event posting). e2e/test_helm.py runs the operator with these rules.
+EXPECTED_RULES = [
+    (("megatron-operator.io",), ("megatronjobs",), ("list", "watch", "patch")),
+    (("megatron-operator.io",), ("megatronjobs/status",), ("get", "patch")),
+    (("megatron-operator.io",), ("megatronjobs/finalizers",), ("update",)),
+    (("jobset.x-k8s.io",), ("jobsets",), ("list", "watch", "create", "patch", "delete")),
+    (("",), ("pods",), ("list", "watch")),
+    (("",), ("serviceaccounts",), ("create",)),
+    (("rbac.authorization.k8s.io",), ("roles", "rolebindings"), ("create",)),
+    (("",), ("events",), ("create",)),
+]
+
+
+def rule_tuples(rules: list[dict[str, Any]]) -> list[tuple]:
+    return [(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["verbs"])) for r in rules]
+
+
+def assert_least_privilege(rules: list[dict[str, Any]]) -> None:
+    assert rule_tuples(rules) == EXPECTED_RULES
+    for r in rules:
+        assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"]
+        assert not {"secrets", "configmaps", "nodes", "namespaces", "clusterroles", "clusterrolebindings",
+                    "customresourcedefinitions", "serviceaccounts/token", "pods/exec"} & set(r["resources"])
+        assert not {"escalate", "bind", "impersonate", "deletecollection", "update"} & set(r["verbs"]) or \
+            r["resources"] == ["megatronjobs/finalizers"]
+        assert "resourceNames" not in r and "nonResourceURLs" not in r
+
+
+def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(default_objs):
+    role = one(default_objs, "ClusterRole")
+    assert_least_privilege(role["rules"])
+    binding = one(default_objs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    sa = one(default_objs, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+    assert one(default_objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_the_operator_holds_every_permission_it_grants_a_job():
+    """RBAC escalation rules: a job's Role may only contain verbs the operator holds itself."""
+    granted = {(g, res, v) for gs, ress, vs in EXPECTED_RULES for g in gs for res in ress for v in vs}
+    job = parse_job(make_job())
+    role = next(o for o in render(job, Settings(), owner_uid="u") if o["kind"] == "Role")
+    for rule in role["rules"]:
+        for g in rule["apiGroups"]:
+            for res in rule["resources"]:
+                for v in rule["verbs"]:
+                    assert (g, res, v) in granted, f"the job's Role grants {v} {g}/{res}, the operator lacks it"
+    kinds = {o["kind"] for o in render(job, Settings(), owner_uid="u")}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "JobSet"}  # each has a create rule above
+
+
+def test_namespaced_mode_has_roles_in_each_namespace_and_no_cluster_role(tmp_path):
+    objs = render_chart({"watchNamespaces": ["team-a", "team-b"],
+                         "metrics": {"podMonitor": {"enabled": True}}}, tmp_path)
+    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    roles, bindings = by_kind(objs, "Role"), by_kind(objs, "RoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for role in roles:
+        assert_least_privilege(role["rules"])
+    for b in bindings:
+        assert b["roleRef"]["kind"] == "Role"
+        assert b["subjects"][0]["namespace"] == NAMESPACE  # the operator's SA lives in the release namespace
+    env = env_of(objs)
+    assert Settings.from_env(env).watched_namespaces() == ["team-a", "team-b"]
+    assert one(objs, "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+
+
+def test_rbac_and_serviceaccount_can_be_brought_by_the_admin(tmp_path):
+    objs = render_chart({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)
+    assert {o["kind"] for o in objs} == {"CustomResourceDefinition", "Deployment", "Service"}
+    assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "mo"
+    proc = render_chart({"serviceAccount": {"create": False}}, tmp_path, check=False)
+    assert proc.returncode != 0 and "serviceAccount.name is required" in proc.stderr
+
+
+# ---- the CRD ------------------------------------------------------------------------------------------
+
+def test_crd_template_is_the_generated_crd(default_objs):
+    """No drift: the chart's CRD == `megatron-operator crd` == crds/ (all from the same models)."""
+    rendered = one(default_objs, "CustomResourceDefinition")
+    built = crd.build_crd()
+    committed = yaml.safe_load(CRD_FILE.read_text())
+    assert rendered["metadata"]["name"] == built["metadata"]["name"] == committed["metadata"]["name"]
+    assert rendered["spec"] == built["spec"] == committed["spec"]
+    assert rendered["apiVersion"] == built["apiVersion"]
+
+
+def test_generated_crd_file_is_up_to_date():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-chart-crd.py"), "--check"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr + "\n(run: python scripts/gen-chart-crd.py)"
+
+
+def test_crd_keep_policy(default_objs, tmp_path):
+    assert one(default_objs, "CustomResourceDefinition")["metadata"]["annotations"] == {
+        "helm.sh/resource-policy": "keep"}
+    released = one(render_chart({"crds": {"keep": False}}, tmp_path), "CustomResourceDefinition")
+    assert "annotations" not in released["metadata"]
+    assert not by_kind(render_chart({"crds": {"enabled": False}}, tmp_path), "CustomResourceDefinition")
+
+
+def test_crd_text_is_inserted_verbatim_even_with_template_braces(tmp_path):
+    """CEL messages may contain `{{`: the chart must not evaluate the CRD text as a template."""
+    chart = tmp_path / "megatron-operator"
+    shutil.copytree(CHART, chart)
+    spec_file = chart / "files" / "crds" / "megatronjobs.spec.yaml"
+    text = spec_file.read_text().replace(
+        "description: MegatronJob runs one Megatron-Core pretraining job as a JobSet.",
+        "description: 'MegatronJob {{ .Values.oops }} {{- fail \"evaluated\" }}'", 1)
+    assert "{{" in text
+    spec_file.write_text(text)
+    objs = render_chart(chart=chart)
+    schema = one(objs, "CustomResourceDefinition")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["description"] == 'MegatronJob {{ .Values.oops }} {{- fail "evaluated" }}'
+
+
+# ---- values: strict schema, documentation ----------------------------------------------------------------
+
+@pytest.mark.parametrize("values, message", [
+    ({"replicaCount": 2}, "replicaCount"),
+    ({"config": {"shmGibPerGpu": 4}}, "shmGibPerGpu"),
+    ({"crds": {"enable": True}}, "enable"),
+    ({"metrics": {"serviceMonitor": {"enabeld": True}}}, "enabeld"),
+    ({"config": {"maxRestarts": "3"}}, "maxRestarts"),
+    ({"config": {"runAsUser": 0}}, "runAsUser"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    ({"image": {"digest": "latest"}}, "digest"),
+    ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
+    ({"extraEnv": [{"name": "MEGATRON_OPERATOR_MAX_RESTARTS", "value": "9"}]}, "extraEnv"),
+    ({"metrics": {"prometheusRule": {"jobStalled": {"noProgressFor": "thirty minutes"}}}}, "noProgressFor"),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+def test_schema_refuses_typos_and_bad_values(values, message, tmp_path):
+    proc = render_chart(values, tmp_path, check=False)
+    assert proc.returncode != 0, f"helm accepted {values}"
+    assert "schema" in proc.stderr and message in proc.stderr, proc.stderr
+
+
+# Maps whose keys are data (labels, annotations, quantities), documented as a whole.
+FREE_FORM = {"serviceAccount.annotations", "metrics.service.annotations", "metrics.serviceMonitor.labels",
+             "metrics.podMonitor.labels", "metrics.prometheusRule.labels", "dashboards.labels",
+             "dashboards.annotations", "podAnnotations", "podLabels", "nodeSelector", "resources.requests",
+             "resources.limits"}
+
+
+def _keys_with_lines(lines: list[str]) -> list[tuple[int, str]]:
+    """(line index, dotted path) of every mapping key in values.yaml (list items are values)."""
+    out, stack = [], []  # stack of (indent, key)
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z_][A-Za-z0-9_]*):(\s|$)", line)
+        if m:
+            indent = len(m.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            stack.append((indent, m.group(2)))
+            out.append((i, ".".join(k for _, k in stack)))
+    return out
+
+
+def test_every_value_is_documented():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, path in _keys_with_lines(lines):
+        if path.rpartition(".")[0] in FREE_FORM:
+            continue
+        j = i - 1
+        block = []
+        while j >= 0 and lines[j].strip().startswith("#"):
+            block.append(lines[j].strip())
+            j -= 1
+        if not any(c.startswith("# --") for c in block):
+            undocumented.append(f"line {i + 1}: {path}")
+    assert not undocumented, "values without a `# --` comment: " + ", ".join(undocumented)
+
+
+def _schema_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
+    out = set()
+    for key, sub in (schema.get("properties") or {}).items():
+        out.add(prefix + key)
+        out |= _schema_paths(sub, prefix + key + ".")
+    return out
+
+
+def _value_paths(values: Any, prefix: str = "") -> set[str]:
+    out = set()
+    if isinstance(values, dict):
+        for key, sub in values.items():
+            out.add(prefix + key)
+            out |= _value_paths(sub, prefix + key + ".")
+    return out
+
+
+def test_schema_is_strict_and_covers_exactly_the_values():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def strict(node: dict[str, Any], path: str) -> None:
+        if "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path or '<root>'}: additionalProperties must be false"
+            for key, sub in node["properties"].items():
+                strict(sub, f"{path}.{key}" if path else key)
+        if isinstance(node.get("items"), dict):
+            strict(node["items"], path + "[]")
+
+    strict(schema, "")
+    in_values = {p for p in _value_paths(values) if not any(p.startswith(f + ".") for f in FREE_FORM)}
+    assert in_values == _schema_paths(schema) - {
+        # typed in the schema but empty (or absent) by default
+        "podSecurityContext.fsGroup", "podSecurityContext.supplementalGroups",
+        "podSecurityContext.seccompProfile.localhostProfile", "securityContext.privileged",
+        "securityContext.runAsNonRoot", "securityContext.runAsUser", "securityContext.runAsGroup",
+        "securityContext.capabilities.add", "securityContext.seccompProfile",
+        "securityContext.seccompProfile.type", "securityContext.seccompProfile.localhostProfile",
+        "affinity.nodeAffinity", "affinity.podAffinity", "affinity.podAntiAffinity"}
+
+
+# ---- monitoring -------------------------------------------------------------------------------------------
+
+def _metric_names(promql: str) -> set[str]:
+    return set(re.findall(r"\b(megatron_(?:trainer|operator)_[a-z_]+)", promql))
+
+
+def _known_metrics() -> set[str]:
+    trainer = {f"megatron_trainer_{name}" for name in TRAINER_GAUGES}
+    operator = set()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    for metric in Metrics().registry.collect():
+        operator |= {metric.name + suffix for suffix in suffixes[metric.type]}
+    return trainer | operator
+
+
+def test_monitoring_objects(tmp_path):
+    objs = render_chart(ALL_ON, tmp_path)
+    sm = one(objs, "ServiceMonitor")
+    svc = one(objs, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
+    # The PodMonitor selects what the operator puts on trainer pods, on the port the operator names.
+    pm = one(objs, "PodMonitor")
+    job = parse_job(make_job())
+    jobset = next(o for o in render(job, Settings(), owner_uid="u") if o["kind"] == "JobSet")
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels_for("job").items()
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and ports["metrics"] == 9400
+    relabel = pm["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
+    assert relabel["targetLabel"] == "megatron_job"
+    label = "megatron-operator.io/job-name"
+    assert label in pod["metadata"]["labels"]
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)]
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_alerts_use_only_metrics_that_exist(tmp_path):
+    rule = one(render_chart(ALL_ON, tmp_path), "PrometheusRule")
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {"MegatronJobStalled", "MegatronJobRestartsClimbing", "MegatronJobFailed",
+                           "MegatronOperatorReconcileErrors"}
+    known = _known_metrics()
+    for name, r in alerts.items():
+        used = _metric_names(r["expr"])
+        assert used and used <= known, f"{name} uses unknown metrics {used - known}"
+        for text in r["annotations"].values():
+            assert "{{ ." not in text, f"{name}: a Helm value leaked into a Prometheus template: {text}"
+    assert alerts["MegatronJobStalled"]["for"] == "30m"
+
+
+def test_alerts_can_be_switched_off_one_by_one(tmp_path):
+    values = {"metrics": {"prometheusRule": {"enabled": True, "jobStalled": {"enabled": False},
+                                             "restartsClimbing": {"threshold": 5, "window": "6h"}}}}
+    rule = one(render_chart(values, tmp_path), "PrometheusRule")
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert "MegatronJobStalled" not in alerts
+    assert "[6h]" in alerts["MegatronJobRestartsClimbing"]["expr"]
+    assert alerts["MegatronJobRestartsClimbing"]["expr"].rstrip().endswith(">= 5")
+
+
+def test_service_monitor_needs_the_service(tmp_path):
+    proc = render_chart({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
+                        tmp_path, check=False)
+    assert proc.returncode != 0 and "needs metrics.service.enabled" in proc.stderr
+
+
+def test_dashboard_is_valid_and_uses_only_metrics_that_exist(tmp_path):
+    text = (CHART / "files" / "dashboards" / "megatron-operator.json").read_text()
+    dash = json.loads(text)
+    known = _known_metrics()
+    used = set()
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            names = _metric_names(target["expr"])
+            assert names, f"panel {panel['title']}: no megatron metric in {target['expr']}"
+            used |= names
+    assert used <= known, f"unknown metrics: {used - known}"
+    # every trainer gauge is on the dashboard
+    assert {f"megatron_trainer_{g}" for g in TRAINER_GAUGES} <= used
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    cm = one(render_chart({"dashboards": {"enabled": True, "namespace": "monitoring"}}, tmp_path), "ConfigMap")
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["megatron-operator.json"]) == dash
