@@ -359,6 +359,10 @@ def test_crd_keep_policy(default_objs, tmp_path):
     released = one(render_chart({"crds": {"keep": False}}, tmp_path), "CustomResourceDefinition")
     assert "annotations" not in released["metadata"]
     assert not by_kind(render_chart({"crds": {"enabled": False}}, tmp_path), "CustomResourceDefinition")
+    argo = one(render_chart({"crds": {"annotations": {"argocd.argoproj.io/sync-options": "Delete=false"}}}, tmp_path),
+               "CustomResourceDefinition")
+    assert argo["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep",
+                                               "argocd.argoproj.io/sync-options": "Delete=false"}
 
 
 def test_crd_text_is_inserted_verbatim_even_with_template_braces(tmp_path):
@@ -398,7 +402,7 @@ def test_schema_refuses_typos_and_bad_values(values, message, tmp_path):
 
 
 # Maps whose keys are data (labels, annotations, quantities), documented as a whole.
-FREE_FORM = {"serviceAccount.annotations", "metrics.service.annotations", "metrics.serviceMonitor.labels",
+FREE_FORM = {"crds.annotations", "serviceAccount.annotations", "metrics.service.annotations", "metrics.serviceMonitor.labels",
              "metrics.podMonitor.labels", "metrics.prometheusRule.labels", "dashboards.labels",
              "dashboards.annotations", "podAnnotations", "podLabels", "nodeSelector", "resources.requests",
              "resources.limits"}
