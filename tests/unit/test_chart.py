@@ -52,6 +52,8 @@ KUBE_VERSION = _pinned_versions()["KUBE_VERSION"]
 def helm_binary() -> str:
     """$HELM, else e2e/cluster's pinned build, else `helm` on PATH; a test failure if none exists."""
     if os.environ.get("HELM"):
+        if not os.access(os.environ["HELM"], os.X_OK):
+            pytest.fail(f"HELM={os.environ['HELM']} is not an executable helm", pytrace=False)
         return os.environ["HELM"]
     cache = Path(os.environ.get("MEGATRON_OPERATOR_CACHE")
                  or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-operator")
