@@ -103,6 +103,10 @@ class ClusterError(RuntimeError):
     """The cluster could not be built, started or stopped; the message says what to look at."""
 
 
+class ProcessExited(ClusterError):
+    """A process we wait for died: waiting longer cannot help."""
+
+
 def log(msg: str) -> None:
     print(f"[cluster] {msg}", file=sys.stderr, flush=True)
 
@@ -298,6 +302,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
             value = predicate()
             if value:
                 return value
+        except ProcessExited:
+            raise
         except Exception as e:  # noqa: BLE001 - keep polling, report the last error on timeout
             last_error = e
         if time.monotonic() > deadline:
@@ -662,6 +668,8 @@ def up(p: RunPaths | None = None, wait_s: float = 180) -> dict:
                 _down(p)
             except ClusterError as down_error:
                 log(f"teardown after failed up also failed: {down_error}")
+            if isinstance(e, ClusterError) and "last 30 lines" not in str(e):
+                raise ClusterError(f"{e}\n{log_tails(p)}") from e
             raise
 
 
@@ -817,7 +825,7 @@ def start_jobset(p: RunPaths, jobset_bin: Path, wait_s: float) -> dict:
 
     def ready() -> bool:
         if proc.poll() is not None:
-            raise ClusterError(f"jobset exited with {proc.returncode}; see {log_path}:\n{tail(log_path)}")
+            raise ProcessExited(f"jobset exited with {proc.returncode}; see {log_path}")
         return http_ok(f"http://127.0.0.1:{health_port}/readyz")
 
     try:
