@@ -101,7 +101,7 @@ BIN_DIR=$CACHE/bin/etcd-$ETCD_VERSION;        step etcd "$BIN_DIR" etcd -- build
 BIN_DIR=$CACHE/bin/kubernetes-$KUBE_VERSION;  step kubernetes "$BIN_DIR" kube-apiserver kube-controller-manager kube-scheduler kubectl -- build_kube
 BIN_DIR=$CACHE/bin/kwok-$KWOK_VERSION;        step kwok "$BIN_DIR" kwok kwokctl -- build_install "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@v$KWOK_VERSION"
 BIN_DIR=$CACHE/bin/jobset-$JOBSET_VERSION;    step jobset "$BIN_DIR" jobset -- build_jobset
-if [ "${BUILD_HELM:-1}" = 1 ]; then   # helm is not needed by the e2e tests: BUILD_HELM=0 skips it
+if [ "${BUILD_HELM:-1}" = 1 ]; then   # BUILD_HELM=0 skips helm (needed by e2e/test_helm.py)
   BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;      step helm "$BIN_DIR" helm -- build_helm
 fi
 echo "[build] all components ready in $((SECONDS - total0)) s"
