@@ -1,0 +1,112 @@
+"""Tracker, completeness, resume selection and retention (pure file-system logic)."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_trainer import ckpt_layout as L
+
+
+def make_ckpt(root, iteration, complete=True):
+    path = root / L.checkpoint_name(iteration)
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"shard")
+    if complete:
+        (path / ".metadata").write_bytes(b"global metadata")
+        (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    return path
+
+
+def test_names_and_tracker_roundtrip(tmp_path):
+    assert L.checkpoint_name(1000) == "iter_0001000"
+    assert L.read_tracker(tmp_path) is None
+    L.write_tracker(tmp_path, 1200)
+    assert (tmp_path / L.TRACKER_NAME).read_text() == "1200\n"
+    assert L.read_tracker(tmp_path) == 1200
+    assert [p.name for p in tmp_path.iterdir()] == [L.TRACKER_NAME]  # no temp file left behind
+
+
+def test_corrupt_tracker_reads_as_none(tmp_path):
+    for content in ("", "abc", "release", "12 13", "\x00"):
+        (tmp_path / L.TRACKER_NAME).write_text(content)
+        assert L.read_tracker(tmp_path) is None
+
+
+def test_completeness(tmp_path):
+    assert L.is_complete(make_ckpt(tmp_path, 1))
+    assert not L.is_complete(make_ckpt(tmp_path, 2, complete=False))
+    bad = make_ckpt(tmp_path, 3)
+    (bad / "metadata.json").write_text("{trunc")
+    assert not L.is_complete(bad)
+    no_global = make_ckpt(tmp_path, 4)
+    (no_global / ".metadata").unlink()
+    assert not L.is_complete(no_global)
+
+
+def test_resume_uses_tracker(tmp_path):
+    make_ckpt(tmp_path, 100)
+    make_ckpt(tmp_path, 200)
+    L.write_tracker(tmp_path, 200)
+    choice = L.find_resume_checkpoint(tmp_path)
+    assert (choice.iteration, choice.reason) == (200, "tracker")
+
+
+def test_resume_never_picks_a_partial_checkpoint(tmp_path):
+    make_ckpt(tmp_path, 100)
+    make_ckpt(tmp_path, 200, complete=False)  # a save cut short: killed during async write
+    L.write_tracker(tmp_path, 100)
+    assert L.find_resume_checkpoint(tmp_path).iteration == 100
+    (tmp_path / L.TRACKER_NAME).unlink()
+    choice = L.find_resume_checkpoint(tmp_path)
+    assert choice.iteration == 100 and "tracker missing" in choice.reason
+
+
+def test_resume_with_corrupt_tracker_or_tracker_naming_partial(tmp_path):
+    make_ckpt(tmp_path, 100)
+    make_ckpt(tmp_path, 300)
+    make_ckpt(tmp_path, 400, complete=False)
+    (tmp_path / L.TRACKER_NAME).write_text("")
+    assert L.find_resume_checkpoint(tmp_path).iteration == 300
+    L.write_tracker(tmp_path, 400)
+    choice = L.find_resume_checkpoint(tmp_path)
+    assert choice.iteration == 300 and "not a complete checkpoint" in choice.reason
+
+
+def test_resume_prefers_complete_checkpoint_newer_than_tracker(tmp_path):
+    make_ckpt(tmp_path, 100)
+    make_ckpt(tmp_path, 200)  # died after metadata.json, before the tracker rename
+    L.write_tracker(tmp_path, 100)
+    choice = L.find_resume_checkpoint(tmp_path)
+    assert choice.iteration == 200 and "newer than the tracker" in choice.reason
+
+
+def test_resume_nothing(tmp_path):
+    assert L.find_resume_checkpoint(tmp_path / "missing") is None
+    make_ckpt(tmp_path, 5, complete=False)
+    L.write_tracker(tmp_path, 5)
+    assert L.find_resume_checkpoint(tmp_path) is None
+
+
+def test_retention_deletes_only_old_complete_checkpoints(tmp_path):
+    for it, complete in ((100, True), (150, False), (200, True), (300, True), (400, True), (500, False)):
+        make_ckpt(tmp_path, it, complete)
+    entries = L.list_checkpoints(tmp_path)
+    assert [e.iteration for e in entries] == [100, 150, 200, 300, 400, 500]
+    doomed = L.select_for_deletion(entries, keep=2)
+    assert [e.iteration for e in doomed] == [100, 200]
+    assert [e.iteration for e in L.select_for_deletion(entries, keep=2, protect={200})] == [100]
+    assert L.select_for_deletion(entries, keep=0) == []
+    assert L.select_for_deletion(entries, keep=10) == []
+    # keep=1 still never deletes the newest complete one
+    assert 400 not in [e.iteration for e in L.select_for_deletion(entries, keep=1)]
+    for e in doomed:
+        L.delete_checkpoint(e)
+    assert [e.iteration for e in L.list_checkpoints(tmp_path)] == [150, 300, 400, 500]
+
+
+def test_prepare_save_dir_clears_a_stale_attempt(tmp_path):
+    stale = make_ckpt(tmp_path, 700)  # complete-looking leftovers of an earlier attempt at 700
+    path = L.prepare_save_dir(tmp_path, 700)
+    assert path == stale and path.is_dir() and list(path.iterdir()) == []
+    assert not L.is_complete(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000700"]

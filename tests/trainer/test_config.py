@@ -1,0 +1,145 @@
+"""Argument parsing: every contract flag is accepted, unknown flags and bad combinations exit 2."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import without
+
+from megatron_trainer.config import (build_parser, parse_args, parse_blend, runtime_from_env, world_layout)
+
+CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "trainer-contract.md"
+
+
+def test_full_command_line_maps_to_config(full_argv):
+    cfg = parse_args(full_argv)
+    p, m, t, d, c = cfg.parallel, cfg.model, cfg.training, cfg.data, cfg.checkpoint
+    assert (p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.expert, p.expert_tensor) == (2, 2, 2, 1, 2, 1)
+    assert p.sequence_parallel
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.effective_num_query_groups) == (8, 1024, 16, 4)
+    assert (m.ffn_hidden_size, m.seq_length, m.max_position_embeddings, m.vocab_size) == (2816, 4096, 4096, 32000)
+    assert (m.num_experts, m.moe_router_topk, m.swiglu, m.normalization) == (4, 2, True, "RMSNorm")
+    assert (m.position_embedding_type, m.rotary_base) == ("rope", 500000)
+    assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
+    assert (t.transformer_impl, t.attention_backend, t.precision, t.fp8_format) == ("transformer_engine", "flash",
+                                                                                   "bf16", "hybrid")
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters) == (1, 64, 5000)
+    assert (t.lr, t.min_lr, t.lr_decay_style, t.lr_warmup_iters, t.lr_decay_iters) == (3e-4, 3e-5, "cosine", 100, 5000)
+    assert (t.weight_decay, t.clip_grad, t.adam_beta1, t.adam_beta2) == (0.1, 1.0, 0.9, 0.95)
+    assert t.use_distributed_optimizer
+    assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == ("full", "uniform", 1)
+    assert (t.seed, t.log_interval, t.eval_iters) == (42, 10, 0)
+    assert d.blend == (["/data/a_text_document", "/data/b_text_document"], [0.3, 0.7])
+    assert (d.split, d.tokenizer_type, d.tokenizer_model) == ("969,30,1", "HuggingFaceTokenizer", "/data/tokenizer")
+    assert d.data_cache_path == "/checkpoints/run/data-cache" and not d.mock_data
+    assert (c.save, c.load, c.save_interval, c.ckpt_format) == ("/checkpoints/run", "/checkpoints/run", 500, "torch_dist")
+    assert c.async_save and c.use_persistent_ckpt_worker and c.exit_signal_handler
+
+
+def test_mock_command_line_defaults(mock_argv):
+    cfg = parse_args(mock_argv)
+    assert cfg.data.mock_data and cfg.data.blend == ([], [])
+    assert cfg.model.effective_num_query_groups == 4 and cfg.model.add_bias_linear
+    assert cfg.checkpoint.save is None and not cfg.checkpoint.async_save
+
+
+def _contract_flags() -> set[str]:
+    flags = set()
+    for line in CONTRACT.read_text().splitlines():
+        if line.startswith("|") and "`--" in line:
+            flags.update(re.findall(r"(--[a-z0-9][a-z0-9-]*)", line.split("|")[2]))
+    return flags
+
+
+def test_parser_knows_every_flag_of_the_contract_table():
+    flags = _contract_flags()
+    assert len(flags) > 50, "contract table not found or changed shape"
+    known = set(build_parser()._option_string_actions)
+    assert flags - known == set()
+
+
+@pytest.mark.parametrize("extra", [["--no-such-flag"], ["--num-layer", "2"], ["--tensor-model-parallel", "2"]])
+def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(mock_argv + extra)
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: without(a, "--tensor-model-parallel-size") + ["--tensor-model-parallel-size", "3"], "divisible by --tensor"),
+    (lambda a: without(a, "--num-attention-heads") + ["--num-attention-heads", "6"], "divisible by --num-attention-heads"),
+    (lambda a: a + ["--fp16"], "mutually exclusive"),
+    (lambda a: without(a, "--mock-data"), "exactly one of --mock-data and --data-path"),
+    (lambda a: a + ["--data-path", "/data/x"], "exactly one of --mock-data and --data-path"),
+    (lambda a: a + ["--recompute-method", "uniform"], "needs --recompute-granularity full"),
+    (lambda a: a + ["--recompute-granularity", "full"], "needs --recompute-method"),
+    (lambda a: a + ["--async-save", "--save", "/c"], "--use-persistent-ckpt-worker"),
+    (lambda a: a + ["--save-interval", "5"], "needs --save"),
+    (lambda a: without(a, "--eval-iters") + ["--eval-iters", "5"], "no evaluation"),
+    (lambda a: without(a, "--max-position-embeddings") + ["--max-position-embeddings", "64"], ">= --seq-length"),
+    (lambda a: a + ["--pipeline-model-parallel-size", "3"], "divisible by --pipeline"),
+    (lambda a: a + ["--num-virtual-stages-per-pipeline-rank", "2"], "needs --pipeline-model-parallel-size > 1"),
+    (lambda a: a + ["--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
+    (lambda a: a + ["--expert-model-parallel-size", "2"], "needs --num-experts"),
+    (lambda a: without(a, "--tokenizer-type") + ["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-model"),
+    (lambda a: without(a, "--min-lr") + ["--min-lr", "1"], "--min-lr <= --lr"),
+    (lambda a: a + ["--overlap-param-gather"], "--use-distributed-optimizer"),
+])
+def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(change(mock_argv))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_wrong_type_exits_2(mock_argv):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(without(mock_argv, "--num-layers") + ["--num-layers", "two"])
+    assert exc.value.code == 2
+
+
+def test_blend_forms():
+    assert parse_blend(["/d/a"]) == (["/d/a"], [1.0])
+    assert parse_blend(["1", "/d/a", "3", "/d/b"]) == (["/d/a", "/d/b"], [1.0, 3.0])
+    for bad in (["1", "/d/a", "2"], ["x", "/d/a"], ["0", "/d/a"]):
+        with pytest.raises(ValueError):
+            parse_blend(bad)
+
+
+def test_runtime_from_env():
+    rt = runtime_from_env({"MEGATRON_JOB_NAME": "j", "MEGATRON_JOB_NAMESPACE": "ns", "MEGATRON_RESTART_ATTEMPT": "3",
+                           "MEGATRON_PROGRESS_INTERVAL_S": "0", "MEGATRON_METRICS_PORT": "9500",
+                           "MEGATRON_CHECKPOINT_KEEP": "2", "MEGATRON_DATA_CACHE_SHARED": "true"})
+    assert (rt.job_name, rt.job_namespace, rt.restart_attempt, rt.progress_interval_s) == ("j", "ns", 3, 0.0)
+    assert (rt.metrics_port, rt.checkpoint_keep, rt.data_cache_shared) == (9500, 2, True)
+    defaults = runtime_from_env({})
+    assert (defaults.progress_interval_s, defaults.metrics_port, defaults.checkpoint_keep) == (30.0, 9400, 0)
+    with pytest.raises(ValueError, match="MEGATRON_CHECKPOINT_KEEP"):
+        runtime_from_env({"MEGATRON_CHECKPOINT_KEEP": "two"})
+
+
+def test_world_layout(mock_argv):
+    cfg = parse_args(without(mock_argv, "--tensor-model-parallel-size", "--global-batch-size")
+                     + ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"])
+    wl = world_layout(cfg, 8)
+    assert (wl.data_parallel, wl.global_batch_size, wl.num_microbatches) == (4, 16, 2)
+    with pytest.raises(ValueError, match="not divisible by TP x PP x CP"):
+        world_layout(cfg, 3)
+    with pytest.raises(ValueError, match="micro batch x DP"):
+        world_layout(cfg, 12)  # DP 6: 16 % 12 != 0
+
+
+def test_pure_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import megatron_trainer.config, megatron_trainer.ckpt_layout, megatron_trainer.progress, "
+            "megatron_trainer.preprocess, megatron_trainer.flops, megatron_trainer.sampler, megatron_trainer.metrics; "
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[2] / "trainer_image"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,87 @@
+"""Core attention on torch's scaled_dot_product_attention: the TE-less fast path.
+
+Megatron's local spec only has `DotProductAttention`, which materialises the [b*np, s, s] score
+matrix (baddbmm -> softmax -> bmm). This module has the same constructor and forward contract
+(`megatron.core.transformer.attention.CoreAttentionBuilder/Interface`) and calls SDPA, whose flash
+and cuDNN kernels never build the score matrix. It is plugged into the local layer spec as
+`self_attention.submodules.core_attention`, so Megatron's selective recompute still wraps it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# --attention-backend -> SDPA kernels in priority order (None: torch's own choice).
+SDPA_BACKENDS = {
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+    "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+    "auto": None,
+}
+
+
+class SDPAAttention(MegatronModule):
+    """Causal (or masked) attention over [s, b, heads, head_dim] tensors via SDPA; output [s, b, np*hn]."""
+
+    backends: list[SDPBackend] | None = SDPA_BACKENDS["flash"]
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAAttention does not support context parallelism (needs Transformer Engine)")
+        tp = pg_collection.tp.size() if pg_collection is not None else \
+            parallel_state.get_tensor_model_parallel_world_size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp if config.num_query_groups >= tp else 1
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_unused):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAAttention: packed sequences and attention bias need Transformer Engine")
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, n, d] -> [b, n, s, d] as strided views: SDPA's flash/cuDNN kernels take the strides.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        is_causal = False
+        sdpa_mask = None
+        if attention_mask is not None and mask_type != AttnMaskType.causal:
+            sdpa_mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
+        elif attention_mask is not None:
+            sdpa_mask = ~attention_mask  # an explicit mask (e.g. reset across documents) wins
+        else:
+            is_causal = mask_type == AttnMaskType.causal and sq > 1
+        dropout = self.dropout_p if self.training else 0.0
+        enable_gqa = q.shape[1] != k.shape[1]
+        if self.backends is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=dropout,
+                                                 is_causal=is_causal, scale=self.softmax_scale, enable_gqa=enable_gqa)
+        else:
+            with sdpa_kernel(self.backends, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=dropout,
+                                                     is_causal=is_causal, scale=self.softmax_scale,
+                                                     enable_gqa=enable_gqa)
+        # [b, n, s, d] -> [s, b, n*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return {}  # no parameters
+
+
+def make_sdpa_attention(backend: str) -> type[SDPAAttention]:
+    """A subclass pinned to one backend list (the spec takes a class, not an instance)."""
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"unknown SDPA backend {backend!r}")
+    return type(f"SDPAAttention_{backend}", (SDPAAttention,), {"backends": SDPA_BACKENDS[backend]})

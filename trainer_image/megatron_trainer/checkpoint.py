@@ -1,0 +1,315 @@
+"""torch_dist checkpoints through Megatron-Core `dist_checkpointing`: save (sync or async), resume, retention.
+
+- Model, optimizer (with the reshardable sharding metadata Megatron-LM passes), RNG, scheduler,
+  iteration and consumed samples in one sharded state dict.
+- Async: `dist_checkpointing.save(..., async_sharded_save=True)` returns a request that a persistent
+  writer process runs; its finalize functions run on every rank once every rank's writer is done:
+  Megatron's (global `.metadata`, then `metadata.json`), then ours (tracker by temp + rename,
+  then retention). A checkpoint is therefore complete before the tracker names it.
+- Resume picks the newest complete checkpoint (ckpt_layout.find_resume_checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import ckpt_layout
+from .config import TrainerConfig
+from .distributed import DistEnv, ignore_sigterm
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class SaveRecord:
+    iteration: int
+    path: Path
+    started: float
+    blocked_s: float
+    asynchronous: bool
+
+
+@dataclass
+class LoadResult:
+    iteration: int
+    consumed_samples: int
+    path: Path
+    reason: str
+    seconds: float
+    resharded: bool = False
+
+
+@dataclass
+class CheckpointStats:
+    saves: list[dict] = field(default_factory=list)
+    last_published: int | None = None
+
+
+def _async_strategy(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import importlib.util
+
+    return "nvrx" if importlib.util.find_spec("nvidia_resiliency_ext") is not None else "mcore"
+
+
+class Checkpointer:
+    """Saves and loads the training state; every public method is collective (all ranks)."""
+
+    def __init__(self, cfg: TrainerConfig, env: DistEnv, model: list, optimizer, scheduler, keep: int):
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
+
+        self.cfg, self.env = cfg, env
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.keep = keep
+        c = cfg.checkpoint
+        self.save_dir = Path(c.save) if c.save else None
+        self.load_dir = Path(c.load) if c.load else None
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.sharding_type = None
+        if cfg.training.use_distributed_optimizer:
+            self.sharding_type = "fully_reshardable" if c.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+        self.save_strategy = FullyParallelSaveStrategyWrapper(
+            TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=c.ckpt_assume_constant_structure),
+            self.dp_cp_group, do_cache_distribution=c.ckpt_assume_constant_structure)
+        self.load_strategy_factory = lambda: FullyParallelLoadStrategyWrapper(
+            TorchDistLoadShardedStrategy(), self.dp_cp_group)
+        self.async_strategy = _async_strategy(c.async_strategy) if c.async_save else None
+        self.async_queue = None
+        self.in_flight: SaveRecord | None = None
+        self.stats = CheckpointStats()
+        self._num_saves = 0
+        self.on_published = None  # callback(iteration, total_seconds)
+
+    # ------------------------------------------------------------------ setup / teardown
+    def start_async_worker(self) -> None:
+        """Start the persistent writer now (not at the first save). It inherits SIG_IGN for SIGTERM, so
+        torchrun's process-group SIGTERM cannot kill it while the final checkpoint is written."""
+        if not self.async_strategy:
+            return
+        if self.async_strategy == "nvrx":
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+        else:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        with ignore_sigterm():
+            self.async_queue = AsyncCallsQueue(persistent=True)
+            AsyncCallsQueue.warmup_persistent_caller(self.env.rank)
+
+    def close(self, abort: bool = False) -> None:
+        if self.async_queue is not None:
+            if not abort:
+                self.finalize(blocking=True)
+            self.async_queue.close(abort=abort)
+            self.async_queue = None
+
+    # ------------------------------------------------------------------ state dict
+    def _metadata(self, sharding_type: str | None) -> dict:
+        meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": self.dp_cp_group}
+        if sharding_type:
+            meta["distrib_optim_sharding_type"] = sharding_type
+        return meta
+
+    def _rng_state(self):
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        state = {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state(),
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        }
+        pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
+        return ShardedObject("rng_state", [state], (pp, tp),
+                             (parallel_state.get_pipeline_model_parallel_rank(),
+                              parallel_state.get_tensor_model_parallel_rank()),
+                             replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+
+    def _layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"tensor": p.tensor, "pipeline": p.pipeline, "virtual_pipeline": p.virtual_pipeline or 0,
+                "context": p.context, "expert": p.expert, "world_size": self.env.world_size}
+
+    def _sharded_state_dict(self, is_loading: bool, sharding_type: str | None, with_optimizer: bool,
+                            with_rng: bool) -> dict:
+        meta = self._metadata(sharding_type)
+        sd: dict = {}
+        if len(self.model) == 1:
+            sd["model"] = self.model[0].sharded_state_dict(metadata=meta)
+        else:
+            for i, chunk in enumerate(self.model):
+                sd[f"model{i}"] = chunk.sharded_state_dict(metadata=meta)
+        if with_optimizer:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=meta)
+        if with_rng:
+            sd["rng_state"] = self._rng_state()
+        return sd
+
+    @staticmethod
+    def _clean_metadata(meta: dict) -> dict:
+        return {k: v for k, v in meta.items() if k != "dp_cp_group"}
+
+    # ------------------------------------------------------------------ save
+    def save(self, iteration: int, consumed_samples: int, blocking: bool = False) -> SaveRecord:
+        """Checkpoint `iteration`. Async unless disabled or `blocking`; returns the time the loop was held."""
+        from megatron.core import dist_checkpointing
+
+        assert self.save_dir is not None
+        t0 = time.monotonic()
+        # One save in flight at a time: wait for the previous one (counts as blocked time).
+        self.finalize(blocking=True)
+        asynchronous = self.async_queue is not None and not blocking
+        if self.env.is_rank0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            ckpt_layout.prepare_save_dir(self.save_dir, iteration)
+        torch.distributed.barrier()
+        path = ckpt_layout.checkpoint_path(self.save_dir, iteration)
+        # With overlap_param_gather the bf16 params are gathered lazily in the next forward:
+        # force the gather so the saved weights are the updated ones (Megatron-LM does the same).
+        overlap_pg = self.cfg.training.overlap_param_gather
+        if overlap_pg:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            sd = self._sharded_state_dict(False, self.sharding_type, with_optimizer=True, with_rng=True)
+            sd.update(iteration=iteration, consumed_samples=consumed_samples,
+                      scheduler=self.scheduler.state_dict(), format_version=FORMAT_VERSION,
+                      parallel_layout=self._layout())
+            request = dist_checkpointing.save(
+                sd, str(path), self.save_strategy,
+                validate_access_integrity=self._num_saves == 0,
+                async_sharded_save=asynchronous,
+                async_strategy=self.async_strategy or "mcore",
+                content_metadata=self._clean_metadata(self._metadata(self.sharding_type)))
+            self._num_saves += 1
+            if asynchronous:
+                request.add_finalize_fn(partial(self._publish, iteration, path, t0))
+                self.async_queue.schedule_async_request(request)
+        finally:
+            if overlap_pg:
+                for chunk in self.model:
+                    chunk.enable_forward_pre_hook()
+        blocked = time.monotonic() - t0
+        record = SaveRecord(iteration, path, t0, blocked, asynchronous)
+        if asynchronous:
+            self.in_flight = record
+        else:
+            self._publish(iteration, path, t0)
+        self.stats.saves.append({"iteration": iteration, "blocked_s": round(blocked, 4), "async": asynchronous})
+        log.info("checkpoint: %s save of iteration %d %s (loop blocked %.3f s)",
+                 "async" if asynchronous else "sync", iteration,
+                 "scheduled" if asynchronous else f"written to {path}", blocked)
+        return record
+
+    def _publish(self, iteration: int, path: Path, started: float) -> None:
+        """Runs on every rank after every rank finished writing (and after metadata.json)."""
+        if self.env.is_rank0:
+            if not ckpt_layout.is_complete(path):
+                # Never raise here: the other ranks are in the same finalize; a lone exception would hang them.
+                log.error("checkpoint: %s is not complete after its save: tracker NOT updated", path)
+                return
+            ckpt_layout.write_tracker(self.save_dir, iteration)
+            if self.keep:
+                entries = ckpt_layout.list_checkpoints(self.save_dir)
+                for entry in ckpt_layout.select_for_deletion(entries, self.keep, protect={iteration}):
+                    log.info("checkpoint: retention (keep=%d) deletes %s", self.keep, entry.path)
+                    ckpt_layout.delete_checkpoint(entry)
+        total = time.monotonic() - started
+        self.stats.last_published = iteration
+        if self.in_flight is not None and self.in_flight.iteration == iteration:
+            self.in_flight = None
+        for s in self.stats.saves:
+            if s["iteration"] == iteration:
+                s["total_s"] = round(total, 3)
+        log.info("checkpoint: iteration %d published (%.2f s after the save started)", iteration, total)
+        if self.on_published:
+            self.on_published(iteration, total)
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Collective: finish async saves whose writers are done on every rank (all of them if blocking)."""
+        if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
+            self.async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> LoadResult | None:
+        """Resume from the newest complete checkpoint under --load (None: start from scratch)."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        if self.load_dir is None:
+            return None
+        t0 = time.monotonic()
+        choice = [None]
+        if self.env.is_rank0:
+            choice[0] = ckpt_layout.find_resume_checkpoint(self.load_dir)
+        torch.distributed.broadcast_object_list(choice, src=0, group=self.env.cpu_group)
+        chosen = choice[0]
+        if chosen is None:
+            if self.cfg.checkpoint.exit_on_missing_checkpoint:
+                raise FileNotFoundError(f"no complete checkpoint under {self.load_dir}")
+            log.info("checkpoint: no complete checkpoint under %s: starting from scratch", self.load_dir)
+            return None
+        path = chosen.path
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        content = dist_checkpointing.load_content_metadata(str(path)) or {}
+        saved_layout = common.get("parallel_layout", {})
+        mine = self._layout()
+        same_model_grid = all(saved_layout.get(k) == mine[k] for k in ("tensor", "pipeline", "virtual_pipeline",
+                                                                         "context", "expert"))
+        saved_sharding = content.get("distrib_optim_sharding_type")
+        load_optim = not self.cfg.checkpoint.no_load_optim
+        if load_optim and self.sharding_type and saved_sharding is None:
+            raise RuntimeError(f"{path} holds no distributed-optimizer state layout; resume with --no-load-optim")
+        if load_optim and not same_model_grid and saved_sharding == "dp_reshardable":
+            raise RuntimeError(
+                f"{path} was saved under TP/PP/VPP/CP/EP {saved_layout} with a dp_reshardable optimizer; "
+                f"this run uses {mine}. Save it with --dist-ckpt-optim-fully-reshardable, or resume with "
+                "--no-load-optim")
+        load_rng = same_model_grid and not self.cfg.checkpoint.no_load_rng
+        sharding = saved_sharding if (load_optim and self.sharding_type) else self.sharding_type
+        sd = self._sharded_state_dict(True, sharding, with_optimizer=load_optim, with_rng=load_rng)
+        state = dist_checkpointing.load(sd, str(path), self.load_strategy_factory(),
+                                        strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        if len(self.model) == 1:
+            self.model[0].load_state_dict(state["model"], strict=True)
+        else:
+            for i, chunk in enumerate(self.model):
+                chunk.load_state_dict(state[f"model{i}"], strict=True)
+        if load_optim:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
+        self.scheduler.load_state_dict(state["scheduler"])
+        if load_rng:
+            from megatron.core import tensor_parallel
+
+            rng = state["rng_state"][0]
+            random.setstate(rng["random_rng_state"])
+            np.random.set_state(rng["np_rng_state"])
+            torch.set_rng_state(rng["torch_rng_state"])
+            torch.cuda.set_rng_state(rng["cuda_rng_state"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
+        torch.distributed.barrier()
+        seconds = time.monotonic() - t0
+        self.stats.last_published = int(common["iteration"])
+        result = LoadResult(int(common["iteration"]), int(common["consumed_samples"]), path, chosen.reason,
+                            seconds, resharded=not same_model_grid or saved_layout.get("world_size") != mine["world_size"])
+        log.info("checkpoint: resumed from %s (iteration %d, %s, layout %s -> %s) in %.2f s", path,
+                 result.iteration, chosen.reason, saved_layout, mine, seconds)
+        return result

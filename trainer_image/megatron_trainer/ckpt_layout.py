@@ -1,0 +1,166 @@
+"""Checkpoint directory layout: tracker, completeness, resume selection, retention. Pure (stdlib).
+
+Layout (Megatron-LM's, docs/trainer-contract.md):
+    <dir>/iter_0001000/                       torch_dist: __*.distcp, .metadata, metadata.json
+    <dir>/latest_checkpointed_iteration.txt   "<iteration>", written by temp file + rename
+
+A torch_dist checkpoint is complete when `metadata.json` exists: Megatron-Core's
+`metadata_finalize_fn` writes it last, on rank 0, after every rank's shards and the global
+`.metadata` are on disk (dist_checkpointing/serialization.py). The tracker is published after that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_name(iteration: int) -> str:
+    """`iter_0001000`, Megatron-LM's `get_checkpoint_name` for torch_dist."""
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+def checkpoint_path(root: str | Path, iteration: int) -> Path:
+    return Path(root) / checkpoint_name(iteration)
+
+
+def read_tracker(root: str | Path) -> int | None:
+    """The iteration the tracker names; None when missing, empty, corrupt or 'release'."""
+    try:
+        text = (Path(root) / TRACKER_NAME).read_text().strip()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_tracker(root: str | Path, iteration: int) -> None:
+    """Publish `iteration` atomically: write a temp file, fsync, rename over the tracker, fsync the dir."""
+    root = Path(root)
+    tmp = root / f".{TRACKER_NAME}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / TRACKER_NAME)
+    _fsync_dir(root)
+
+
+def is_complete(path: str | Path) -> bool:
+    """A torch_dist checkpoint directory whose metadata.json (written last) is present and valid."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" and (path / ".metadata").is_file()
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    iteration: int
+    path: Path
+    complete: bool
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointEntry]:
+    """Every `iter_*` directory under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    entries = []
+    for child in root.iterdir():
+        m = _ITER_RE.match(child.name)
+        if m and child.is_dir():
+            entries.append(CheckpointEntry(int(m.group(1)), child, is_complete(child)))
+    return sorted(entries, key=lambda e: e.iteration)
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    iteration: int
+    path: Path
+    reason: str
+
+
+def find_resume_checkpoint(root: str | Path) -> ResumeChoice | None:
+    """The newest COMPLETE checkpoint under root, or None (start from scratch).
+
+    The tracker names the last published checkpoint. It is trusted only if its directory is
+    complete. A complete directory newer than the tracker means the run died between writing
+    metadata.json and publishing the tracker: that checkpoint is whole and is preferred.
+    Incomplete directories (a save cut short) are never chosen.
+    """
+    entries = list_checkpoints(root)
+    complete = [e for e in entries if e.complete]
+    tracked = read_tracker(root)
+    newest = complete[-1] if complete else None
+    if tracked is not None:
+        tracked_entry = next((e for e in complete if e.iteration == tracked), None)
+        if tracked_entry is not None and (newest is None or newest.iteration <= tracked):
+            return ResumeChoice(tracked, tracked_entry.path, "tracker")
+        if newest is None:
+            return None
+        why = ("newer than the tracker" if tracked_entry is not None
+               else f"tracker names iteration {tracked}, which is not a complete checkpoint")
+        return ResumeChoice(newest.iteration, newest.path, f"newest complete ({why})")
+    if newest is None:
+        return None
+    return ResumeChoice(newest.iteration, newest.path, "newest complete (tracker missing or corrupt)")
+
+
+def select_for_deletion(entries: list[CheckpointEntry], keep: int, protect: set[int] = frozenset()) -> list[CheckpointEntry]:
+    """Old complete checkpoints beyond the newest `keep` complete ones (keep=0: none).
+
+    Never returns the newest complete checkpoint, an incomplete directory (it may be a save in
+    flight) or an iteration in `protect` (e.g. the one the tracker names, or the one resumed from).
+    """
+    if keep <= 0:
+        return []
+    complete = [e for e in entries if e.complete]
+    keep_set = {e.iteration for e in complete[-max(keep, 1):]} | set(protect)
+    return [e for e in complete[:-1] if e.iteration not in keep_set]
+
+
+def delete_checkpoint(entry: CheckpointEntry) -> None:
+    """Remove a complete checkpoint: metadata.json first, so a half-deleted dir reads as incomplete."""
+    meta = entry.path / "metadata.json"
+    try:
+        meta.unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def prepare_save_dir(root: str | Path, iteration: int) -> Path:
+    """Create `iter_N` for a new save. A leftover dir of the same iteration (an earlier attempt) is
+    removed first, so stale shards or a stale metadata.json can never make a partial save look complete."""
+    path = checkpoint_path(root, iteration)
+    if path.exists():
+        stale = path.with_name(path.name + f".stale.{os.getpid()}")
+        os.replace(path, stale)
+        (stale / "metadata.json").unlink(missing_ok=True)
+        shutil.rmtree(stale, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=False)
+    return path

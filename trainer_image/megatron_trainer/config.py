@@ -1,0 +1,514 @@
+"""The trainer's configuration: Megatron-LM flag names in, typed dataclasses out.
+
+Pure module (no torch): the contract test feeds every rendered example's command line to
+`parse_args` and CI runs without torch. The parser is generated from the dataclass fields, so a flag,
+its type, default and help live in one place (the field's metadata).
+
+Public surface:
+- `parse_args(argv: list[str]) -> TrainerConfig`: argparse-style; exits with code 2 and a clear
+  message on an unknown flag or an invalid combination.
+- `runtime_from_env(env) -> RuntimeConfig`: the environment the operator renders.
+- `world_layout(cfg, world_size) -> WorldLayout`: the checks that need the world size (DP, micro-batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+
+def flag(*names: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata: the Megatron-LM flag name(s) and argparse options of one config field."""
+    return {"flags": names, "help": help, **argparse_kwargs}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over GPUs (Megatron-Core `initialize_model_parallel`)."""
+
+    tensor: int = field(default=1, metadata=flag("--tensor-model-parallel-size", type=int,
+                                                 help="Tensor-parallel size (TP): ranks sharing one layer's weights."))
+    pipeline: int = field(default=1, metadata=flag("--pipeline-model-parallel-size", type=int,
+                                                   help="Pipeline-parallel size (PP): stages the layers are split into."))
+    virtual_pipeline: int | None = field(
+        default=None, metadata=flag("--num-virtual-stages-per-pipeline-rank", type=int,
+                                    help="Virtual pipeline stages per pipeline rank (interleaved schedule)."))
+    context: int = field(default=1, metadata=flag("--context-parallel-size", type=int,
+                                                  help="Context-parallel size (CP): the sequence split over ranks."))
+    expert: int = field(default=1, metadata=flag("--expert-model-parallel-size", type=int,
+                                                 help="Expert-parallel size (EP) for MoE layers."))
+    expert_tensor: int | None = field(
+        default=None, metadata=flag("--expert-tensor-parallel-size", type=int,
+                                    help="Tensor-parallel size inside the experts (default: TP)."))
+    sequence_parallel: bool = field(default=False, metadata=flag(
+        "--sequence-parallel", action="store_true",
+        help="Shard layer-norm/dropout activations along the sequence over the TP group (needs TE)."))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT architecture (Megatron-Core `TransformerConfig` + `GPTModel`)."""
+
+    num_layers: int = field(default=0, metadata=flag("--num-layers", type=int, required=True,
+                                                     help="Number of transformer layers."))
+    hidden_size: int = field(default=0, metadata=flag("--hidden-size", type=int, required=True,
+                                                      help="Hidden (model) dimension."))
+    num_attention_heads: int = field(default=0, metadata=flag("--num-attention-heads", type=int, required=True,
+                                                              help="Number of attention (query) heads."))
+    group_query_attention: bool = field(default=False, metadata=flag(
+        "--group-query-attention", action="store_true", help="Use grouped-query attention."))
+    num_query_groups: int | None = field(default=None, metadata=flag(
+        "--num-query-groups", type=int, help="Key/value head groups with --group-query-attention."))
+    ffn_hidden_size: int | None = field(default=None, metadata=flag(
+        "--ffn-hidden-size", type=int, help="MLP hidden size (default 4 x hidden)."))
+    seq_length: int = field(default=0, metadata=flag("--seq-length", type=int, required=True,
+                                                     help="Training sequence length in tokens."))
+    max_position_embeddings: int | None = field(default=None, metadata=flag(
+        "--max-position-embeddings", type=int, help="Positions the model supports (>= seq length)."))
+    vocab_size: int | None = field(default=None, metadata=flag(
+        "--vocab-size", type=int, help="Vocabulary size before padding (NullTokenizer / mock data)."))
+    make_vocab_size_divisible_by: int = field(default=128, metadata=flag(
+        "--make-vocab-size-divisible-by", type=int,
+        help="Pad the vocabulary to a multiple of this times TP."))
+    num_experts: int | None = field(default=None, metadata=flag(
+        "--num-experts", type=int, help="Experts per MoE layer (MoE models only)."))
+    moe_router_topk: int = field(default=2, metadata=flag(
+        "--moe-router-topk", type=int, help="Experts each token is routed to."))
+    swiglu: bool = field(default=False, metadata=flag(
+        "--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GeLU."))
+    normalization: str = field(default="LayerNorm", metadata=flag(
+        "--normalization", choices=("LayerNorm", "RMSNorm"), help="Normalization layer."))
+    position_embedding_type: str = field(default="learned_absolute", metadata=flag(
+        "--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+        help="Position embedding."))
+    rotary_base: int = field(default=10000, metadata=flag("--rotary-base", type=int,
+                                                          help="RoPE base (with --position-embedding-type rope)."))
+    untie_embeddings_and_output_weights: bool = field(default=False, metadata=flag(
+        "--untie-embeddings-and-output-weights", action="store_true",
+        help="Separate input embedding and output layer weights."))
+    add_bias_linear: bool = field(default=True, metadata=flag(
+        "--disable-bias-linear", action="store_false", help="No biases in the linear layers."))
+    init_method_std: float = field(default=0.02, metadata=flag(
+        "--init-method-std", type=float, help="Std of the normal weight initialisation."))
+    hidden_dropout: float = field(default=0.0, metadata=flag(
+        "--hidden-dropout", type=float, help="Dropout after attention/MLP (0 for LLM pretraining)."))
+    attention_dropout: float = field(default=0.0, metadata=flag(
+        "--attention-dropout", type=float, help="Dropout on attention probabilities."))
+
+    @property
+    def effective_num_query_groups(self) -> int:
+        return self.num_query_groups if self.group_query_attention and self.num_query_groups else \
+            self.num_attention_heads
+
+    @property
+    def effective_ffn_hidden_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Optimisation, precision, schedule and kernels."""
+
+    transformer_impl: str = field(default="transformer_engine", metadata=flag(
+        "--transformer-impl", choices=("transformer_engine", "local"),
+        help="Layer implementation; falls back to 'local' when Transformer Engine is not importable."))
+    attention_backend: str = field(default="flash", metadata=flag(
+        "--attention-backend", choices=("flash", "fused", "unfused", "local", "auto"),
+        help="Attention kernel. Local path: 'flash'/'fused'/'auto' = torch SDPA (flash/cuDNN), "
+             "'unfused'/'local' = Megatron's DotProductAttention (materialises s x s)."))
+    micro_batch_size: int = field(default=1, metadata=flag("--micro-batch-size", type=int,
+                                                           help="Sequences per micro-batch per GPU."))
+    global_batch_size: int | None = field(default=None, metadata=flag(
+        "--global-batch-size", type=int, help="Sequences per optimizer step (default micro x DP)."))
+    train_iters: int = field(default=0, metadata=flag("--train-iters", type=int, required=True,
+                                                      help="Optimizer steps to train for."))
+    lr: float = field(default=1e-4, metadata=flag("--lr", type=float, help="Peak learning rate."))
+    min_lr: float = field(default=0.0, metadata=flag("--min-lr", type=float, help="Final learning rate."))
+    lr_decay_style: str = field(default="linear", metadata=flag(
+        "--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        help="Learning-rate decay after warm-up."))
+    lr_warmup_iters: int = field(default=0, metadata=flag("--lr-warmup-iters", type=int,
+                                                          help="Linear warm-up steps."))
+    lr_decay_iters: int | None = field(default=None, metadata=flag(
+        "--lr-decay-iters", type=int, help="Steps over which the LR decays (default: train iters)."))
+    lr_wsd_decay_style: str = field(default="exponential", metadata=flag(
+        "--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+        help="Decay shape of the WSD schedule's final phase."))
+    lr_wsd_decay_iters: int | None = field(default=None, metadata=flag(
+        "--lr-wsd-decay-iters", type=int, help="Length of the WSD decay phase (default 10%% of decay iters)."))
+    weight_decay: float = field(default=0.01, metadata=flag("--weight-decay", type=float,
+                                                            help="Decoupled weight decay."))
+    clip_grad: float = field(default=1.0, metadata=flag("--clip-grad", type=float,
+                                                        help="Global gradient-norm clip (0 disables)."))
+    adam_beta1: float = field(default=0.9, metadata=flag("--adam-beta1", type=float, help="Adam beta1."))
+    adam_beta2: float = field(default=0.999, metadata=flag("--adam-beta2", type=float, help="Adam beta2."))
+    adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", type=float, help="Adam epsilon."))
+    bf16: bool = field(default=False, metadata=flag("--bf16", action="store_true", help="bf16 mixed precision."))
+    fp16: bool = field(default=False, metadata=flag("--fp16", action="store_true", help="fp16 mixed precision."))
+    fp8_format: str | None = field(default=None, metadata=flag(
+        "--fp8-format", choices=("e4m3", "hybrid"), help="FP8 GEMMs (Transformer Engine only)."))
+    use_distributed_optimizer: bool = field(default=False, metadata=flag(
+        "--use-distributed-optimizer", action="store_true",
+        help="Shard fp32 main params and Adam states over data-parallel ranks (ZeRO-1)."))
+    overlap_grad_reduce: bool = field(default=False, metadata=flag(
+        "--overlap-grad-reduce", action="store_true", help="Overlap the DP gradient reduce with backward."))
+    overlap_param_gather: bool = field(default=False, metadata=flag(
+        "--overlap-param-gather", action="store_true",
+        help="Overlap the distributed optimizer's param all-gather with forward."))
+    no_bias_activation_fusion: bool = field(default=False, metadata=flag(
+        "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", action="store_true",
+        help="Do not fuse bias + GeLU/SwiGLU (torch.compile'd kernels)."))
+    no_bias_dropout_fusion: bool = field(default=False, metadata=flag(
+        "--no-bias-dropout-fusion", action="store_true", help="Do not fuse bias + dropout + residual add."))
+    recompute_granularity: str | None = field(default=None, metadata=flag(
+        "--recompute-granularity", choices=("full", "selective"),
+        help="Activation recomputation: 'selective' = core attention, 'full' = whole layers."))
+    recompute_method: str | None = field(default=None, metadata=flag(
+        "--recompute-method", choices=("uniform", "block"), help="How full recompute picks layers."))
+    recompute_num_layers: int | None = field(default=None, metadata=flag(
+        "--recompute-num-layers", type=int, help="Layers per recompute group (full recompute)."))
+    seed: int = field(default=1234, metadata=flag("--seed", type=int, help="Random seed."))
+    log_interval: int = field(default=100, metadata=flag("--log-interval", type=int,
+                                                         help="Iterations between log lines."))
+    eval_iters: int = field(default=0, metadata=flag(
+        "--eval-iters", type=int, help="Evaluation iterations; the trainer does no evaluation, only 0."))
+    exit_interval: int | None = field(default=None, metadata=flag(
+        "--exit-interval", type=int, help="Save (if --save) and exit when iteration %% N == 0."))
+    exit_duration_in_mins: float | None = field(default=None, metadata=flag(
+        "--exit-duration-in-mins", type=float, help="Save (if --save) and exit after this many minutes."))
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data: mock or Megatron .bin/.idx blends."""
+
+    mock_data: bool = field(default=False, metadata=flag("--mock-data", action="store_true",
+                                                         help="Synthetic data (Megatron's MockGPTDataset)."))
+    data_path: tuple[str, ...] = field(default=(), metadata=flag(
+        "--data-path", nargs="*", help="Blend: 'W1 PREFIX1 W2 PREFIX2 ...' or one PREFIX (.bin/.idx)."))
+    split: str = field(default="969,30,1", metadata=flag("--split", help="Train/valid/test split weights."))
+    tokenizer_type: str = field(default="NullTokenizer", metadata=flag(
+        "--tokenizer-type", choices=("HuggingFaceTokenizer", "NullTokenizer"),
+        help="Tokenizer: a local Hugging Face tokenizer directory, or none (token ids = text)."))
+    tokenizer_model: str | None = field(default=None, metadata=flag(
+        "--tokenizer-model", help="Local directory holding tokenizer.json (never a hub name)."))
+    data_cache_path: str | None = field(default=None, metadata=flag(
+        "--data-cache-path", help="Writable (shared) directory for the dataset index cache."))
+    num_workers: int = field(default=2, metadata=flag("--num-workers", type=int,
+                                                      help="DataLoader worker processes."))
+    eod_mask_loss: bool = field(default=False, metadata=flag(
+        "--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens."))
+    reset_position_ids: bool = field(default=False, metadata=flag(
+        "--reset-position-ids", action="store_true", help="Restart position ids after each EOD."))
+    reset_attention_mask: bool = field(default=False, metadata=flag(
+        "--reset-attention-mask", action="store_true", help="Block attention across documents."))
+
+    @property
+    def blend(self) -> tuple[list[str], list[float]]:
+        """The prefixes and weights of --data-path (Megatron's `get_blend_from_list`)."""
+        return parse_blend(self.data_path)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Distributed checkpoints (torch_dist), async save, resume and preemption."""
+
+    save: str | None = field(default=None, metadata=flag("--save", help="Checkpoint directory to save to."))
+    load: str | None = field(default=None, metadata=flag("--load", help="Checkpoint directory to resume from."))
+    save_interval: int | None = field(default=None, metadata=flag(
+        "--save-interval", type=int, help="Iterations between checkpoints."))
+    ckpt_format: str = field(default="torch_dist", metadata=flag(
+        "--ckpt-format", choices=("torch_dist",), help="Checkpoint format (torch_dist only)."))
+    async_save: bool = field(default=False, metadata=flag(
+        "--async-save", action="store_true", help="Write checkpoints in the background."))
+    use_persistent_ckpt_worker: bool = field(default=False, metadata=flag(
+        "--use-persistent-ckpt-worker", action="store_true",
+        help="One long-lived writer process for async saves (required with --async-save)."))
+    async_strategy: str = field(default="auto", metadata=flag(
+        "--async-strategy", choices=("auto", "nvrx", "mcore"),
+        help="Async writer: nvidia-resiliency-ext or Megatron-Core's; 'auto' = nvrx when importable."))
+    ckpt_assume_constant_structure: bool = field(default=True, metadata=flag(
+        "--ckpt-assume-constant-structure", action="store_true",
+        help="Reuse the save plan across checkpoints (always on in this trainer)."))
+    dist_ckpt_optim_fully_reshardable: bool = field(default=False, metadata=flag(
+        "--dist-ckpt-optim-fully-reshardable", action="store_true",
+        help="Save the distributed optimizer so it can be resumed under another TP/PP (slower save)."))
+    no_load_optim: bool = field(default=False, metadata=flag(
+        "--no-load-optim", action="store_true", help="Resume weights only, fresh optimizer state."))
+    no_load_rng: bool = field(default=False, metadata=flag(
+        "--no-load-rng", action="store_true", help="Do not restore RNG states on resume."))
+    exit_on_missing_checkpoint: bool = field(default=False, metadata=flag(
+        "--exit-on-missing-checkpoint", action="store_true",
+        help="Fail instead of starting from scratch when --load holds no complete checkpoint."))
+    exit_signal_handler: bool = field(default=False, metadata=flag(
+        "--exit-signal-handler", action="store_true",
+        help="On SIGTERM: all ranks agree, save a checkpoint, exit 0."))
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything the command line says. Environment knobs live in `RuntimeConfig`."""
+
+    parallel: ParallelConfig
+    model: ModelConfig
+    training: TrainingConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The environment the operator renders (docs/trainer-contract.md, "Environment")."""
+
+    job_name: str | None = None
+    """MEGATRON_JOB_NAME: the MegatronJob whose status.progress is written."""
+    job_namespace: str | None = None
+    """MEGATRON_JOB_NAMESPACE."""
+    restart_attempt: int = 0
+    """MEGATRON_RESTART_ATTEMPT: gang restarts so far (JobSet restart-attempt label)."""
+    progress_interval_s: float = 30.0
+    """MEGATRON_PROGRESS_INTERVAL_S: seconds between status.progress writes (0 disables)."""
+    metrics_port: int = 9400
+    """MEGATRON_METRICS_PORT: Prometheus port on rank 0 and the last stage's first rank (0 disables)."""
+    checkpoint_keep: int = 0
+    """MEGATRON_CHECKPOINT_KEEP: complete checkpoints to keep (0 = all)."""
+    data_cache_shared: bool = False
+    """MEGATRON_DATA_CACHE_SHARED: the --data-cache-path is on storage every pod sees."""
+
+
+_SECTIONS: tuple[tuple[str, type], ...] = (
+    ("parallel", ParallelConfig),
+    ("model", ModelConfig),
+    ("training", TrainingConfig),
+    ("data", DataConfig),
+    ("checkpoint", CheckpointConfig),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with Megatron-LM's spelling: no prefix abbreviations (an unknown flag is an error)."""
+
+
+def build_parser(prog: str = "python -m megatron_trainer") -> argparse.ArgumentParser:
+    """The argparse parser, generated from the dataclass fields' metadata."""
+    parser = _Parser(prog=prog, allow_abbrev=False,
+                     description="Megatron-Core GPT pretraining (Megatron-LM flag names).")
+    for section, cls in _SECTIONS:
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip())
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            names = meta.pop("flags")
+            meta["dest"] = f"{section}.{f.name}"
+            if meta.get("action") is None and "choices" not in meta:
+                meta.setdefault("metavar", f.name.upper())
+            meta.setdefault("default", f.default if f.default is not dataclasses.MISSING else None)
+            group.add_argument(*names, **meta)
+    return parser
+
+
+def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
+    """'W1 P1 W2 P2 ...' or 'P1' -> (prefixes, weights). Raises ValueError on a malformed list."""
+    items = list(data_path)
+    if not items:
+        return [], []
+    if len(items) == 1:
+        return [items[0]], [1.0]
+    if len(items) % 2:
+        raise ValueError(f"--data-path needs 'WEIGHT PREFIX' pairs or a single PREFIX, got {items}")
+    prefixes, weights = [], []
+    for w, p in zip(items[0::2], items[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"--data-path: {w!r} is not a weight (expected 'WEIGHT PREFIX' pairs)") from None
+        if weight <= 0:
+            raise ValueError(f"--data-path: weight {w} must be > 0")
+        prefixes.append(p)
+        weights.append(weight)
+    return prefixes, weights
+
+
+def validate(cfg: TrainerConfig) -> None:
+    """Checks that need no world size. Raises ValueError saying what to change.
+
+    Mirrors Megatron-LM's `validate_args` (megatron/training/arguments.py) where it applies.
+    """
+    p, m, t, d, c = cfg.parallel, cfg.model, cfg.training, cfg.data, cfg.checkpoint
+    for name, value in (("--tensor-model-parallel-size", p.tensor), ("--pipeline-model-parallel-size", p.pipeline),
+                        ("--context-parallel-size", p.context), ("--expert-model-parallel-size", p.expert),
+                        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                        ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
+                        ("--log-interval", t.log_interval)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if m.num_attention_heads % p.tensor:
+        raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                         f"--tensor-model-parallel-size ({p.tensor})")
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
+                         f"({m.num_attention_heads})")
+    if m.num_query_groups is not None and not m.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    groups = m.effective_num_query_groups
+    if m.num_attention_heads % groups:
+        raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) must be a multiple of "
+                         f"--num-query-groups ({groups})")
+    if groups % p.tensor and p.tensor % groups:
+        raise ValueError(f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({p.tensor}) "
+                         "must divide one another")
+    if m.num_layers % p.pipeline:
+        raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by "
+                         f"--pipeline-model-parallel-size ({p.pipeline})")
+    if p.virtual_pipeline is not None:
+        if p.pipeline < 2:
+            raise ValueError("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1")
+        if (m.num_layers // p.pipeline) % p.virtual_pipeline:
+            raise ValueError(f"layers per pipeline stage ({m.num_layers // p.pipeline}) must be divisible by "
+                             f"--num-virtual-stages-per-pipeline-rank ({p.virtual_pipeline})")
+    if p.sequence_parallel and p.tensor == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if p.context > 1 and m.seq_length % (2 * p.context):
+        raise ValueError(f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size")
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        raise ValueError(f"--max-position-embeddings ({m.max_position_embeddings}) must be >= "
+                         f"--seq-length ({m.seq_length})")
+    if m.num_experts is not None:
+        if m.num_experts % p.expert:
+            raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({p.expert})")
+        if not 1 <= m.moe_router_topk <= m.num_experts:
+            raise ValueError("--moe-router-topk must be between 1 and --num-experts")
+    elif p.expert > 1:
+        raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+    if t.bf16 and t.fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if t.fp8_format and not (t.bf16 or t.fp16):
+        raise ValueError("--fp8-format needs --bf16 (or --fp16)")
+    if t.use_distributed_optimizer is False and t.overlap_param_gather:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+    if t.overlap_param_gather and not t.overlap_grad_reduce:
+        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce")
+    if t.recompute_method is not None and t.recompute_granularity != "full":
+        raise ValueError("--recompute-method needs --recompute-granularity full")
+    if t.recompute_granularity == "full" and (t.recompute_method is None or not t.recompute_num_layers):
+        raise ValueError("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+    if t.eval_iters != 0:
+        raise ValueError("the trainer does no evaluation: --eval-iters must be 0")
+    if t.lr_warmup_iters < 0 or t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ValueError("need 0 <= --min-lr <= --lr and --lr-warmup-iters >= 0")
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    if t.lr_warmup_iters > decay:
+        raise ValueError(f"--lr-warmup-iters ({t.lr_warmup_iters}) exceeds --lr-decay-iters ({decay})")
+    if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
+        raise ValueError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
+                         f"--micro-batch-size ({t.micro_batch_size})")
+    # Data.
+    if d.mock_data == bool(d.data_path):
+        raise ValueError("give exactly one of --mock-data and --data-path")
+    parse_blend(d.data_path)
+    if d.tokenizer_type == "HuggingFaceTokenizer" and not d.tokenizer_model:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a local directory)")
+    if d.tokenizer_type == "NullTokenizer" and not m.vocab_size:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    split = d.split.replace("/", ",").split(",")
+    try:
+        if not split or any(float(x) < 0 for x in split) or not float(split[0]) > 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--split {d.split!r}: expected comma-separated weights with train > 0") from None
+    # Checkpoints.
+    if c.save_interval is not None and c.save_interval < 1:
+        raise ValueError("--save-interval must be >= 1")
+    if c.save_interval and not c.save:
+        raise ValueError("--save-interval needs --save DIR")
+    if c.async_save and not c.save:
+        raise ValueError("--async-save needs --save DIR")
+    if c.async_save and not c.use_persistent_ckpt_worker:
+        # Megatron-LM silently drops async without it (arguments.py:1740); we refuse instead.
+        raise ValueError("--async-save needs --use-persistent-ckpt-worker")
+    if c.exit_on_missing_checkpoint and not c.load:
+        raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
+
+
+def parse_args(argv: Sequence[str]) -> TrainerConfig:
+    """Parse the rendered command line. Exits with code 2 (argparse style) on any error."""
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    values = vars(ns)
+    sections = {}
+    for section, cls in _SECTIONS:
+        kwargs = {f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)}
+        if section == "data":
+            kwargs["data_path"] = tuple(kwargs["data_path"] or ())
+        sections[section] = cls(**kwargs)
+    cfg = TrainerConfig(**sections)
+    try:
+        validate(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg
+
+
+def _env_bool(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
+    """The trainer's environment knobs. Raises ValueError on a malformed number."""
+
+    def num(name: str, default: float, cast: type) -> Any:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return cast(default)
+        try:
+            value = cast(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a {cast.__name__}") from None
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {raw}")
+        return value
+
+    return RuntimeConfig(
+        job_name=env.get("MEGATRON_JOB_NAME") or None,
+        job_namespace=env.get("MEGATRON_JOB_NAMESPACE") or None,
+        restart_attempt=num("MEGATRON_RESTART_ATTEMPT", 0, int),
+        progress_interval_s=num("MEGATRON_PROGRESS_INTERVAL_S", 30.0, float),
+        metrics_port=num("MEGATRON_METRICS_PORT", 9400, int),
+        checkpoint_keep=num("MEGATRON_CHECKPOINT_KEEP", 0, int),
+        data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
+    )
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    """Sizes derived from the config and the world size."""
+
+    world_size: int
+    data_parallel: int
+    global_batch_size: int
+    num_microbatches: int
+
+
+def world_layout(cfg: TrainerConfig, world_size: int) -> WorldLayout:
+    """DP size and micro-batches per step; ValueError if the layout does not divide the world."""
+    p, t = cfg.parallel, cfg.training
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by TP x PP x CP = {model_parallel}")
+    dp = world_size // model_parallel
+    expert_grid = (p.expert_tensor or p.tensor) * p.expert * p.pipeline
+    if world_size % expert_grid:
+        raise ValueError(f"world size {world_size} is not divisible by ETP x EP x PP = {expert_grid}")
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    if gbs % (t.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size ({gbs}) must be divisible by micro batch x DP "
+                         f"({t.micro_batch_size} x {dp})")
+    return WorldLayout(world_size=world_size, data_parallel=dp, global_batch_size=gbs,
+                       num_microbatches=gbs // (t.micro_batch_size * dp))

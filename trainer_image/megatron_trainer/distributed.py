@@ -1,0 +1,124 @@
+"""Process groups from torchrun's environment, Megatron-Core parallel state, and preemption signals."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import TrainerConfig, WorldLayout, world_layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    layout: WorldLayout
+    cpu_group: torch.distributed.ProcessGroup  # gloo, whole world: flags that must not touch CUDA streams
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: TrainerConfig) -> DistEnv:
+    """torch.distributed (NCCL) from torchrun's env, then `initialize_model_parallel` by keyword."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = world_layout(cfg, world_size)  # ValueError says which size does not divide
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if cfg.parallel.tensor > 1 or cfg.parallel.context > 1:
+        # Megatron-LM asserts this on Hopper (arguments.py:1413): kernel order for comm/compute overlap.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+    torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group(backend="nccl", rank=rank, world_size=world_size,
+                                         device_id=torch.device("cuda", local_rank))
+    cpu_group = torch.distributed.new_group(backend="gloo")
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor,
+    )
+    model_parallel_cuda_manual_seed(cfg.training.seed)
+    return DistEnv(rank, local_rank, world_size, layout, cpu_group)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if torch.distributed.is_initialized():
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+class StopSignal:
+    """Records SIGTERM (and SIGINT) so the loop can stop at a step boundary on every rank.
+
+    torchrun's agent forwards SIGTERM to each worker's process group (os.killpg) and sends SIGKILL
+    after its shutdown timeout (torch/distributed/elastic/multiprocessing/api.py: 30 s by default,
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT / --shutdown-timeout where the torch version has them).
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self.received_at: float | None = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if self.received is None:
+            self.received, self.received_at = signum, time.monotonic()
+            # Only async-signal-safe work here; the loop logs it.
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def any_rank(flag: bool, env: DistEnv) -> bool:
+    """True on every rank if `flag` is true on any rank (gloo all-reduce: no CUDA sync)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=env.cpu_group)
+    return bool(t.item())
+
+
+class ignore_sigterm:
+    """Context: child processes started inside inherit SIG_IGN for SIGTERM (it survives exec).
+
+    torchrun signals the whole process group, so without this the async checkpoint writer and
+    DataLoader workers would die before the final checkpoint is written.
+    """
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._old)
+        return False
+
+
+def ignore_sigterm_in_worker(_worker_id: int) -> None:
+    """DataLoader worker_init_fn: torch installs a SIGTERM handler in workers; replace it with SIG_IGN."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

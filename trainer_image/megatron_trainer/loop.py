@@ -1,0 +1,370 @@
+"""The Trainer: one linear, sectioned set-up and a training loop of named steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import torch
+
+from . import flops as flops_mod
+from .checkpoint import Checkpointer
+from .config import RuntimeConfig, TrainerConfig
+from .distributed import DistEnv, StopSignal, any_rank, init_distributed
+from .metrics import Metrics
+from .model import (build_model, choose_path, count_parameters, te_available, transformer_config,
+                    wire_model_hooks)
+from .progress import Cadence, Progress, ProgressWriter
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (/proc), so start-up time includes interpreter and imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    iteration_times_s: list[float] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    skipped_iterations: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, runtime: RuntimeConfig):
+        from megatron.core import parallel_state
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.cfg, self.runtime = cfg, runtime
+        t, m = cfg.training, cfg.model
+        self.started_age_s = process_age_s() or 0.0
+        self.t_start = time.monotonic() - self.started_age_s
+
+        # --- distributed --------------------------------------------------------------------
+        self.env: DistEnv = init_distributed(cfg)
+        layout = self.env.layout
+        self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.is_logging_rank = self.env.rank == self.env.world_size - 1  # last stage: holds the loss
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+        self.num_nodes = max(1, self.env.world_size // local_world)
+
+        # --- model ----------------------------------------------------------------------------
+        self.path = choose_path(cfg, te_available())
+        from .tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, m.vocab_size)
+        self.vocab_size = tokenizer.vocab_size
+        self.tconfig = transformer_config(cfg, self.path)
+        self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
+        self.num_params_rank = count_parameters(self.model)
+        torch.cuda.synchronize()
+        self.mem_after_model = torch.cuda.memory_allocated()
+
+        # --- optimizer and LR schedule (Megatron's; steps counted in samples like Megatron-LM) ---
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+            bf16=t.bf16, fp16=t.fp16, params_dtype=self.tconfig.params_dtype,
+            use_distributed_optimizer=t.use_distributed_optimizer, overlap_param_gather=t.overlap_param_gather)
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        gbs = layout.global_batch_size
+        decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+        wsd_iters = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=t.lr_warmup_iters * gbs, lr_decay_steps=decay_iters * gbs,
+            lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=t.train_iters * gbs, wd_incr_style="constant",
+            wsd_decay_steps=wsd_iters * gbs if t.lr_decay_style == "WSD" else None,
+            lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None)
+        wire_model_hooks(cfg, self.tconfig, self.model, self.optimizer)
+        torch.cuda.synchronize()
+        self.mem_after_optimizer = torch.cuda.memory_allocated()
+
+        # --- checkpoints: start the writer, resume --------------------------------------------
+        self.state = TrainState()
+        self.checkpointer = Checkpointer(cfg, self.env, self.model, self.optimizer, self.scheduler,
+                                         keep=runtime.checkpoint_keep)
+        self.checkpointer.start_async_worker()
+        self.loaded = self.checkpointer.load()
+        if self.loaded is not None:
+            self.state.iteration = self.loaded.iteration
+            self.state.consumed_samples = self.loaded.consumed_samples
+
+        # --- data (resumes from consumed samples) ---------------------------------------------
+        from .data import build_data
+
+        _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
+                                            runtime.data_cache_shared)
+
+        # --- throughput arithmetic -------------------------------------------------------------
+        self.tokens_per_iteration = gbs * m.seq_length
+        self.flops_per_iteration = flops_mod.megatron_flops_per_iteration(
+            gbs, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.effective_num_query_groups,
+            m.effective_ffn_hidden_size, self.padded_vocab, swiglu=m.swiglu,
+            moe_topk=m.moe_router_topk if m.num_experts else 1)
+        self.classic_flops_per_iteration = flops_mod.classic_flops_per_iteration(
+            gbs, m.seq_length, m.num_layers, m.hidden_size, self.vocab_size)
+
+        # --- observability: metrics, progress, preemption -------------------------------------
+        node_rank = self.env.rank // local_world
+        first_of_last_stage = self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+            parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        serve = self.env.is_rank0 or (first_of_last_stage and node_rank != 0)  # one server per node
+        self.metrics = Metrics(runtime.metrics_port, serve)
+        self.metrics.set("train_iters", t.train_iters)
+        self.metrics.set("restarts", runtime.restart_attempt)
+        self.progress = None
+        if self.env.is_rank0 and runtime.job_name and runtime.job_namespace and runtime.progress_interval_s > 0:
+            self.progress = ProgressWriter.in_cluster(runtime.job_name, runtime.job_namespace)
+        self.progress_cadence = Cadence(runtime.progress_interval_s)
+        self.checkpointer.on_published = self._on_checkpoint_published
+        self.stop_signal = StopSignal()
+        if cfg.checkpoint.exit_signal_handler:
+            self.stop_signal.install()
+        self.last_log = {"loss": None, "tokens_per_second": None, "tflops_per_gpu": None, "mfu": None}
+        self.first_iteration_age_s: float | None = None
+        self._log_startup()
+
+    # ------------------------------------------------------------------------------------------
+    def _log_startup(self) -> None:
+        c, p, t = self.cfg, self.cfg.parallel, self.cfg.training
+        if self.env.is_rank0:
+            log.info("megatron_trainer: %s", self.path.describe())
+            log.info("layout: world=%d TP=%d PP=%d VPP=%s CP=%d EP=%d DP=%d | micro batch %d, global batch %d, "
+                     "%d micro-batches/step | %s | distributed optimizer %s | recompute %s",
+                     self.env.world_size, p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.expert,
+                     self.env.layout.data_parallel, t.micro_batch_size, self.env.layout.global_batch_size,
+                     self.env.layout.num_microbatches, t.precision, t.use_distributed_optimizer,
+                     t.recompute_granularity or "none")
+            log.info("params on rank 0: %.1fM | vocab %d (padded %d) | async save: %s",
+                     self.num_params_rank / 1e6, self.vocab_size, self.padded_vocab,
+                     self.checkpointer.async_strategy or "off")
+
+    # ----------------------------------------------------------------------- cadence predicates
+    def should_log(self) -> bool:
+        return self.state.iteration % self.cfg.training.log_interval == 0 or \
+            self.state.iteration == self.cfg.training.train_iters
+
+    def should_save(self) -> bool:
+        c = self.cfg.checkpoint
+        return bool(c.save and c.save_interval and self.state.iteration % c.save_interval == 0)
+
+    def should_stop(self) -> str | None:
+        """Why every rank stops now (None: keep going). One gloo all-reduce, so all ranks agree."""
+        t = self.cfg.training
+        local = self.stop_signal.received is not None
+        if t.exit_duration_in_mins is not None:
+            local = local or (time.monotonic() - self.t_start) / 60 >= t.exit_duration_in_mins
+        if any_rank(local, self.env):
+            return "signal" if any_rank(self.stop_signal.received is not None, self.env) else "exit-duration"
+        if t.exit_interval and self.state.iteration % t.exit_interval == 0:
+            return "exit-interval"
+        return None
+
+    # ------------------------------------------------------------------------------- the step
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator) if data_iterator is not None else None
+        if batch is None:
+            return model(None, None, None), lambda out: (out, None, {})
+        tokens = batch["tokens"].cuda(non_blocking=True)
+        labels = batch["labels"].cuda(non_blocking=True)
+        loss_mask = batch["loss_mask"].cuda(non_blocking=True)
+        position_ids = batch["position_ids"].cuda(non_blocking=True)
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is not None:
+            attention_mask = attention_mask.cuda(non_blocking=True)
+        output = model(tokens, position_ids, attention_mask, labels=labels)
+
+        def loss_func(output_tensor):
+            # Megatron-LM's 3-tuple: (sum of token losses, token count, report); with
+            # calculate_per_token_loss the schedule/finalize divide by the global token count.
+            losses = output_tensor.float().view(-1)
+            mask = loss_mask.view(-1).float()
+            loss_sum = torch.sum(losses * mask)
+            num_tokens = mask.sum().to(torch.int)
+            report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+            return loss_sum, num_tokens, {"lm loss": report}
+
+        return output, loss_func
+
+    def train_step(self) -> tuple[torch.Tensor | None, float | None, bool]:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        layout, m = self.env.layout, self.cfg.model
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        iterators = self.data_iterators if len(self.model) > 1 else self.data_iterators[0]
+        reports = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iterators,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=layout.num_microbatches, seq_length=m.seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size, decoder_seq_length=m.seq_length,
+            forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=layout.global_batch_size)
+        loss = None
+        if self.is_last_stage and reports:
+            total = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            loss = total[0] / total[1]
+        return loss, grad_norm, update_ok
+
+    # ------------------------------------------------------------------------------- the loop
+    def train(self) -> str:
+        """Train to --train-iters (or until a stop); returns why it stopped."""
+        t = self.cfg.training
+        pending_losses: list[tuple[int, torch.Tensor]] = []
+        log_window_start = time.monotonic()
+        window_iters = 0
+        last_grad_norm = None
+        stop_reason = "done"
+        while self.state.iteration < t.train_iters:
+            t0 = time.monotonic()
+            loss, grad_norm, ok = self.train_step()
+            self.state.iteration += 1
+            self.state.consumed_samples += self.env.layout.global_batch_size
+            self.state.skipped_iterations += 0 if ok else 1
+            last_grad_norm = grad_norm
+            if loss is not None:
+                pending_losses.append((self.state.iteration, loss))
+            self.checkpointer.finalize(blocking=False)
+            self.state.iteration_times_s.append(time.monotonic() - t0)
+            window_iters += 1
+            if self.first_iteration_age_s is None:
+                torch.cuda.synchronize()
+                self.first_iteration_age_s = time.monotonic() - self.t_start
+                self.mem_after_first_step = torch.cuda.memory_allocated()
+                if self.env.is_rank0:
+                    log.info("startup: process start -> first %siteration done: %.1f s",
+                             "resumed " if self.loaded else "", self.first_iteration_age_s)
+            if self.should_log():
+                elapsed = time.monotonic() - log_window_start
+                self.log_iterations(pending_losses, elapsed / window_iters, last_grad_norm)
+                pending_losses.clear()
+                log_window_start, window_iters = time.monotonic(), 0
+            stop_reason = self.should_stop() or stop_reason
+            if stop_reason != "done":
+                if self.cfg.checkpoint.save:
+                    self.checkpointer.save(self.state.iteration, self.state.consumed_samples, blocking=True)
+                if self.env.is_rank0:
+                    log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
+                break
+            if self.should_save():
+                blocked = self.checkpointer.save(self.state.iteration, self.state.consumed_samples).blocked_s
+                self.metrics.set("checkpoint_save_blocked_seconds", blocked)
+        else:
+            if self.cfg.checkpoint.save and self.checkpointer.stats.last_published != self.state.iteration and \
+                    (self.checkpointer.in_flight is None or self.checkpointer.in_flight.iteration != self.state.iteration):
+                self.checkpointer.save(self.state.iteration, self.state.consumed_samples, blocking=True)
+        self.checkpointer.finalize(blocking=True)
+        self._write_progress(force=True)
+        return stop_reason
+
+    # ------------------------------------------------------------------------- observability
+    def log_iterations(self, pending: list[tuple[int, torch.Tensor]], seconds_per_iteration: float,
+                       grad_norm: float | None) -> None:
+        """Megatron-style lines (last rank), metrics and progress (rank 0). Collective on the CPU group."""
+        losses = [(it, float(v)) for it, v in zip([i for i, _ in pending],
+                                                  torch.stack([x for _, x in pending]).tolist())] if pending else []
+        for it, value in losses:
+            self.state.losses[it] = value
+        # The loss lives on the last stage; bring it to rank 0 (for metrics and status.progress).
+        shared = torch.tensor([losses[-1][1] if (losses and self.is_logging_rank) else 0.0,
+                               1.0 if (losses and self.is_logging_rank) else 0.0], dtype=torch.float64)
+        torch.distributed.all_reduce(shared, group=self.env.cpu_group)
+        loss = float(shared[0]) if shared[1] > 0 else None
+        tp = flops_mod.throughput(self.flops_per_iteration, self.tokens_per_iteration, seconds_per_iteration,
+                                  self.env.world_size)
+        self.last_log = {"loss": loss, "tokens_per_second": tp["tokens_per_s"],
+                         "tflops_per_gpu": tp["tflops_per_gpu"], "mfu": tp["mfu"]}
+        for name, value in (("iteration", self.state.iteration), ("loss", loss),
+                            ("tokens_per_second", tp["tokens_per_s"]), ("tflops_per_gpu", tp["tflops_per_gpu"]),
+                            ("mfu", tp["mfu"])):
+            self.metrics.set(name, value)
+        if self.is_logging_rank:
+            lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else float("nan")
+            for it, value in losses:
+                print(f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {it:8d}/{self.cfg.training.train_iters:8d} |"
+                      f" consumed samples: {it * self.env.layout.global_batch_size:12d} |"
+                      f" elapsed time per iteration (ms): {seconds_per_iteration * 1000:.1f} |"
+                      f" throughput per GPU (TFLOP/s/GPU): {tp['tflops_per_gpu']:.1f} |"
+                      f" learning rate: {lr:.6E} | global batch size: {self.env.layout.global_batch_size:5d} |"
+                      f" lm loss: {value:.6E} | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
+                      f" number of skipped iterations: {self.state.skipped_iterations:3d} |", flush=True)
+        self._write_progress()
+
+    def _write_progress(self, force: bool = False) -> None:
+        if self.progress is None or not (force or self.progress_cadence.due()):
+            return
+        snapshot = Progress(iteration=self.state.iteration, train_iters=self.cfg.training.train_iters,
+                            loss=self.last_log["loss"], tokens_per_second=self.last_log["tokens_per_second"],
+                            tflops_per_gpu=self.last_log["tflops_per_gpu"], mfu=self.last_log["mfu"],
+                            last_checkpoint_iteration=self.checkpointer.stats.last_published)
+        if force:
+            self.progress.write_now(snapshot)
+        else:
+            self.progress.submit(snapshot)
+
+    def _on_checkpoint_published(self, iteration: int, total_s: float) -> None:
+        self.metrics.set("last_checkpoint_iteration", iteration)
+        self.metrics.set("checkpoint_save_seconds", total_s)
+
+    def summary(self) -> dict:
+        """Figures for benchmarks and memory calibration (collective: gathers per-rank memory)."""
+        times = self.state.iteration_times_s
+        steady = sorted(times[3:]) if len(times) > 4 else sorted(times)
+        median = steady[len(steady) // 2] if steady else None
+        mem = {"rank": self.env.rank, "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+               "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+               "after_model_gib": self.mem_after_model / GIB,
+               "after_optimizer_init_gib": self.mem_after_optimizer / GIB,
+               "after_first_step_gib": getattr(self, "mem_after_first_step", 0) / GIB,
+               "params_on_rank": self.num_params_rank}
+        gathered = [None] * self.env.world_size
+        torch.distributed.all_gather_object(gathered, mem, group=self.env.cpu_group)
+        out = {"iterations_run": len(times), "median_iteration_s": median,
+               "losses": {str(k): v for k, v in sorted(self.state.losses.items())},
+               "memory_per_rank": gathered,
+               "max_peak_allocated_gib": max(g["peak_allocated_gib"] for g in gathered),
+               "checkpoint_saves": self.checkpointer.stats.saves,
+               "load_s": self.loaded.seconds if self.loaded else None,
+               "resumed_from": self.loaded.iteration if self.loaded else None,
+               "startup_to_first_iteration_s": self.first_iteration_age_s,
+               "path": self.path.describe()}
+        if median:
+            out["megatron_formula"] = flops_mod.throughput(self.flops_per_iteration, self.tokens_per_iteration,
+                                                           median, self.env.world_size)
+            out["classic_formula"] = flops_mod.throughput(self.classic_flops_per_iteration,
+                                                          self.tokens_per_iteration, median, self.env.world_size)
+        return out
+
+    def close(self, abort: bool = False) -> None:
+        self.checkpointer.close(abort=abort)
+        if self.progress is not None:
+            self.progress.close()
+        self.stop_signal.restore()
+
+
+def dump_summary(summary: dict) -> None:
+    print("TRAINER_SUMMARY " + json.dumps(summary, sort_keys=True), flush=True)

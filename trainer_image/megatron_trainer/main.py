@@ -1,0 +1,45 @@
+"""Entry point: parse, set up, train, exit (0 after a completed run or a checkpoint on SIGTERM)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Sequence
+
+from .config import parse_args, runtime_from_env
+
+
+def setup_logging(rank: int, world_size: int) -> None:
+    verbose = rank in (0, world_size - 1)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("megatron_trainer").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg = parse_args(argv)  # exits 2 on a bad command line
+    try:
+        runtime = runtime_from_env(os.environ)
+    except ValueError as e:
+        print(f"megatron_trainer: {e}", file=sys.stderr)
+        return 2
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    setup_logging(rank, world)
+
+    from .distributed import destroy_distributed
+    from .loop import Trainer, dump_summary
+
+    trainer = Trainer(cfg, runtime)
+    try:
+        reason = trainer.train()
+        summary = trainer.summary()
+        if trainer.env.is_rank0 or trainer.is_logging_rank:
+            summary["stop_reason"] = reason
+            dump_summary(summary)
+    except BaseException:
+        trainer.close(abort=True)
+        raise
+    trainer.close()
+    destroy_distributed()
+    return 0

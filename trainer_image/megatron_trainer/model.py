@@ -1,0 +1,196 @@
+"""GPTModel construction: Transformer Engine spec when importable, else the local spec with SDPA attention."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import TrainerConfig
+from .flops import padded_vocab_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelPath:
+    """Which implementation runs (said at start-up)."""
+
+    transformer_impl: str  # "transformer_engine" | "local"
+    attention: str  # e.g. "TE flash", "SDPA (flash>cudnn>efficient)", "Megatron DotProductAttention (unfused)"
+
+    def describe(self) -> str:
+        return f"transformer_impl={self.transformer_impl}, attention={self.attention}"
+
+
+def te_available() -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except Exception:  # noqa: BLE001 - any import failure means no TE
+        return False
+    return bool(HAVE_TE)
+
+
+def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
+    """The implementation for this run; ValueError when the job needs TE and TE is missing."""
+    t, p = cfg.training, cfg.parallel
+    needs_te = [why for cond, why in ((p.sequence_parallel, "--sequence-parallel"),
+                                      (p.context > 1, "--context-parallel-size > 1"),
+                                      (t.fp8_format is not None, "--fp8-format")) if cond]
+    if t.transformer_impl == "transformer_engine" and have_te:
+        return ModelPath("transformer_engine", f"TE DotProductAttention ({t.attention_backend})")
+    if needs_te:
+        raise ValueError(f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
+    if t.transformer_impl == "transformer_engine":
+        log.warning("!!! --transformer-impl transformer_engine asked for, but Transformer Engine is not "
+                    "importable: FALLING BACK to the local (Megatron-Core only) implementation !!!")
+    if t.attention_backend in ("unfused", "local"):
+        return ModelPath("local", "Megatron DotProductAttention (unfused, materialises s x s)")
+    order = {"flash": "flash>cudnn>efficient", "fused": "cudnn>flash>efficient", "auto": "torch default"}
+    return ModelPath("local", f"SDPA ({order[t.attention_backend]})")
+
+
+def transformer_config(cfg: TrainerConfig, path: ModelPath):
+    """Megatron-Core TransformerConfig from the trainer config."""
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t.precision]
+    local = path.transformer_impl == "local"
+    gelu_fusable = not m.swiglu and m.add_bias_linear
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.effective_num_query_groups,
+        ffn_hidden_size=m.effective_ffn_hidden_size,
+        normalization=m.normalization,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor,
+        sequence_parallel=p.sequence_parallel,
+        recompute_granularity=t.recompute_granularity,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.moe_router_topk if m.num_experts else 2,
+        # Fusions: torch-only ones are on (Megatron-LM defaults); TE/apex-only ones off on the local path.
+        bias_activation_fusion=t_fusion(cfg, "bias_activation") and (m.swiglu or gelu_fusable),
+        bias_dropout_fusion=t_fusion(cfg, "bias_dropout"),
+        masked_softmax_fusion=not local,
+        apply_rope_fusion=not local and m.position_embedding_type == "rope",
+        gradient_accumulation_fusion=not local,
+        persist_layer_norm=False,
+        # Loss: sum over tokens, divided by the global token count (finalize_model_grads).
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=True,
+        transformer_impl=path.transformer_impl,
+        attention_backend=AttnBackend.local if local else AttnBackend[t.attention_backend],
+    )
+    if t.fp8_format:
+        kwargs.update(fp8=t.fp8_format)
+    return TransformerConfig(**kwargs)
+
+
+def t_fusion(cfg: TrainerConfig, name: str) -> bool:
+    return not getattr(cfg.training, f"no_{name}_fusion", False)
+
+
+def layer_spec(cfg: TrainerConfig, path: ModelPath):
+    m, t = cfg.model, cfg.training
+    if path.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts,
+                                                          fp8=t.fp8_format)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization)
+    if t.attention_backend not in ("unfused", "local"):
+        from .attention import make_sdpa_attention
+
+        spec.submodules.self_attention.submodules.core_attention = make_sdpa_attention(t.attention_backend)
+    return spec
+
+
+def build_model(cfg: TrainerConfig, tconfig, path: ModelPath, vocab_size: int, ddp: bool = True):
+    """One GPTModel chunk per virtual pipeline stage, each in Float16Module and Megatron DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    spec = layer_spec(cfg, path)
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tensor)
+    num_chunks = p.virtual_pipeline or 1
+    chunks = []
+    for vp in range(num_chunks):
+        vp_stage = vp if p.virtual_pipeline else None
+        chunk = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=spec,
+            vocab_size=padded,
+            max_sequence_length=m.max_position_embeddings or m.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_base=m.rotary_base,
+            vp_stage=vp_stage,
+        )
+        chunk.cuda(torch.cuda.current_device())
+        if t.bf16 or t.fp16:
+            chunk = Float16Module(tconfig, chunk)
+        chunks.append(chunk)
+    if not ddp:
+        return chunks, padded
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        overlap_param_gather=t.overlap_param_gather,
+        use_distributed_optimizer=t.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    wrapped = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk,
+                                       # Megatron-LM: only the first chunk uses bucketing (training.py)
+                                       disable_bucketing=(i > 0))
+               for i, chunk in enumerate(chunks)]
+    return wrapped, padded
+
+
+def wire_model_hooks(cfg: TrainerConfig, tconfig, model: list, optimizer) -> None:
+    """The hooks the pipeline schedules call (Megatron-LM training.py ~3530)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    t = cfg.training
+    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    if t.overlap_grad_reduce:
+        funcs = [m.no_sync for m in model]
+        tconfig.no_sync_func = funcs[0] if len(model) == 1 else funcs
+        grad_sync = [m.start_grad_sync for m in model]
+        tconfig.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    # overlap_param_gather: the DDP forward pre-hooks gather params (align_param_gather stays off,
+    # Megatron-LM's default), so no param_sync_func.
+
+
+def count_parameters(model: list) -> int:
+    """Parameters held by this rank."""
+    return sum(p.numel() for chunk in model for p in chunk.parameters())
