@@ -96,16 +96,31 @@ class Checkpointer:
         self.on_published = None  # callback(iteration, total_seconds)
 
     # ------------------------------------------------------------------ setup / teardown
-    def start_async_worker(self) -> None:
-        """Start the persistent writer now (not at the first save). It inherits SIG_IGN for SIGTERM, so
-        torchrun's process-group SIGTERM cannot kill it while the final checkpoint is written."""
-        if not self.async_strategy:
+    def start_workers(self) -> None:
+        """Start the checkpoint helper processes now, with SIGTERM ignored.
+
+        torchrun signals each worker's whole process group (os.killpg), so every child of a rank
+        gets the SIGTERM too. Children started here inherit SIG_IGN (it survives exec), so the final
+        checkpoint after a SIGTERM can still use them: the persistent async writer, and the
+        multiprocessing Manager that carries write results (dist_checkpointing's
+        `get_write_results_queue`, created lazily at the first save otherwise, also for sync saves).
+        """
+        if self.save_dir is None:
             return
-        if self.async_strategy == "nvrx":
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
-        else:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+
         with ignore_sigterm():
+            get_write_results_queue()
+            if not self.async_strategy:
+                return
+            if self.async_strategy == "nvrx":
+                from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+                from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
+                    get_write_results_queue as nvrx_results_queue)
+
+                nvrx_results_queue()
+            else:
+                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
             self.async_queue = AsyncCallsQueue(persistent=True)
             AsyncCallsQueue.warmup_persistent_caller(self.env.rank)
 

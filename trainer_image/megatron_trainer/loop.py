@@ -102,7 +102,7 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = Checkpointer(cfg, self.env, self.model, self.optimizer, self.scheduler,
                                          keep=runtime.checkpoint_keep)
-        self.checkpointer.start_async_worker()
+        self.checkpointer.start_workers()
         self.loaded = self.checkpointer.load()
         if self.loaded is not None:
             self.state.iteration = self.loaded.iteration
@@ -311,7 +311,9 @@ class Trainer:
                       f" throughput per GPU (TFLOP/s/GPU): {tp['tflops_per_gpu']:.1f} |"
                       f" learning rate: {lr:.6E} | global batch size: {self.env.layout.global_batch_size:5d} |"
                       f" lm loss: {value:.6E} | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
-                      f" number of skipped iterations: {self.state.skipped_iterations:3d} |", flush=True)
+                      f" number of skipped iterations: {self.state.skipped_iterations:3d} |"
+                      f" mem GiB (alloc/peak): {torch.cuda.memory_allocated() / GIB:.2f}/"
+                      f"{torch.cuda.max_memory_allocated() / GIB:.2f} |", flush=True)
         self._write_progress()
 
     def _write_progress(self, force: bool = False) -> None:

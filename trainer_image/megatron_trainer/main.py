@@ -42,4 +42,6 @@ def main(argv: Sequence[str]) -> int:
         raise
     trainer.close()
     destroy_distributed()
+    if rank == 0:
+        print(f"megatron_trainer: exit 0 ({reason})", flush=True)
     return 0

@@ -1,0 +1,827 @@
+#!/usr/bin/env python3
+"""GPU end-to-end suite for the trainer: one command per device call, any GPU count.
+
+    python3 e2e/gpu/suite.py --out $OUT --gpus 2 --only layouts,resume,sigterm,bench,memory
+
+Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` like the JobSet pods):
+  probe      torch/torchrun facts (SIGTERM forwarding and its SIGKILL timeout), Megatron-LM's own
+             parser on a rendered command line, SDPA backends vs unfused attention
+  indexed    preprocess JSONL -> .bin/.idx (no torch), read back with Megatron's IndexedDataset
+  layouts    train with TP=N, PP=N, DP=N (N = --gpus; for 8 GPUs also TP2xPP2xDP2): loss falls.
+             The DP layout trains on the preprocessed real data (HF tokenizer, blend of two prefixes)
+  resume     kill -9 a rank mid-run, restart: resumes from the last checkpoint, later losses match
+             the uninterrupted run
+  sigterm    SIGTERM to torchrun: all ranks agree, checkpoint, exit 0; restart resumes from it
+  reshard    resume a TP=N checkpoint under PP=N and DP=N (optimizer saved fully reshardable)
+  bench      GPT 1.35B vs ../shared/bench/mcore_peer.py (same model, same call): tokens/s/GPU,
+             MFU (the peer's formula for both), peak memory, blocked time per async save, kill -9
+             during an async save -> the previous complete checkpoint is used, start -> first
+             resumed iteration
+  memory     peak memory of many configurations (calibration data for the memory estimator)
+
+Results: $OUT/results.json, $OUT/table.txt, $OUT/logs.tar.gz. A compact table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
+                     r"lm loss: ([0-9.E+-]+).*?mem GiB \(alloc/peak\): ([0-9.]+)/([0-9.]+)")
+SCHEDULED_RE = re.compile(r"async save of iteration (\d+) scheduled \(loop blocked ([0-9.]+) s\)")
+RESUMED_RE = re.compile(r"resumed from (\S+) \(iteration (\d+), ([^,]+)")
+STOPPING_RE = re.compile(r"stopping at iteration (\d+) \((\w[\w-]*)\)")
+STARTUP_RE = re.compile(r"process start -> first (?:resumed )?iteration done: ([0-9.]+) s")
+PEER_RE = re.compile(r"RESULT iter_ms=([0-9.]+) tok/s/gpu=([0-9.]+) MFU=([0-9.]+)% peak_mem_GiB=([0-9.]+)")
+PEER_CKPT_RE = re.compile(r"ckpt save ([0-9.]+)s load ([0-9.]+)s")
+
+# Model shapes. "gpt1b" is the benchmark model: the peer's GPTModel defaults (LayerNorm, GeLU 4h MLP,
+# biases, learned positions, untied output layer).
+MODELS = {
+    "small": dict(layers=8, hidden=512, heads=8, ffn=2048, seq=512, vocab=8192),
+    "gpt1b": dict(layers=24, hidden=2048, heads=16, ffn=8192, seq=2048, vocab=32768),
+    "mem_s4k": dict(layers=12, hidden=1536, heads=12, ffn=6144, seq=4096, vocab=32768),
+}
+
+WORK = Path(os.environ.get("SUITE_WORK", "/tmp/suite"))
+LOGS = WORK / "logs"
+DEADLINE = [float("inf")]
+
+
+def model_args(name: str) -> list[str]:
+    m = MODELS[name]
+    return ["--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
+            "--num-attention-heads", str(m["heads"]), "--ffn-hidden-size", str(m["ffn"]),
+            "--seq-length", str(m["seq"]), "--max-position-embeddings", str(m["seq"]),
+            "--vocab-size", str(m["vocab"]), "--normalization", "LayerNorm",
+            "--position-embedding-type", "learned_absolute", "--untie-embeddings-and-output-weights"]
+
+
+def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="flash", lr="1e-3",
+                 warmup=5, dist_opt=True, extra=(), data=None, save=None, save_interval=None,
+                 async_save=True) -> list[str]:
+    """A command line shaped like the operator's rendering (docs/trainer-contract.md)."""
+    args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--context-parallel-size", "1", "--expert-model-parallel-size", "1", *model_args(model),
+            "--transformer-impl", "transformer_engine", "--attention-backend", attn,
+            "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs or mbs),
+            "--train-iters", str(iters), "--lr", lr, "--min-lr", str(float(lr) / 10),
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", str(warmup), "--lr-decay-iters", str(iters),
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--bf16", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0"]
+    if dist_opt:
+        args.append("--use-distributed-optimizer")
+    if data is None:
+        args += ["--mock-data", "--tokenizer-type", "NullTokenizer"]
+    else:
+        args += ["--data-path", *data["blend"], "--split", "969,30,1", "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", data["tokenizer"], "--data-cache-path", data["cache"]]
+    if save:
+        args += ["--save", save, "--load", save, "--save-interval", str(save_interval or iters),
+                 "--ckpt-format", "torch_dist", "--exit-signal-handler"]
+        if async_save:
+            args += ["--async-save", "--use-persistent-ckpt-worker"]
+    return args + list(extra)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """One torchrun launch with its log; helpers to wait for log lines, signal and parse."""
+
+    def __init__(self, name: str, nproc: int, args: list[str], env: dict | None = None, gpus: str | None = None,
+                 module: bool = True, script: str | None = None):
+        self.name = name
+        self.log_path = LOGS / f"{name}.log"
+        LOGS.mkdir(parents=True, exist_ok=True)
+        target = ["-m", "megatron_trainer"] if module else [script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+               "--max-restarts=0", f"--master-port={free_port()}", *target, *args]
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", MEGATRON_METRICS_PORT="0")
+        if gpus is not None:
+            full_env["CUDA_VISIBLE_DEVICES"] = gpus
+        full_env.update(env or {})
+        self._log = open(self.log_path, "w")
+        self._log.write("$ " + " ".join(cmd) + "\n")
+        self._log.flush()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
+                                     start_new_session=True)
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: re.Pattern, timeout: float):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            m = pattern.search(self.text())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                return pattern.search(self.text())
+            time.sleep(0.05)
+        return None
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            return -999
+
+    def _tree(self):
+        import psutil
+
+        try:
+            return [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def worker(self, rank: int):
+        for p in self._tree()[1:]:
+            try:
+                if "megatron_trainer" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank) \
+                        and "spawn_main" not in " ".join(p.cmdline()):
+                    return p
+            except Exception:  # noqa: BLE001
+                continue
+        return None
+
+    def kill_rank(self, rank: int) -> bool:
+        p = self.worker(rank)
+        if p is None:
+            return False
+        p.send_signal(signal.SIGKILL)
+        return True
+
+    def kill_tree(self) -> None:
+        for p in reversed(self._tree()):
+            try:
+                p.send_signal(signal.SIGKILL)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def sigterm(self) -> None:
+        os.kill(self.proc.pid, signal.SIGTERM)  # the agent: what the kubelet signals in the pod
+
+    def close(self) -> None:
+        self._log.close()
+
+    # parsing
+    def losses(self) -> dict[int, float]:
+        return {int(m.group(1)): float(m.group(3)) for m in ITER_RE.finditer(self.text())}
+
+    def iteration_ms(self) -> dict[int, float]:
+        return {int(m.group(1)): float(m.group(2)) for m in ITER_RE.finditer(self.text())}
+
+    def summary(self) -> dict | None:
+        found = None
+        for line in self.text().splitlines():
+            if line.startswith("TRAINER_SUMMARY "):
+                found = json.loads(line[len("TRAINER_SUMMARY "):])
+        return found
+
+
+def check(cond: bool, what: str, failures: list[str]) -> None:
+    if not cond:
+        failures.append(what)
+
+
+def loss_falls(losses: dict[int, float], margin: float = 0.3) -> bool:
+    its = sorted(losses)
+    if len(its) < 10:
+        return False
+    first = statistics.mean(losses[i] for i in its[:5])
+    last = statistics.mean(losses[i] for i in its[-5:])
+    return last < first - margin
+
+
+def compare(ref: dict[int, float], got: dict[int, float], start: int, rel_tol: float) -> dict:
+    common = [i for i in sorted(got) if i >= start and i in ref]
+    diffs = [abs(got[i] - ref[i]) / max(abs(ref[i]), 1e-6) for i in common]
+    return {"iterations": [common[0], common[-1]] if common else None, "count": len(common),
+            "max_rel_diff": max(diffs) if diffs else None, "ok": bool(common) and max(diffs) <= rel_tol}
+
+
+def ckpt_state(root: Path) -> dict:
+    sys.path.insert(0, str(REPO / "trainer_image"))
+    from megatron_trainer import ckpt_layout
+
+    return {"tracker": ckpt_layout.read_tracker(root),
+            "checkpoints": {e.iteration: e.complete for e in ckpt_layout.list_checkpoints(root)}}
+
+
+# ----------------------------------------------------------------------------------------------- scenarios
+def scenario_probe(ctx) -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    run_py = Path(torch.__file__).parent / "distributed" / "run.py"
+    api_py = Path(torch.__file__).parent / "distributed" / "elastic" / "multiprocessing" / "api.py"
+    launcher_py = Path(torch.__file__).parent / "distributed" / "launcher" / "api.py"
+    out["torchrun_has_shutdown_timeout_flag"] = "shutdown-timeout" in run_py.read_text()
+    out["torchrun_env_TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in launcher_py.read_text()
+    m = re.search(r"def _close\(self, death_sig: signal\.Signals, timeout: int = (\d+)\)", api_py.read_text())
+    out["pcontext_close_default_timeout_s"] = int(m.group(1)) if m else None
+    out["worker_signal_uses_killpg"] = "os.killpg(self.proc.pid, death_sig)" in (
+        Path(torch.__file__).parent / "distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py"
+    ).read_text()
+    # Megatron-LM's own parser on a representative rendered command line.
+    rendered = trainer_args("gpt1b", tp=2, pp=1, mbs=4, gbs=64, iters=1000, save="/checkpoints/job",
+                            save_interval=100) + ["--recompute-granularity", "full", "--recompute-method",
+                                                  "uniform", "--recompute-num-layers", "1"]
+    code = ("import sys, json\nsys.argv=['pretrain_gpt.py']+json.loads(sys.argv[1])\n"
+            "from megatron.training.arguments import parse_args\n"
+            "a=parse_args(ignore_unknown_args=False)\n"
+            "print('MEGATRON_LM_PARSED', a.tensor_model_parallel_size, a.num_layers, a.async_save, a.attention_backend)")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(rendered)], capture_output=True, text=True, timeout=120)
+    (LOGS / "megatron_lm_parse.log").write_text(p.stdout + p.stderr)
+    out["megatron_lm_parse_args"] = "ok: " + p.stdout.strip().splitlines()[-1] if p.returncode == 0 and \
+        "MEGATRON_LM_PARSED" in p.stdout else f"failed rc={p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
+    # Our parser on the same line.
+    sys.path.insert(0, str(REPO / "trainer_image"))
+    from megatron_trainer.config import parse_args
+
+    parse_args(rendered)
+    out["our_parse_args"] = "ok"
+    out["attention_ms_fwd_bwd_b4_h16_s2048_d128"] = attention_bench()
+    return {"ok": out["megatron_lm_parse_args"].startswith("ok"), **out}
+
+
+def attention_bench() -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, h, s, d = 4, 16, 2048, 128
+    q, k, v = (torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+
+    def sdpa(backend):
+        def f():
+            with sdpa_kernel([backend]):
+                o = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
+                                                   v.permute(1, 2, 0, 3), is_causal=True)
+            o.backward(grad)
+        return f
+
+    def unfused():
+        qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        scores = torch.matmul(qq, kk.transpose(-1, -2)) * d ** -0.5
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device="cuda"), 1)
+        p = torch.softmax(scores.float().masked_fill(mask, float("-inf")), -1).bfloat16()
+        torch.matmul(p, vv).backward(grad)
+
+    out = {}
+    for name, fn in (("flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
+                     ("efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION)), ("unfused_torch", unfused)):
+        try:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(10):
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            out[name] = round(statistics.median(times), 3)
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"unavailable: {type(e).__name__}"
+    return out
+
+
+def scenario_indexed(ctx) -> dict:
+    """Preprocess with our torch-free writer; Megatron's IndexedDataset must read the same tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = WORK / "data"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "tok").mkdir(parents=True)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    import random
+
+    rnd = random.Random(0)
+    docs = {name: [" ".join(rnd.choice(words) for _ in range(rnd.randint(50, 400))) for _ in range(1500)]
+            for name in ("a", "b")}
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs["a"][:200], trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    prefixes = []
+    for name, texts in docs.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        p = subprocess.run([sys.executable, "-m", "megatron_trainer", "preprocess", "--input", str(root / f"{name}.jsonl"),
+                            "--output-prefix", str(root / name), "--tokenizer-model", str(root / "tok"), "--append-eod"],
+                           capture_output=True, text=True, cwd=REPO, timeout=300)
+        (LOGS / f"preprocess_{name}.log").write_text(p.stdout + p.stderr)
+        if p.returncode != 0:
+            return {"ok": False, "error": p.stderr[-500:]}
+        prefixes.append(str(root / f"{name}_text_document"))
+    sys.path.insert(0, str(REPO / "trainer_image"))
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_trainer.indexed import read_indexed_dataset
+    from megatron_trainer.tokenizer import LocalTokenizer
+
+    ds = IndexedDataset(prefixes[0])
+    mine = read_indexed_dataset(prefixes[0])
+    lt = LocalTokenizer(root / "tok")
+    same = len(ds) == len(docs["a"]) and all((ds[i] == mine.sequence(i)).all() for i in range(len(ds)))
+    roundtrip = lt.detokenize(list(ds[7][:-1])) == docs["a"][7] and int(ds[7][-1]) == lt.eod
+    ctx["data"] = {"blend": ["0.4", prefixes[0], "0.6", prefixes[1]], "tokenizer": str(root / "tok"),
+                   "cache": str(WORK / "data-cache")}
+    return {"ok": same and roundtrip, "documents": len(ds), "megatron_reads_same_tokens": same,
+            "detokenized_roundtrip": roundtrip, "dtype": str(ds.index.dtype)}
+
+
+def layouts_for(gpus: int) -> list[tuple[str, int, int]]:
+    """(name, TP, PP); DP is what is left."""
+    if gpus == 1:
+        return [("dp1", 1, 1)]
+    out = [(f"tp{gpus}", gpus, 1), (f"pp{gpus}", 1, gpus), (f"dp{gpus}", 1, 1)]
+    if gpus >= 8:
+        out.append(("tp2pp2dp2", 2, 2))
+    return out
+
+
+def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=()) -> dict:
+    """A 40-iteration run with async checkpoints every 10: the uninterrupted reference."""
+    gpus = ctx["gpus"]
+    dp = gpus // (tp * pp)
+    save = str(WORK / "ckpt" / f"ref_{name}")
+    shutil.rmtree(save, ignore_errors=True)
+    args = trainer_args("small", tp=tp, pp=pp, mbs=4, gbs=4 * dp * (2 if pp > 1 else 1), iters=40, save=save,
+                        save_interval=10, data=data, extra=extra)
+    env = {"MEGATRON_CHECKPOINT_KEEP": "3", "MEGATRON_METRICS_PORT": str(free_port())}
+    run = Run(f"ref_{name}", gpus, args, env=env)
+    scraped = {}
+
+    def scrape():
+        url = f"http://127.0.0.1:{env['MEGATRON_METRICS_PORT']}/metrics"
+        while run.proc.poll() is None:
+            try:
+                scraped["text"] = urllib.request.urlopen(url, timeout=1).read().decode()
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.5)
+
+    threading.Thread(target=scrape, daemon=True).start()
+    rc = run.wait(300)
+    run.close()
+    losses = run.losses()
+    failures: list[str] = []
+    state = ckpt_state(Path(save))
+    check(rc == 0, f"rc={rc}", failures)
+    check(sorted(losses) == list(range(1, 41)), "missing iterations", failures)
+    check(loss_falls(losses), "loss did not fall", failures)
+    check(state["tracker"] == 40, f"tracker {state['tracker']}", failures)
+    check(state["checkpoints"] == {20: True, 30: True, 40: True}, f"retention keep=3: {state['checkpoints']}", failures)
+    metrics = scraped.get("text", "")
+    check("megatron_trainer_iteration" in metrics, "metrics not served", failures)
+    ctx.setdefault("refs", {})[name] = {"losses": losses, "args": args, "save": save, "tp": tp, "pp": pp}
+    summary = run.summary() or {}
+    return {"ok": not failures, "failures": failures, "layout": f"TP{tp} PP{pp} DP{dp}",
+            "loss_first": losses.get(1), "loss_last": losses.get(40), "checkpoints": state,
+            "blocked_s": [s["blocked_s"] for s in summary.get("checkpoint_saves", [])],
+            "metrics_sample": [ln for ln in metrics.splitlines() if ln.startswith("megatron_trainer_")][:12],
+            "path": summary.get("path")}
+
+
+def scenario_layouts(ctx) -> dict:
+    results = {}
+    for name, tp, pp in layouts_for(ctx["gpus"]):
+        if ctx["layouts"] and name not in ctx["layouts"]:
+            continue
+        data = ctx.get("data") if name.startswith("dp") else None
+        results[name] = reference_run(ctx, name, tp, pp, data=data,
+                                      extra=["--dist-ckpt-optim-fully-reshardable"] if name.startswith("tp") else [])
+        if data:
+            results[name]["data"] = "real .bin/.idx blend, HF tokenizer"
+    return {"ok": all(r["ok"] for r in results.values()), **results}
+
+
+def scenario_resume(ctx) -> dict:
+    """kill -9 one rank at iteration 25 (checkpoints every 10), then the gang; restart from 20."""
+    out = {}
+    for name, ref in ctx.get("refs", {}).items():
+        if ctx["resume_on"] and name not in ctx["resume_on"]:
+            continue
+        save = str(WORK / "ckpt" / f"kill_{name}")
+        shutil.rmtree(save, ignore_errors=True)
+        args = [save if a == ref["save"] else a for a in ref["args"]]
+        run = Run(f"kill_{name}", ctx["gpus"], args)
+        failures: list[str] = []
+        hit = run.wait_for(re.compile(r"iteration\s+25/"), 240)
+        check(hit is not None, "never reached iteration 25", failures)
+        victim = ctx["gpus"] - 1
+        killed = run.kill_rank(victim)
+        time.sleep(3)  # the pod of the dead rank fails; JobSet then replaces the whole gang
+        run.kill_tree()
+        run.wait(60)
+        run.close()
+        before = ckpt_state(Path(save))
+        again = Run(f"kill_{name}_restart", ctx["gpus"], args)
+        rc = again.wait(300)
+        again.close()
+        resumed = RESUMED_RE.search(again.text())
+        cmp = compare(ref["losses"], again.losses(), 21, rel_tol=0.02)
+        check(killed, "rank not found to kill", failures)
+        check(rc == 0, f"restart rc={rc}", failures)
+        check(resumed is not None and resumed.group(2) == "20", f"resumed {resumed.group(2) if resumed else None}",
+              failures)
+        check(cmp["ok"], f"losses differ {cmp}", failures)
+        out[name] = {"ok": not failures, "failures": failures, "killed_rank": victim,
+                     "checkpoints_after_kill": before, "resumed_iteration": resumed.group(2) if resumed else None,
+                     "compare_after_resume": cmp}
+    return {"ok": bool(out) and all(r["ok"] for r in out.values()), **out}
+
+
+def scenario_sigterm(ctx) -> dict:
+    out = {}
+    for name, ref in ctx.get("refs", {}).items():
+        if ctx["gpus"] > 1 and not name.startswith("pp"):
+            continue  # on several GPUs: the pipeline layout (stages must agree across the p2p schedule)
+        save = str(WORK / "ckpt" / f"term_{name}")
+        shutil.rmtree(save, ignore_errors=True)
+        args = [save if a == ref["save"] else a for a in ref["args"]]
+        run = Run(f"sigterm_{name}", ctx["gpus"], args)
+        failures: list[str] = []
+        check(run.wait_for(re.compile(r"iteration\s+15/"), 240) is not None, "never reached 15", failures)
+        t0 = time.monotonic()
+        run.sigterm()
+        run.wait(90)
+        exit_s = time.monotonic() - t0
+        run.close()
+        text = run.text()
+        stop = STOPPING_RE.search(text)
+        stopped_at = int(stop.group(1)) if stop else None
+        state = ckpt_state(Path(save))
+        check(stop is not None and stop.group(2) == "signal", "no 'stopping ... (signal)'", failures)
+        check("megatron_trainer: exit 0 (signal)" in text, "rank 0 did not exit 0", failures)
+        check(stopped_at is not None and state["tracker"] == stopped_at and state["checkpoints"].get(stopped_at),
+              f"checkpoint {state}", failures)
+        again = Run(f"sigterm_{name}_restart", ctx["gpus"], args)
+        rc = again.wait(300)
+        again.close()
+        resumed = RESUMED_RE.search(again.text())
+        cmp = compare(ref["losses"], again.losses(), (stopped_at or 0) + 1, rel_tol=0.02)
+        check(rc == 0 and resumed is not None and stopped_at is not None and int(resumed.group(2)) == stopped_at,
+              f"restart rc={rc} resumed={resumed.group(2) if resumed else None}", failures)
+        check(cmp["ok"], f"losses differ {cmp}", failures)
+        out[name] = {"ok": not failures, "failures": failures, "stopped_at": stopped_at,
+                     "sigterm_to_exit_s": round(exit_s, 2), "checkpoint": state, "compare_after_resume": cmp}
+    return {"ok": bool(out) and all(r["ok"] for r in out.values()), **out}
+
+
+def scenario_reshard(ctx) -> dict:
+    """Resume the TP=N reference's iteration-20 checkpoint under PP=N and under DP=N."""
+    gpus = ctx["gpus"]
+    ref = ctx.get("refs", {}).get(f"tp{gpus}")
+    if ref is None:
+        return {"ok": False, "failures": ["no TP reference run"]}
+    out = {}
+    src = Path(ref["save"])
+    for name, tp, pp in ((f"pp{gpus}", 1, gpus), (f"dp{gpus}", 1, 1)):
+        dst = WORK / "ckpt" / f"reshard_to_{name}"
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
+        shutil.copytree(src / "iter_0000020", dst / "iter_0000020")
+        (dst / "latest_checkpointed_iteration.txt").write_text("20\n")
+        dp = gpus // (tp * pp)
+        # Same global batch as the reference (4 sequences): micro batch 4 / DP, one micro-batch per rank.
+        mbs = 4 // dp
+        args = trainer_args("small", tp=tp, pp=pp, mbs=mbs, gbs=4, iters=40, save=str(dst), save_interval=10)
+        run = Run(f"reshard_tp{gpus}_to_{name}", gpus, args)
+        rc = run.wait(300)
+        run.close()
+        resumed = RESUMED_RE.search(run.text())
+        cmp = compare(ref["losses"], run.losses(), 21, rel_tol=0.05)
+        failures: list[str] = []
+        check(rc == 0, f"rc={rc}", failures)
+        check(resumed is not None and resumed.group(2) == "20", "did not resume from 20", failures)
+        check(cmp["ok"], f"loss does not continue {cmp}", failures)
+        out[name] = {"ok": not failures, "failures": failures, "compare_with_tp_run": cmp,
+                     "loss_21": run.losses().get(21), "ref_loss_21": ref["losses"].get(21)}
+    return {"ok": all(r["ok"] for r in out.values()), **out}
+
+
+def bench_layouts(gpus: int) -> list[tuple[str, int]]:
+    return [("dp1", 1)] if gpus == 1 else [(f"tp{gpus}", gpus), (f"dp{gpus}", 1)]
+
+
+def scenario_bench(ctx) -> dict:
+    import torch
+
+    gpus = ctx["gpus"]
+    m = MODELS["gpt1b"]
+    out = {}
+    for name, tp in bench_layouts(gpus):
+        if ctx["bench_on"] and name not in ctx["bench_on"]:
+            continue
+        dp = gpus // tp
+        res: dict = {"layout": f"TP{tp} DP{dp}", "gpus": gpus}
+        # --- the peer: its own loop, same model, sync save of the model only (its CKPT mode)
+        peer_ckpt = WORK / "ckpt" / f"peer_{name}"
+        shutil.rmtree(peer_ckpt, ignore_errors=True)
+        peer_ckpt.mkdir(parents=True)
+        peer = Run(f"bench_peer_{name}", gpus, [], module=False, script=str(REPO / ".run" / "mcore_peer.py"),
+                   env={"TP": str(tp), "LAYERS": str(m["layers"]), "HIDDEN": str(m["hidden"]), "HEADS": str(m["heads"]),
+                        "SEQ": str(m["seq"]), "MBS": "4", "ITERS": "20", "MODE": "bf16", "CKPT": str(peer_ckpt),
+                        **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
+        rc = peer.wait(300)
+        peer.close()
+        pm = PEER_RE.search(peer.text())
+        pc = PEER_CKPT_RE.search(peer.text())
+        if pm:
+            it_s = float(pm.group(1)) / 1000
+            res["peer"] = {"iter_ms": float(pm.group(1)), "tokens_per_s_per_gpu": float(pm.group(2)),
+                           "mfu_pct": float(pm.group(3)), "peak_mem_gib": float(pm.group(4)),
+                           "sync_save_s": float(pc.group(1)) if pc else None,
+                           "load_s": float(pc.group(2)) if pc else None, "rc": rc}
+        else:
+            res["peer"] = {"rc": rc, "error": peer.text()[-800:]}
+        shutil.rmtree(peer_ckpt, ignore_errors=True)
+        # --- ours: async saves at 8 and 16, kill -9 while the save of 24 is in flight, restart
+        save = WORK / "ckpt" / f"bench_{name}"
+        shutil.rmtree(save, ignore_errors=True)
+        extra = ["--overlap-grad-reduce", "--overlap-param-gather"] if dp > 1 else []
+        args = trainer_args("gpt1b", tp=tp, mbs=4, gbs=4 * dp, iters=32, lr="3e-4", warmup=4, save=str(save),
+                            save_interval=8, extra=extra)
+        ours = Run(f"bench_ours_{name}", gpus, args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+        hit = ours.wait_for(re.compile(r"async save of iteration 24 scheduled"), 400)
+        if hit:
+            ours.kill_tree()
+        ours.wait(60)
+        ours.close()
+        text = ours.text()
+        ms = ours.iteration_ms()
+        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 24]
+        blocked = [(int(a), float(b)) for a, b in SCHEDULED_RE.findall(text)]
+        peaks = [float(x.group(5)) for x in ITER_RE.finditer(text)]
+        after_kill = ckpt_state(save)
+        res["ours"] = {"killed_during_async_save_of_24": bool(hit), "median_iter_ms": statistics.median(steady) if steady else None,
+                       "async_save_blocked_s": blocked, "peak_mem_gib_rank_logging": max(peaks) if peaks else None,
+                       "checkpoints_after_kill": after_kill}
+        # The restart is the real command (async worker warm-up included); it is stopped after a few
+        # resumed iterations, so no further checkpoint is written.
+        again = Run(f"bench_ours_{name}_restart", gpus, args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+        reached = again.wait_for(re.compile(r"iteration\s+22/"), 400)
+        again.kill_tree()
+        again.wait(60)
+        rc2 = 0 if reached else -1
+        again.close()
+        resumed = RESUMED_RE.search(again.text())
+        load_m = re.search(r"resumed from .* in ([0-9.]+) s", again.text())
+        peaks2 = [float(x.group(5)) for x in ITER_RE.finditer(again.text())]
+        startup = STARTUP_RE.search(again.text())
+        res["ours"].update({
+            "restart_rc": rc2, "resumed_from": int(resumed.group(2)) if resumed else None,
+            "resume_reason": resumed.group(3) if resumed else None,
+            "startup_to_first_resumed_iteration_s": float(startup.group(1)) if startup else None,
+            "load_s": float(load_m.group(1)) if load_m else None,
+            "peak_alloc_gib_logging_rank_after_resume": max(peaks2) if peaks2 else None})
+        if res["ours"]["median_iter_ms"]:
+            it_s = res["ours"]["median_iter_ms"] / 1000
+            tokens = 4 * dp * m["seq"]
+            sys.path.insert(0, str(REPO / "trainer_image"))
+            from megatron_trainer import flops
+
+            classic = flops.classic_flops_per_iteration(4 * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
+            tp_ = flops.throughput(classic, tokens, it_s, gpus)
+            res["ours"].update({"tokens_per_s_per_gpu": round(tp_["tokens_per_s_per_gpu"]),
+                                "mfu_pct_peer_formula": round(100 * tp_["mfu"], 2)})
+            if "mfu_pct" in res.get("peer", {}):
+                res["mfu_ratio_ours_over_peer"] = round(tp_["mfu"] * 100 / res["peer"]["mfu_pct"], 3)
+        failures: list[str] = []
+        check("mfu_ratio_ours_over_peer" in res, "no ratio", failures)
+        check(bool(hit), "kill during async save not reached", failures)
+        check(after_kill["tracker"] == 16 and after_kill["checkpoints"].get(24) is False,
+              f"after kill: {after_kill}", failures)
+        check(res["ours"]["resumed_from"] == 16, f"resumed from {res['ours']['resumed_from']}", failures)
+        check(rc2 == 0, f"restart rc={rc2}", failures)
+        res["ok"], res["failures"] = not failures, failures
+        out[name] = res
+        shutil.rmtree(save, ignore_errors=True)
+        torch.cuda.empty_cache()
+    return {"ok": all(r["ok"] for r in out.values()), **out}
+
+
+# Memory calibration: (name, gpus, model, tp, pp, mbs, gbs, attn, recompute, dist_opt)
+MEMORY_CONFIGS = [
+    ("m01_1g_flash_mbs4", 1, "gpt1b", 1, 1, 4, 4, "flash", None, True),
+    ("m02_1g_unfused_mbs4", 1, "gpt1b", 1, 1, 4, 4, "unfused", None, True),
+    ("m03_1g_full_recompute", 1, "gpt1b", 1, 1, 4, 4, "flash", "full", True),
+    ("m04_1g_mbs1_nodistopt", 1, "gpt1b", 1, 1, 1, 1, "flash", None, False),
+    ("m05_1g_s4k_unfused_mbs4", 1, "mem_s4k", 1, 1, 4, 4, "unfused", None, True),
+    ("m06_1g_s4k_unfused_selective", 1, "mem_s4k", 1, 1, 4, 4, "unfused", "selective", True),
+    ("m07_1g_s4k_flash_mbs8", 1, "mem_s4k", 1, 1, 8, 8, "flash", None, True),
+    ("m08_2g_tp2_flash", 2, "gpt1b", 2, 1, 4, 4, "flash", None, True),
+    ("m09_2g_pp2_mbs2_gbs16", 2, "gpt1b", 1, 2, 2, 16, "flash", None, True),
+    ("m10_2g_dp2_distopt", 2, "gpt1b", 1, 1, 4, 8, "flash", None, True),
+    ("m11_2g_dp2_nodistopt", 2, "gpt1b", 1, 1, 4, 8, "flash", None, False),
+    ("m12_2g_tp2_s4k_unfused_selective", 2, "mem_s4k", 2, 1, 4, 4, "unfused", "selective", True),
+]
+
+
+def memory_run(cfg, gpus_visible: str) -> dict:
+    name, gpus, model, tp, pp, mbs, gbs, attn, recompute, dist_opt = cfg
+    extra = []
+    if recompute == "full":
+        extra = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    elif recompute == "selective":
+        extra = ["--recompute-granularity", "selective"]
+    args = trainer_args(model, tp=tp, pp=pp, mbs=mbs, gbs=gbs, iters=4, attn=attn, lr="3e-4", warmup=1,
+                        dist_opt=dist_opt, extra=extra)
+    run = Run(f"memory_{name}", gpus, args, gpus=gpus_visible)
+    rc = run.wait(300)
+    run.close()
+    s = run.summary() or {}
+    oom = "OutOfMemoryError" in run.text()
+    m = MODELS[model]
+    record = {"name": name, "rc": rc, "oom": oom, "gpus": gpus,
+              "model": {"num_layers": m["layers"], "hidden_size": m["hidden"], "num_attention_heads": m["heads"],
+                        "ffn_hidden_size": m["ffn"], "seq_length": m["seq"], "vocab_size": m["vocab"],
+                        "normalization": "LayerNorm", "activation": "gelu", "position_embedding": "learned_absolute",
+                        "untie_embeddings": True, "add_bias_linear": True},
+              "parallel": {"tensor": tp, "pipeline": pp, "data": gpus // (tp * pp), "context": 1,
+                           "sequence_parallel": False},
+              "training": {"micro_batch_size": mbs, "global_batch_size": gbs,
+                           "num_microbatches": gbs // (mbs * (gpus // (tp * pp))), "precision": "bf16",
+                           "recompute": recompute or "none", "attention_backend": attn,
+                           "transformer_impl": "local (no Transformer Engine)", "distributed_optimizer": dist_opt,
+                           "optimizer": "adam (torch AdamW fallback, fp32 main params + 2 fp32 states)",
+                           "grad_reduce_in_fp32": True},
+              "iterations": s.get("iterations_run"),
+              "memory_per_rank": s.get("memory_per_rank"),
+              "max_peak_allocated_gib": s.get("max_peak_allocated_gib"),
+              "max_peak_reserved_gib": max((r["peak_reserved_gib"] for r in s.get("memory_per_rank") or []),
+                                           default=None)}
+    return record
+
+
+def scenario_memory(ctx) -> dict:
+    gpus = ctx["gpus"]
+    todo = [c for c in MEMORY_CONFIGS if c[1] <= gpus and c[0] in ctx["memory_names"]]
+    results = []
+    # Single-GPU configurations run side by side, one per GPU; larger ones alone.
+    singles = [c for c in todo if c[1] == 1]
+    multis = [c for c in todo if c[1] > 1]
+    while singles:
+        if time.monotonic() > DEADLINE[0] - 60:
+            results += [{"name": c[0], "skipped": "time"} for c in singles]
+            break
+        batch, singles = singles[:gpus], singles[gpus:]
+        threads, outs = [], [None] * len(batch)
+
+        def work(i, c):
+            outs[i] = memory_run(c, str(i))
+
+        for i, c in enumerate(batch):
+            t = threading.Thread(target=work, args=(i, c))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+        results += outs
+        ctx["memory_records"] = results
+        flush_outputs(ctx["out_dir"], ctx.get("results", {}), ctx)
+    for c in multis:
+        if time.monotonic() > DEADLINE[0] - 60:
+            results.append({"name": c[0], "skipped": "time"})
+            continue
+        results.append(memory_run(c, ",".join(str(i) for i in range(c[1]))))
+        ctx["memory_records"] = results
+        flush_outputs(ctx["out_dir"], ctx.get("results", {}), ctx)
+    ctx["memory_records"] = results
+    ok = all(r.get("rc") == 0 or r.get("oom") for r in results if "skipped" not in r)
+    return {"ok": ok, "records": [{k: r.get(k) for k in ("name", "rc", "oom", "max_peak_allocated_gib",
+                                                          "max_peak_reserved_gib")} for r in results]}
+
+
+SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": scenario_layouts,
+             "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
+             "bench": scenario_bench, "memory": scenario_memory}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gpus", type=int, default=None)
+    ap.add_argument("--only", default=",".join(SCENARIOS))
+    ap.add_argument("--memory", default=",".join(c[0] for c in MEMORY_CONFIGS), help="memory configs to run")
+    ap.add_argument("--layouts", default=None, help="layouts to train (default: all for the GPU count)")
+    ap.add_argument("--resume-on", default=None, help="reference layouts for the kill -9 test (default: all)")
+    ap.add_argument("--bench-on", default=None, help="benchmark layouts (default: all for the GPU count)")
+    ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
+    ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
+    args = ap.parse_args()
+    import torch
+
+    started = time.monotonic()
+    DEADLINE[0] = started + args.deadline_s
+    gpus = args.gpus or torch.cuda.device_count()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(WORK, ignore_errors=True)
+    LOGS.mkdir(parents=True)
+    ctx = {"gpus": gpus, "memory_names": set(args.memory.split(",")),
+           "layouts": set(args.layouts.split(",")) if args.layouts else None,
+           "resume_on": set(args.resume_on.split(",")) if args.resume_on else None,
+           "bench_on": set(args.bench_on.split(",")) if args.bench_on else None}
+    results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
+               "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
+    ctx["out_dir"], ctx["results"] = out_dir, results
+    # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
+    per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
+                  "bench": 200, "memory": 60}
+    n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
+    n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
+    for name in args.only.split(","):
+        scale = {"layouts": n_layouts, "bench": n_bench, "reshard": 2,
+                 "resume": len(ctx["resume_on"]) if ctx["resume_on"] else n_layouts}.get(name, 1)
+        need = per_layout.get(name, 60) * scale
+        if time.monotonic() + need > DEADLINE[0]:
+            results[name] = {"ok": False, "skipped": f"deadline (needs ~{need} s)"}
+            continue
+        t0 = time.monotonic()
+        print(f"=== {name} (t={t0 - started:.0f}s)", flush=True)
+        try:
+            results[name] = SCENARIOS[name](ctx)
+        except Exception as e:  # noqa: BLE001
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        results[name]["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"=== {name}: ok={results[name].get('ok')} in {results[name]['seconds']} s", flush=True)
+        flush_outputs(out_dir, results, ctx)
+        if not results[name].get("ok") and name in args.stop_on_failure.split(","):
+            break
+    table = flush_outputs(out_dir, results, ctx)
+    print(table)
+    return 0
+
+
+def flush_outputs(out_dir: Path, results: dict, ctx: dict) -> str:
+    """Write results, memory records, the table and all logs (after every scenario: a later one may time out)."""
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    if "memory_records" in ctx:
+        (out_dir / "memory_records.json").write_text(json.dumps(ctx["memory_records"], indent=1))
+    with tarfile.open(out_dir / "logs.tar.gz", "w:gz") as tar:
+        tar.add(LOGS, arcname="logs")
+    table = render_table(results)
+    (out_dir / "table.txt").write_text(table)
+    return table
+
+
+def render_table(results: dict) -> str:
+    lines = [f"suite on {results.get('device')} ({results.get('gpus')} GPU) started {results.get('started')}"]
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        lines.append(f"{name:9s} ok={r.get('ok')} {r.get('seconds', '')}s "
+                     + (r.get("error", "") or ";".join(r.get("failures", []) or [])))
+        for sub, v in r.items():
+            if isinstance(v, dict) and "ok" in v:
+                lines.append(f"  {sub:10s} ok={v['ok']} " + "; ".join(v.get("failures", [])))
+        if name == "bench":
+            for sub, v in r.items():
+                if isinstance(v, dict) and "peer" in v:
+                    o, p = v.get("ours", {}), v.get("peer", {})
+                    lines.append(f"  BENCH {v['layout']}: peer MFU {p.get('mfu_pct')}% tok/s/gpu {p.get('tokens_per_s_per_gpu')} "
+                                 f"mem {p.get('peak_mem_gib')} save {p.get('sync_save_s')}s | ours MFU {o.get('mfu_pct_peer_formula')}% "
+                                 f"tok/s/gpu {o.get('tokens_per_s_per_gpu')} mem {o.get('peak_mem_gib_rank_logging')} "
+                                 f"blocked {[b for _, b in o.get('async_save_blocked_s', [])]} "
+                                 f"start->resumed {o.get('startup_to_first_resumed_iteration_s')}s | ratio {v.get('mfu_ratio_ours_over_peer')}")
+        if name == "memory":
+            for rec in r.get("records", []):
+                lines.append(f"  MEM {rec}")
+        if name == "probe":
+            lines.append(f"  {json.dumps({k: v for k, v in r.items() if k not in ('ok',)}, default=str)[:900]}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
