@@ -55,6 +55,10 @@ class CheckpointStats:
     last_published: int | None = None
 
 
+def _noop() -> None:
+    """The async writer's first request: it returns at once, once the writer process is up."""
+
+
 def _async_strategy(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -114,15 +118,19 @@ class Checkpointer:
             if not self.async_strategy:
                 return
             if self.async_strategy == "nvrx":
-                from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+                from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
                 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
                     get_write_results_queue as nvrx_results_queue)
 
                 nvrx_results_queue()
             else:
-                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
             self.async_queue = AsyncCallsQueue(persistent=True)
             AsyncCallsQueue.warmup_persistent_caller(self.env.rank)
+        # The spawned writer needs seconds to import torch/Megatron and set up CUDA. A no-op request
+        # lets that happen during the first iterations (finalized by the loop's non-blocking
+        # finalize) instead of inside the first save, where it would count as blocked time.
+        self.async_queue.schedule_async_request(AsyncRequest(_noop, (), []))
 
     def close(self, abort: bool = False) -> None:
         if self.async_queue is not None:

@@ -122,3 +122,17 @@ class ignore_sigterm:
 def ignore_sigterm_in_worker(_worker_id: int) -> None:
     """DataLoader worker_init_fn: torch installs a SIGTERM handler in workers; replace it with SIG_IGN."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def reap_children(timeout_s: float = 5.0) -> None:
+    """SIGKILL multiprocessing children still alive at exit (DataLoader workers, the results Manager).
+
+    They ignore SIGTERM (see `ignore_sigterm`), so multiprocessing's atexit handler, which sends
+    SIGTERM to daemonic children and then joins them without a timeout, would wait forever.
+    """
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    for child in multiprocessing.active_children():
+        child.join(timeout_s)

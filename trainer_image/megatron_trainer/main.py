@@ -27,21 +27,25 @@ def main(argv: Sequence[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     setup_logging(rank, world)
 
-    from .distributed import destroy_distributed
+    from .distributed import destroy_distributed, reap_children
     from .loop import Trainer, dump_summary
 
-    trainer = Trainer(cfg, runtime)
+    trainer = None
     try:
+        trainer = Trainer(cfg, runtime)
         reason = trainer.train()
         summary = trainer.summary()
         if trainer.env.is_rank0 or trainer.is_logging_rank:
             summary["stop_reason"] = reason
             dump_summary(summary)
+        trainer.close()
+        destroy_distributed()
     except BaseException:
-        trainer.close(abort=True)
+        if trainer is not None:
+            trainer.close(abort=True)
         raise
-    trainer.close()
-    destroy_distributed()
+    finally:
+        reap_children()
     if rank == 0:
         print(f"megatron_trainer: exit 0 ({reason})", flush=True)
     return 0

@@ -48,7 +48,7 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
                     "importable: FALLING BACK to the local (Megatron-Core only) implementation !!!")
     if t.attention_backend in ("unfused", "local"):
         return ModelPath("local", "Megatron DotProductAttention (unfused, materialises s x s)")
-    order = {"flash": "flash>cudnn>efficient", "fused": "cudnn>flash>efficient", "auto": "torch default"}
+    order = {"flash": "cudnn>flash>efficient", "fused": "cudnn>flash>efficient", "auto": "torch default"}
     return ModelPath("local", f"SDPA ({order[t.attention_backend]})")
 
 
