@@ -19,6 +19,7 @@ from mjob import EXAMPLES, GROUP, PLURAL, VERSION, crd  # noqa: F401  (fixture)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 from spec_table import CASES  # noqa: E402
 
+from megatron_operator.crd import to_yaml  # noqa: E402
 from megatron_operator.render import render  # noqa: E402
 from megatron_operator.settings import Settings  # noqa: E402
 from megatron_operator.validation import SpecError, parse_job  # noqa: E402
@@ -105,7 +106,7 @@ def test_examples_apply_and_renders_pass_server_dry_run(cluster, crd, namespace,
     assert stored["spec"]["numNodes"] == doc["spec"]["numNodes"]
     job = parse_job({**doc, "metadata": {**doc["metadata"], "namespace": namespace}})
     objs = render(job, Settings(), owner_uid=stored["metadata"]["uid"])
-    text = "\n---\n".join(yaml.safe_dump(o) for o in objs)
+    text = "\n---\n".join(to_yaml(o) for o in objs)  # what `megatron-operator render` prints
     out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=e2e", "-f", "-",
                           input=text)
     assert out.stdout.count("(server dry run)") == len(objs), out.stdout
@@ -131,7 +132,7 @@ def pods_of(cluster, namespace, job):
 def tp_job(name, num_nodes, tp, **spec):
     d = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "MegatronJob", "metadata": {"name": name},
          "spec": {"numNodes": num_nodes, "gpusPerNode": 1, "parallelism": {"tensor": tp},
-                  "model": {"numLayers": 2, "hiddenSize": 256, "numAttentionHeads": 4, "seqLength": 256,
+                  "model": {"numLayers": 2, "hiddenSize": 256, "numAttentionHeads": 16, "seqLength": 256,
                             "vocabSize": 1000},
                   "training": {"microBatchSize": 1, "trainIters": 1}}}
     d["spec"].update(spec)
@@ -150,10 +151,26 @@ def test_kubeflow_example_keeps_the_tp_group_on_one_node(cluster, namespace, wai
     assert pods[0].spec.node_name == pods[1].spec.node_name
 
 
-def test_two_tp_groups_are_not_forced_onto_one_node(cluster, namespace, wait_for):
-    # 2-GPU nodes fit exactly one TP=2 group of 1-GPU pods: the second group must land elsewhere,
-    # which it can only do if the affinity binds each group, not the whole job, to a host.
-    doc = tp_job("twogroups", 4, 2, resources={"nodeSelector": {"node.kubernetes.io/instance-type": "kwok-2xh100"}})
+@pytest.fixture
+def two_gpu_nodes(cluster, namespace):
+    """Two fresh 2-GPU kwok nodes only this test schedules onto (label = the test's namespace)."""
+    nodes = [{"apiVersion": "v1", "kind": "Node",
+              "metadata": {"name": f"{namespace[-6:]}-2gpu-{i}", "annotations": {"kwok.x-k8s.io/node": "fake"},
+                           "labels": {"type": "kwok", "kubernetes.io/hostname": f"{namespace[-6:]}-2gpu-{i}",
+                                      "megatron-e2e/pool": namespace[-30:]}},
+              "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+              "status": {"capacity": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "2"},
+                         "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "2"}}}
+             for i in range(2)]
+    cluster.apply(nodes)
+    yield {"megatron-e2e/pool": namespace[-30:]}
+    cluster.kubectl("delete", "nodes", "-l", f"megatron-e2e/pool={namespace[-30:]}", "--wait=false", check=False)
+
+
+def test_two_tp_groups_are_not_forced_onto_one_node(cluster, namespace, wait_for, two_gpu_nodes):
+    # Each 2-GPU node fits exactly one TP=2 group of 1-GPU pods: the second group must land on the
+    # other node, which it can only do if the affinity binds each group, not the whole job, to a host.
+    doc = tp_job("twogroups", 4, 2, resources={"nodeSelector": two_gpu_nodes})
     name = apply_rendered(cluster, namespace, doc, run_s=60)
 
     def scheduled():

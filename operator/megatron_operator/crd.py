@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import yaml
@@ -289,9 +290,19 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
+# Scalars that YAML 1.2 readers (kubectl, Go's sigs.k8s.io/yaml) take for numbers, booleans or null
+# but PyYAML (YAML 1.1) would write unquoted, e.g. "1e-05": quote them so they stay strings.
+_YAML12_NON_STRING = re.compile(
+    r"^([-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)"
+    r"|0x[0-9a-fA-F]+|0o[0-7]+|true|True|TRUE|false|False|FALSE|null|Null|NULL|~|yes|no|on|off|y|n)$")
+
+
 def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
-    style = "|" if "\n" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+    if "\n" in data:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
+    if _YAML12_NON_STRING.match(data):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="'")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data)
 
 
 _Dumper.add_representer(str, _str_presenter)

@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -73,36 +74,44 @@ class Kube:
         self.api = api
         self.timeout_s = timeout_s
 
+    def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                 query: list[tuple[str, str]] | None = None) -> Any:
+        """One API call; the decoded JSON body on 2xx, ApiException otherwise."""
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        method, url, headers, body, _ = self.api.param_serialize(
+            method, path, query_params=query or [], header_params=headers, body=body,
+            auth_settings=["BearerToken"])
+        resp = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout_s)
+        data = resp.read()
+        if not 200 <= resp.status <= 299:
+            raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp,
+                               body=data.decode("utf-8", "replace") if data else None)
+        return json.loads(data) if data else None
+
     def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
               query: list[tuple[str, str]] | None = None) -> Any:
         try:
-            data = self.api.call_api(
-                path, method, body=body, query_params=query or [],
-                header_params={"Content-Type": content_type, "Accept": "application/json"},
-                response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
-                _preload_content=True, _request_timeout=self.timeout_s)
-            return data
+            return self._request(method, path, body, content_type, query)
         except ApiException as exc:
             _raise(exc, f"{method} {path}")
-        except (OSError, ValueError) as exc:  # connection refused / reset / TLS while the API server restarts
+        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
+            # connection refused / reset / TLS while the API server restarts
             raise TransientError(f"{method} {path}: {exc}") from None
 
     def create(self, obj: dict[str, Any]) -> bool:
         """Create ``obj``; False when it already exists (409 is success: creation is idempotent)."""
         meta = obj["metadata"]
+        what = f"create {obj['kind']} {meta['namespace']}/{meta['name']}"
         try:
-            self.api.call_api(_path(obj["kind"], meta["namespace"]), "POST", body=obj,
-                              query_params=[("fieldManager", FIELD_MANAGER)],
-                              header_params={"Content-Type": "application/json", "Accept": "application/json"},
-                              response_type="object", auth_settings=["BearerToken"],
-                              _return_http_data_only=True, _request_timeout=self.timeout_s)
+            self._request("POST", _path(obj["kind"], meta["namespace"]), body=obj,
+                          query=[("fieldManager", FIELD_MANAGER)])
             return True
         except ApiException as exc:
             if exc.status == 409:
                 return False
-            _raise(exc, f"create {obj['kind']} {meta['namespace']}/{meta['name']}")
-        except (OSError, ValueError) as exc:
-            raise TransientError(f"create {obj['kind']}: {exc}") from None
+            _raise(exc, what)
+        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
+            raise TransientError(f"{what}: {exc}") from None
         return False
 
     def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .expr import All, Attr, Expr, Field, Filter, Has, Index, Lit, Matches, Missing, Var, concat, cond, lit, lookup
+from .expr import All, Attr, Expr, Field, Filter, Has, Index, Lit, Matches, Missing, Var, cond, fmt, lit, lookup
 from .presets import MODEL_PRESETS
 from .spec import MAX_NAME_LENGTH
 
@@ -139,8 +139,8 @@ RESERVED_LABEL_RE = r"^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kuber
 def multiple_hint(value: Expr, m: Expr) -> Expr:
     """' such as 96 or 128': the multiples of m around value (or m and 2m below it)."""
     lower = (value // m) * m
-    return cond(lower > 0, concat(" such as ", lower.str(), " or ", (lower + m).str()),
-                concat(" such as ", m.str(), " or ", (m * 2).str()))
+    return cond(lower > 0, fmt(" such as ", lower.str(), " or ", (lower + m).str()),
+                fmt(" such as ", m.str(), " or ", (m * 2).str()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,12 +162,12 @@ class Rule:
         return self.check if self.when is None else (~self.when) | self.check
 
     def to_cel(self) -> dict[str, str]:
-        return {
-            "rule": self.condition().cel(),
-            "messageExpression": self.message.cel(),
-            "fieldPath": "." + self.field,
-            "reason": "FieldValueInvalid",
-        }
+        out = {"rule": self.condition().cel()}
+        if isinstance(self.message, Lit):
+            out["message"] = self.message.value
+        else:
+            out["messageExpression"] = self.message.cel()
+        return {**out, "fieldPath": "." + self.field, "reason": "FieldValueInvalid"}
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Problem:
 
 
 def _msg(*parts: Any) -> Expr:
-    return concat(*parts)
+    return fmt(*parts)
 
 
 SPEC_RULES: list[Rule] = [

@@ -36,9 +36,37 @@ _ENV = celpy.Environment()
 _CACHE: dict[str, Any] = {}
 
 
+def _format(template: Any, args: Any) -> Any:
+    """Kubernetes CEL's strings-extension format(), for the verbs our messages use (%d, %s, %%)."""
+    out, i, values = [], 0, list(args)
+    t = str(template)
+    k = 0
+    while k < len(t):
+        c = t[k]
+        if c == "%" and k + 1 < len(t):
+            verb = t[k + 1]
+            if verb == "%":
+                out.append("%")
+            elif verb == "d":
+                out.append(str(int(values[i])))
+                i += 1
+            elif verb == "s":
+                out.append(str(values[i]))
+                i += 1
+            else:
+                raise ValueError(f"unsupported format verb %{verb}")
+            k += 2
+            continue
+        out.append(c)
+        k += 1
+    if i != len(values):
+        raise ValueError("too many arguments to format()")
+    return celpy.celtypes.StringType("".join(out))
+
+
 def _program(expr: str) -> Any:
     if expr not in _CACHE:
-        _CACHE[expr] = _ENV.program(_ENV.compile(expr))
+        _CACHE[expr] = _ENV.program(_ENV.compile(expr), functions={"format": _format})
     return _CACHE[expr]
 
 

@@ -131,3 +131,12 @@ def test_crd_command_matches_committed_file():
 def test_usage_error_exit_code():
     r = cli("frobnicate")
     assert r.returncode == 2
+
+
+def test_rendered_yaml_keeps_numeric_looking_strings_strings():
+    """YAML 1.2 readers (kubectl) would read an unquoted 1e-05 as a number; the command line must stay strings."""
+    from megatron_operator.crd import to_yaml
+
+    text = to_yaml({"command": ["--min-lr", "1e-05", "--lr", "0.0001", "--x", "true", "10", "plain"]})
+    assert "'1e-05'" in text and "'true'" in text and "'10'" in text and "plain\n" in text
+    assert yaml.safe_load(text)["command"][1] == "1e-05"
