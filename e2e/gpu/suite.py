@@ -710,8 +710,10 @@ def scenario_memory(ctx) -> dict:
         batch, singles = singles[:gpus], singles[gpus:]
         threads, outs = [], [None] * len(batch)
 
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus))).split(",")
+
         def work(i, c):
-            outs[i] = memory_run(c, str(i))
+            outs[i] = memory_run(c, visible[i])
 
         for i, c in enumerate(batch):
             t = threading.Thread(target=work, args=(i, c))
@@ -726,7 +728,8 @@ def scenario_memory(ctx) -> dict:
         if time.monotonic() > DEADLINE[0] - 60:
             results.append({"name": c[0], "skipped": "time"})
             continue
-        results.append(memory_run(c, ",".join(str(i) for i in range(c[1]))))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus))).split(",")
+        results.append(memory_run(c, ",".join(visible[:c[1]])))
         ctx["memory_records"] = results
         flush_outputs(ctx["out_dir"], ctx.get("results", {}), ctx)
     ctx["memory_records"] = results

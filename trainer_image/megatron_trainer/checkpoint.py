@@ -56,7 +56,32 @@ class CheckpointStats:
 
 
 def _noop() -> None:
-    """The async writer's first request: it returns at once, once the writer process is up."""
+    """The async writer's first request, run in the writer process: import what a save needs there."""
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state before a checkpoint is loaded into it.
+
+    torch.optim.AdamW (the optimizer without TE/apex) creates `step`, `exp_avg` and `exp_avg_sq` at
+    its first step, but Megatron builds the optimizer's sharded state dict from the existing state
+    (DistributedOptimizer.state_dict asserts one common `step`; the fp16 optimizer's init_state_fn
+    only adds `exp_avg`). One step on zero gradients creates the full state; the load overwrites it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        params = [p for g in inner.param_groups for p in g["params"] if p.numel() > 0]
+        if all("step" in inner.state.get(p, {}) for p in params):
+            continue
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
 
 
 def _async_strategy(requested: str) -> str:
@@ -306,6 +331,8 @@ class Checkpointer:
                 "--no-load-optim")
         load_rng = same_model_grid and not self.cfg.checkpoint.no_load_rng
         sharding = saved_sharding if (load_optim and self.sharding_type) else self.sharding_type
+        if load_optim:
+            _materialize_optimizer_state(self.optimizer)
         sd = self._sharded_state_dict(True, sharding, with_optimizer=load_optim, with_rng=load_rng)
         state = dist_checkpointing.load(sd, str(path), self.load_strategy_factory(),
                                         strict=StrictHandling.ASSUME_OK_UNEXPECTED)

@@ -85,6 +85,13 @@ class BatchIterator:
     def __next__(self) -> dict[str, torch.Tensor]:
         return next(self._it)
 
+    def close(self) -> None:
+        """Stop the worker processes now (they ignore SIGTERM, so they must be told)."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._it = None
+
 
 def build_data(cfg: TrainerConfig, env: DistEnv, consumed_samples: int, num_nodes: int, cache_shared: bool):
     """(tokenizer, list of per-chunk iterators or None for middle pipeline stages)."""

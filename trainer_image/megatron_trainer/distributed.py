@@ -125,13 +125,21 @@ def ignore_sigterm_in_worker(_worker_id: int) -> None:
 
 
 def reap_children(timeout_s: float = 5.0) -> None:
-    """SIGKILL multiprocessing children still alive at exit (DataLoader workers, the results Manager).
+    """End helper processes still alive at exit (DataLoader workers, the results Manager, the writer).
 
     They ignore SIGTERM (see `ignore_sigterm`), so multiprocessing's atexit handler, which sends
     SIGTERM to daemonic children and then joins them without a timeout, would wait forever.
     """
     import multiprocessing
+    import sys
 
+    async_utils = sys.modules.get("megatron.core.dist_checkpointing.strategies.async_utils")
+    if async_utils is not None and async_utils.AsyncCallsQueue._persistent_caller is not None:
+        # Its __del__ would otherwise put 'DONE' and join a queue nobody serves any more.
+        async_utils.AsyncCallsQueue._persistent_caller.close(abort=True)
+        async_utils.AsyncCallsQueue._persistent_caller = None
+    # torch's DataLoader SIGCHLD handler would turn the kill of a worker into an exception.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         child.kill()
     for child in multiprocessing.active_children():

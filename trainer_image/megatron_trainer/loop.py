@@ -102,6 +102,17 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = Checkpointer(cfg, self.env, self.model, self.optimizer, self.scheduler,
                                          keep=runtime.checkpoint_keep)
+        try:
+            self._init_after_checkpointer(cfg, runtime, gbs, local_world)
+        except BaseException:
+            self.close(abort=True)
+            raise
+
+    def _init_after_checkpointer(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int, local_world: int) -> None:
+        from megatron.core import parallel_state
+
+        t, m = cfg.training, cfg.model
+        self.data_iterators = []
         self.checkpointer.start_workers()
         self.loaded = self.checkpointer.load()
         if self.loaded is not None:
@@ -362,10 +373,14 @@ class Trainer:
         return out
 
     def close(self, abort: bool = False) -> None:
+        for it in getattr(self, "data_iterators", None) or []:
+            if it is not None:
+                it.close()
         self.checkpointer.close(abort=abort)
-        if self.progress is not None:
+        if getattr(self, "progress", None) is not None:
             self.progress.close()
-        self.stop_signal.restore()
+        if getattr(self, "stop_signal", None) is not None:
+            self.stop_signal.restore()
 
 
 def dump_summary(summary: dict) -> None:
