@@ -92,6 +92,27 @@ def _async_strategy(requested: str) -> str:
     return "nvrx" if importlib.util.find_spec("nvidia_resiliency_ext") is not None else "mcore"
 
 
+def unwrap(chunk):
+    """GPTModel inside DDP and Float16Module. Megatron-LM saves and loads the unwrapped model
+    (checkpointing.py `unwrap_model`): the wrappers' generic sharded_state_dict would add `module.`."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def _warm_pinned_memory(sizes: list[int]) -> None:
+    """Runs in the async writer: allocate and free pinned buffers of the checkpoint's tensor sizes,
+    so the writer's caching host allocator already holds them when the first save copies
+    device -> host (pinning tens of GB at the first save took seconds of loop time)."""
+    import torch
+
+    buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes if n > 0]
+    del buffers
+
+
 class Checkpointer:
     """Saves and loads the training state; every public method is collective (all ranks)."""
 
@@ -113,7 +134,8 @@ class Checkpointer:
         if cfg.training.use_distributed_optimizer:
             self.sharding_type = "fully_reshardable" if c.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
         self.save_strategy = FullyParallelSaveStrategyWrapper(
-            TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=c.ckpt_assume_constant_structure),
+            TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=c.ckpt_assume_constant_structure,
+                                         thread_count=c.dist_ckpt_workers),
             self.dp_cp_group, do_cache_distribution=c.ckpt_assume_constant_structure)
         self.load_strategy_factory = lambda: FullyParallelLoadStrategyWrapper(
             TorchDistLoadShardedStrategy(), self.dp_cp_group)
@@ -122,6 +144,7 @@ class Checkpointer:
         self.in_flight: SaveRecord | None = None
         self.stats = CheckpointStats()
         self._num_saves = 0
+        self._warmed = False
         self.on_published = None  # callback(iteration, total_seconds)
 
     # ------------------------------------------------------------------ setup / teardown
@@ -164,6 +187,26 @@ class Checkpointer:
             self.async_queue.close(abort=abort)
             self.async_queue = None
 
+    def warm_writer_memory(self) -> None:
+        """Collective. Once the optimizer has state (after the first step): send the writer the byte
+        sizes of this rank's checkpoint tensors to pin ahead of the first save. No device work, no
+        waiting: the writer does it in the background."""
+        if self.async_queue is None or self._warmed:
+            return
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if self.async_strategy == "nvrx":
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        else:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+        sd = self._sharded_state_dict(False, self.sharding_type, with_optimizer=True, with_rng=False)
+        sizes = [v.data.numel() * v.data.element_size() for v in nested_values(sd)
+                 if isinstance(v, ShardedTensor) and v.data is not None]
+        self.async_queue.schedule_async_request(AsyncRequest(_warm_pinned_memory, (sizes,), []))
+        self._warmed = True
+        log.info("checkpoint: writer pins %.1f GiB for %d tensors in the background", sum(sizes) / 2**30, len(sizes))
+
     # ------------------------------------------------------------------ state dict
     def _metadata(self, sharding_type: str | None) -> dict:
         meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
@@ -199,10 +242,10 @@ class Checkpointer:
         meta = self._metadata(sharding_type)
         sd: dict = {}
         if len(self.model) == 1:
-            sd["model"] = self.model[0].sharded_state_dict(metadata=meta)
+            sd["model"] = unwrap(self.model[0]).sharded_state_dict(metadata=meta)
         else:
             for i, chunk in enumerate(self.model):
-                sd[f"model{i}"] = chunk.sharded_state_dict(metadata=meta)
+                sd[f"model{i}"] = unwrap(chunk).sharded_state_dict(metadata=meta)
         if with_optimizer:
             sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=meta)
         if with_rng:
@@ -222,6 +265,7 @@ class Checkpointer:
         t0 = time.monotonic()
         # One save in flight at a time: wait for the previous one (counts as blocked time).
         self.finalize(blocking=True)
+        waited = time.monotonic() - t0
         asynchronous = self.async_queue is not None and not blocking
         if self.env.is_rank0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
@@ -259,10 +303,11 @@ class Checkpointer:
             self.in_flight = record
         else:
             self._publish(iteration, path, t0)
-        self.stats.saves.append({"iteration": iteration, "blocked_s": round(blocked, 4), "async": asynchronous})
-        log.info("checkpoint: %s save of iteration %d %s (loop blocked %.3f s)",
-                 "async" if asynchronous else "sync", iteration,
-                 "scheduled" if asynchronous else f"written to {path}", blocked)
+        self.stats.saves.append({"iteration": iteration, "blocked_s": round(blocked, 4),
+                                 "waited_for_previous_s": round(waited, 4), "async": asynchronous})
+        log.info("checkpoint: %s save of iteration %d %s (loop blocked %.3f s, of which %.3f s waiting for the "
+                 "previous save)", "async" if asynchronous else "sync", iteration,
+                 "scheduled" if asynchronous else f"written to {path}", blocked, waited)
         return record
 
     def _publish(self, iteration: int, path: Path, started: float) -> None:
@@ -337,10 +382,10 @@ class Checkpointer:
         state = dist_checkpointing.load(sd, str(path), self.load_strategy_factory(),
                                         strict=StrictHandling.ASSUME_OK_UNEXPECTED)
         if len(self.model) == 1:
-            self.model[0].load_state_dict(state["model"], strict=True)
+            unwrap(self.model[0]).load_state_dict(state["model"], strict=True)
         else:
             for i, chunk in enumerate(self.model):
-                chunk.load_state_dict(state[f"model{i}"], strict=True)
+                unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
         else:

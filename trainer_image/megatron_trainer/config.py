@@ -236,6 +236,8 @@ class CheckpointConfig:
     ckpt_assume_constant_structure: bool = field(default=True, metadata=flag(
         "--ckpt-assume-constant-structure", action="store_true",
         help="Reuse the save plan across checkpoints (always on in this trainer)."))
+    dist_ckpt_workers: int = field(default=1, metadata=flag(
+        "--dist-ckpt-workers", type=int, help="Writer threads (and files) per rank for torch_dist saves."))
     dist_ckpt_optim_fully_reshardable: bool = field(default=False, metadata=flag(
         "--dist-ckpt-optim-fully-reshardable", action="store_true",
         help="Save the distributed optimizer so it can be resumed under another TP/PP (slower save)."))
@@ -424,6 +426,8 @@ def validate(cfg: TrainerConfig) -> None:
     except ValueError:
         raise ValueError(f"--split {d.split!r}: expected comma-separated weights with train > 0") from None
     # Checkpoints.
+    if c.dist_ckpt_workers < 1:
+        raise ValueError("--dist-ckpt-workers must be >= 1")
     if c.save_interval is not None and c.save_interval < 1:
         raise ValueError("--save-interval must be >= 1")
     if c.save_interval and not c.save:

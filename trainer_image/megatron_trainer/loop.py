@@ -263,6 +263,7 @@ class Trainer:
             self.state.iteration_times_s.append(time.monotonic() - t0)
             window_iters += 1
             if self.first_iteration_age_s is None:
+                self.checkpointer.warm_writer_memory()
                 torch.cuda.synchronize()
                 self.first_iteration_age_s = time.monotonic() - self.t_start
                 self.mem_after_first_step = torch.cuda.memory_allocated()
