@@ -110,3 +110,10 @@ def test_prepare_save_dir_clears_a_stale_attempt(tmp_path):
     assert path == stale and path.is_dir() and list(path.iterdir()) == []
     assert not L.is_complete(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000700"]
+
+
+def test_final_save_fits_the_sigkill_grace():
+    assert L.final_save_fits(2.0, None, grace_s=30)  # unknown duration: try
+    assert L.final_save_fits(2.0, 10.0, grace_s=30)
+    assert not L.final_save_fits(2.0, 26.0, grace_s=30)
+    assert not L.final_save_fits(20.0, 8.0, grace_s=30)

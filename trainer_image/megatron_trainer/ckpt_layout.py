@@ -164,3 +164,15 @@ def prepare_save_dir(root: str | Path, iteration: int) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=False)
     return path
+
+
+def final_save_fits(seconds_since_signal: float, last_save_seconds: float | None, grace_s: float,
+                    margin_s: float = 3.0) -> bool:
+    """Whether a checkpoint started now should finish before the launcher's SIGKILL.
+
+    torchrun SIGKILLs its workers `grace_s` after forwarding SIGTERM (30 s in torch 2.11, not
+    configurable there). Unknown save time: try.
+    """
+    if last_save_seconds is None:
+        return True
+    return seconds_since_signal + last_save_seconds + margin_s <= grace_s

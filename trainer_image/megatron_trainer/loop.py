@@ -190,6 +190,29 @@ class Trainer:
             return "exit-interval"
         return None
 
+    def _final_save_fits(self, stop_reason: str) -> bool:
+        """After a SIGTERM: finish any save in flight, then save again only if it can end before
+        torchrun's SIGKILL (all ranks decide together). Otherwise the last complete checkpoint is
+        the resume point."""
+        if stop_reason != "signal":
+            return True
+        from .ckpt_layout import final_save_fits
+
+        self.checkpointer.finalize(blocking=True)
+        if self.checkpointer.stats.last_published == self.state.iteration:
+            return False  # this very iteration is already checkpointed
+        grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or 30)
+        since = time.monotonic() - (self.stop_signal.received_at or time.monotonic())
+        durations = [s.get("total_s") for s in self.checkpointer.stats.saves if s.get("total_s")]
+        fits = final_save_fits(since, durations[-1] if durations else None, grace_s)
+        if any_rank(not fits, self.env):
+            if self.env.is_rank0:
+                log.warning("no time for a new checkpoint before SIGKILL (%.0f s grace, last save took %s s): "
+                            "resume point stays iteration %s", grace_s, durations[-1] if durations else "?",
+                            self.checkpointer.stats.last_published)
+            return False
+        return True
+
     # ------------------------------------------------------------------------------- the step
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator) if data_iterator is not None else None
@@ -277,10 +300,10 @@ class Trainer:
                 log_window_start, window_iters = time.monotonic(), 0
             stop_reason = self.should_stop() or stop_reason
             if stop_reason != "done":
-                if self.cfg.checkpoint.save:
-                    self.checkpointer.save(self.state.iteration, self.state.consumed_samples, blocking=True)
                 if self.env.is_rank0:
                     log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
+                if self.cfg.checkpoint.save and self._final_save_fits(stop_reason):
+                    self.checkpointer.save(self.state.iteration, self.state.consumed_samples, blocking=True)
                 break
             if self.should_save():
                 blocked = self.checkpointer.save(self.state.iteration, self.state.consumed_samples).blocked_s
