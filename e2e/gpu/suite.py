@@ -370,8 +370,8 @@ def layouts_for(gpus: int) -> list[tuple[str, int, int]]:
     if gpus == 1:
         return [("dp1", 1, 1)]
     out = [(f"tp{gpus}", gpus, 1), (f"pp{gpus}", 1, gpus), (f"dp{gpus}", 1, 1)]
-    if gpus >= 8:
-        out.append(("tp2pp2dp2", 2, 2))
+    if gpus >= 4:
+        out.append((f"tp2pp2dp{gpus // 4}", 2, 2))
     return out
 
 
