@@ -458,7 +458,10 @@ def scenario_resume(ctx) -> dict:
         rc = again.wait(300)
         again.close()
         resumed = RESUMED_RE.search(again.text())
-        cmp = compare(ref["losses"], again.losses(), (expected or 0) + 1, rel_tol=0.02)
+        # The uninterrupted trajectory is the killed run itself up to the kill: the restart redoes
+        # iterations expected+1 .. last_logged from the checkpoint and must reproduce them.
+        cmp = compare(run.losses(), again.losses(), (expected or 0) + 1, rel_tol=0.01)
+        cmp_ref = compare(ref["losses"], again.losses(), (expected or 0) + 1, rel_tol=0.02)
         check(killed, "rank not found to kill", failures)
         check(expected is not None and expected < last_logged, f"no complete checkpoint before the kill: {before}",
               failures)
@@ -469,7 +472,7 @@ def scenario_resume(ctx) -> dict:
         out[name] = {"ok": not failures, "failures": failures, "killed_rank": victim,
                      "last_logged_iteration_before_kill": last_logged,
                      "checkpoints_after_kill": before, "resumed_iteration": resumed.group(2) if resumed else None,
-                     "compare_after_resume": cmp}
+                     "compare_with_killed_run": cmp, "compare_with_reference_run": cmp_ref}
     return {"ok": bool(out) and all(r["ok"] for r in out.values()), **out}
 
 

@@ -31,7 +31,6 @@ class DistEnv:
 def init_distributed(cfg: TrainerConfig) -> DistEnv:
     """torch.distributed (NCCL) from torchrun's env, then `initialize_model_parallel` by keyword."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,8 +55,27 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
         expert_model_parallel_size=p.expert,
         expert_tensor_parallel_size=p.expert_tensor,
     )
-    model_parallel_cuda_manual_seed(cfg.training.seed)
+    set_random_seed(cfg.training.seed)
     return DistEnv(rank, local_rank, world_size, layout, cpu_group)
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron-LM's `_set_random_seed`: every generator, offset per pipeline stage.
+
+    The CPU generators matter: some weights are initialised on the CPU (e.g. the learned position
+    embedding, a torch.nn.Embedding), so without this two runs of one command start apart.
+    """
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed() -> None:
