@@ -54,9 +54,11 @@ PEER_CKPT_RE = re.compile(r"ckpt save ([0-9.]+)s load ([0-9.]+)s")
 # Model shapes. "gpt1b" is the benchmark model: the peer's GPTModel defaults (LayerNorm, GeLU 4h MLP,
 # biases, learned positions, untied output layer).
 MODELS = {
-    "small": dict(layers=8, hidden=512, heads=8, ffn=2048, seq=512, vocab=8192),
-    "gpt1b": dict(layers=24, hidden=2048, heads=16, ffn=8192, seq=2048, vocab=32768),
-    "mem_s4k": dict(layers=12, hidden=1536, heads=12, ffn=6144, seq=4096, vocab=32768),
+    "small": dict(layers=8, hidden=512, heads=8, ffn=2048, seq=512, vocab=8192, mbs=4),
+    "gpt1b": dict(layers=24, hidden=2048, heads=16, ffn=8192, seq=2048, vocab=32768, mbs=4),
+    "mem_s4k": dict(layers=12, hidden=1536, heads=12, ffn=6144, seq=4096, vocab=32768, mbs=4),
+    # 7B-class, same architecture family as the peer's model (so the peer runs it too): issue 8's scale run.
+    "gpt7b": dict(layers=32, hidden=4096, heads=32, ffn=16384, seq=2048, vocab=32768, mbs=1),
 }
 
 WORK = Path(os.environ.get("SUITE_WORK", "/tmp/suite"))
@@ -375,14 +377,34 @@ def layouts_for(gpus: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=()) -> dict:
+LAYOUT_RE = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:vpp(\d+))?(?:dp(\d+))?$")
+
+
+def parse_layout(name: str, gpus: int) -> tuple[int, int, int | None]:
+    """'tp2pp2vpp2dp2' / 'pp2' / 'dp8' -> (TP, PP, VPP); DP must fill the GPUs."""
+    m = LAYOUT_RE.match(name)
+    if not m or not name:
+        raise ValueError(f"bad layout {name!r}")
+    tp, pp = int(m.group(1) or 1), int(m.group(2) or 1)
+    vpp = int(m.group(3)) if m.group(3) else None
+    dp = int(m.group(4)) if m.group(4) else gpus // (tp * pp)
+    if tp * pp * dp != gpus:
+        raise ValueError(f"layout {name!r} does not fill {gpus} GPUs")
+    return tp, pp, vpp
+
+
+def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: int | None = None) -> dict:
     """A 40-iteration run with async checkpoints every 10: the uninterrupted reference."""
     gpus = ctx["gpus"]
     dp = gpus // (tp * pp)
+    model = ctx.get("model", "small")
+    mbs = MODELS[model]["mbs"]
     save = str(WORK / "ckpt" / f"ref_{name}")
     shutil.rmtree(save, ignore_errors=True)
-    args = trainer_args("small", tp=tp, pp=pp, mbs=4, gbs=4 * dp * (2 if pp > 1 else 1), iters=40, save=save,
-                        save_interval=10, data=data, extra=extra)
+    extra = list(extra) + (["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp else [])
+    args = trainer_args(model, tp=tp, pp=pp, mbs=mbs, gbs=mbs * dp * (2 * pp if pp > 1 else 1), iters=40,
+                        save=save, save_interval=10, data=data, extra=extra,
+                        lr="1e-3" if model == "small" else "3e-4")
     env = {"MEGATRON_CHECKPOINT_KEEP": "3", "MEGATRON_METRICS_PORT": str(free_port())}
     run = Run(f"ref_{name}", gpus, args, env=env)
     scraped = {}
@@ -397,7 +419,7 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=()) -> dict
             time.sleep(0.5)
 
     threading.Thread(target=scrape, daemon=True).start()
-    rc = run.wait(300)
+    rc = run.wait(600)
     run.close()
     losses = run.losses()
     failures: list[str] = []
@@ -409,7 +431,8 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=()) -> dict
     check(state["checkpoints"] == {20: True, 30: True, 40: True}, f"retention keep=3: {state['checkpoints']}", failures)
     metrics = scraped.get("text", "")
     check("megatron_trainer_iteration" in metrics, "metrics not served", failures)
-    ctx.setdefault("refs", {})[name] = {"losses": losses, "args": args, "save": save, "tp": tp, "pp": pp}
+    ctx.setdefault("refs", {})[name] = {"losses": losses, "args": args, "save": save, "tp": tp, "pp": pp,
+                                        "mbs": mbs, "gbs": mbs * dp * (2 * pp if pp > 1 else 1)}
     summary = run.summary() or {}
     return {"ok": not failures, "failures": failures, "layout": f"TP{tp} PP{pp} DP{dp}",
             "loss_first": losses.get(1), "loss_last": losses.get(40), "checkpoints": state,
@@ -420,12 +443,14 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=()) -> dict
 
 def scenario_layouts(ctx) -> dict:
     results = {}
-    for name, tp, pp in layouts_for(ctx["gpus"]):
-        if ctx["layouts"] and name not in ctx["layouts"]:
-            continue
+    names = sorted(ctx["layouts"]) if ctx["layouts"] else [n for n, _, _ in layouts_for(ctx["gpus"])]
+    for name in names:
+        tp, pp, vpp = parse_layout(name, ctx["gpus"])
         data = ctx.get("data") if name.startswith("dp") else None
-        results[name] = reference_run(ctx, name, tp, pp, data=data,
-                                      extra=["--dist-ckpt-optim-fully-reshardable"] if name.startswith("tp") else [])
+        # The reshard source saves its optimizer fully reshardable (TP/PP may change on resume).
+        reshardable = name == ctx.get("reshard_from", f"tp{ctx['gpus']}")
+        results[name] = reference_run(ctx, name, tp, pp, data=data, vpp=vpp,
+                                      extra=["--dist-ckpt-optim-fully-reshardable"] if reshardable else [])
         if data:
             results[name]["data"] = "real .bin/.idx blend, HF tokenizer"
     return {"ok": all(r["ok"] for r in results.values()), **results}
@@ -479,7 +504,7 @@ def scenario_resume(ctx) -> dict:
 def scenario_sigterm(ctx) -> dict:
     out = {}
     for name, ref in ctx.get("refs", {}).items():
-        if ctx["gpus"] > 1 and not name.startswith("pp"):
+        if ctx["gpus"] > 1 and "pp" not in name:
             continue  # on several GPUs: the pipeline layout (stages must agree across the p2p schedule)
         save = str(WORK / "ckpt" / f"term_{name}")
         shutil.rmtree(save, ignore_errors=True)
@@ -514,25 +539,31 @@ def scenario_sigterm(ctx) -> dict:
 
 
 def scenario_reshard(ctx) -> dict:
-    """Resume the TP=N reference's iteration-20 checkpoint under PP=N and under DP=N."""
+    """Resume the reshard source's iteration-20 checkpoint under other TP/PP/DP layouts."""
     gpus = ctx["gpus"]
-    ref = ctx.get("refs", {}).get(f"tp{gpus}")
+    src_name = ctx.get("reshard_from") or f"tp{gpus}"
+    ref = ctx.get("refs", {}).get(src_name)
     if ref is None:
-        return {"ok": False, "failures": ["no TP reference run"]}
+        return {"ok": False, "failures": [f"no reference run {src_name}"]}
+    targets = ctx.get("reshard_to") or [f"pp{gpus}", f"dp{gpus}"]
     out = {}
     src = Path(ref["save"])
-    for name, tp, pp in ((f"pp{gpus}", 1, gpus), (f"dp{gpus}", 1, 1)):
+    model = ctx.get("model", "small")
+    for name in targets:
+        tp, pp, vpp = parse_layout(name, gpus)
         dst = WORK / "ckpt" / f"reshard_to_{name}"
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
-        shutil.copytree(src / "iter_0000020", dst / "iter_0000020")
+        shutil.copytree(src / "iter_0000020", dst / "iter_0000020", copy_function=os.link)  # hard links: no copy
         (dst / "latest_checkpointed_iteration.txt").write_text("20\n")
         dp = gpus // (tp * pp)
-        # Same global batch as the reference (4 sequences): micro batch 4 / DP, one micro-batch per rank.
-        mbs = 4 // dp
-        args = trainer_args("small", tp=tp, pp=pp, mbs=mbs, gbs=4, iters=40, save=str(dst), save_interval=10)
-        run = Run(f"reshard_tp{gpus}_to_{name}", gpus, args)
-        rc = run.wait(300)
+        # Same global batch (same samples per step) as the source run.
+        mbs = min(ref["mbs"], ref["gbs"] // dp)
+        extra = ["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp else []
+        args = trainer_args(model, tp=tp, pp=pp, mbs=mbs, gbs=ref["gbs"], iters=40, save=str(dst), save_interval=10,
+                            extra=extra, lr="1e-3" if model == "small" else "3e-4")
+        run = Run(f"reshard_{src_name}_to_{name}", gpus, args)
+        rc = run.wait(600)
         run.close()
         resumed = RESUMED_RE.search(run.text())
         cmp = compare(ref["losses"], run.losses(), 21, rel_tol=0.05)
@@ -540,20 +571,27 @@ def scenario_reshard(ctx) -> dict:
         check(rc == 0, f"rc={rc}", failures)
         check(resumed is not None and resumed.group(2) == "20", "did not resume from 20", failures)
         check(cmp["ok"], f"loss does not continue {cmp}", failures)
-        out[name] = {"ok": not failures, "failures": failures, "compare_with_tp_run": cmp,
+        out[name] = {"ok": not failures, "failures": failures, f"compare_with_{src_name}_run": cmp,
                      "loss_21": run.losses().get(21), "ref_loss_21": ref["losses"].get(21)}
     return {"ok": all(r["ok"] for r in out.values()), **out}
 
 
 def bench_layouts(gpus: int) -> list[tuple[str, int]]:
-    return [("dp1", 1)] if gpus == 1 else [(f"tp{gpus}", gpus), (f"dp{gpus}", 1)]
+    """(name, TP): the peer covers TP x DP layouts only."""
+    if gpus == 1:
+        return [("dp1", 1)]
+    if gpus == 2:
+        return [("tp2", 2), ("dp2", 1)]
+    return [(f"tp2dp{gpus // 2}", 2), (f"dp{gpus}", 1)]
 
 
 def scenario_bench(ctx) -> dict:
     import torch
 
     gpus = ctx["gpus"]
-    m = MODELS["gpt1b"]
+    model = ctx.get("bench_model", "gpt1b")
+    m = MODELS[model]
+    mb = m["mbs"]
     out = {}
     for name, tp in bench_layouts(gpus):
         if ctx["bench_on"] and name not in ctx["bench_on"]:
@@ -566,7 +604,7 @@ def scenario_bench(ctx) -> dict:
         peer_ckpt.mkdir(parents=True)
         peer = Run(f"bench_peer_{name}", gpus, [], module=False, script=str(REPO / ".run" / "mcore_peer.py"),
                    env={"TP": str(tp), "LAYERS": str(m["layers"]), "HIDDEN": str(m["hidden"]), "HEADS": str(m["heads"]),
-                        "SEQ": str(m["seq"]), "MBS": "4", "ITERS": "20", "MODE": "bf16", "CKPT": str(peer_ckpt),
+                        "SEQ": str(m["seq"]), "MBS": str(mb), "ITERS": "20", "MODE": "bf16", "CKPT": str(peer_ckpt),
                         **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
         rc = peer.wait(300)
         peer.close()
@@ -585,7 +623,7 @@ def scenario_bench(ctx) -> dict:
         save = WORK / "ckpt" / f"bench_{name}"
         shutil.rmtree(save, ignore_errors=True)
         extra = ["--overlap-grad-reduce", "--overlap-param-gather"] if dp > 1 else []
-        args = trainer_args("gpt1b", tp=tp, mbs=4, gbs=4 * dp, iters=36, lr="3e-4", warmup=4, save=str(save),
+        args = trainer_args(model, tp=tp, mbs=mb, gbs=mb * dp, iters=36, lr="3e-4", warmup=4, save=str(save),
                             save_interval=12, extra=extra)
         ours = Run(f"bench_ours_{name}", gpus, args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
         hit = ours.wait_for(re.compile(r"async save of iteration 24 scheduled"), 400)
@@ -622,11 +660,11 @@ def scenario_bench(ctx) -> dict:
             "peak_alloc_gib_logging_rank_after_resume": max(peaks2) if peaks2 else None})
         if res["ours"]["median_iter_ms"]:
             it_s = res["ours"]["median_iter_ms"] / 1000
-            tokens = 4 * dp * m["seq"]
+            tokens = mb * dp * m["seq"]
             sys.path.insert(0, str(REPO / "trainer_image"))
             from megatron_trainer import flops
 
-            classic = flops.classic_flops_per_iteration(4 * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
+            classic = flops.classic_flops_per_iteration(mb * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
             tp_ = flops.throughput(classic, tokens, it_s, gpus)
             res["ours"].update({"tokens_per_s_per_gpu": round(tp_["tokens_per_s_per_gpu"]),
                                 "mfu_pct_peer_formula": round(100 * tp_["mfu"], 2)})
@@ -755,6 +793,10 @@ def main() -> int:
     ap.add_argument("--layouts", default=None, help="layouts to train (default: all for the GPU count)")
     ap.add_argument("--resume-on", default=None, help="reference layouts for the kill -9 test (default: all)")
     ap.add_argument("--bench-on", default=None, help="benchmark layouts (default: all for the GPU count)")
+    ap.add_argument("--model", default="small", choices=sorted(MODELS), help="model of layouts/resume/sigterm/reshard")
+    ap.add_argument("--bench-model", default="gpt1b", choices=sorted(MODELS), help="model of the benchmark")
+    ap.add_argument("--reshard-from", default=None, help="layout whose checkpoint is resharded (default tpN)")
+    ap.add_argument("--reshard-to", default=None, help="layouts to resume it under (default ppN,dpN)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
     args = ap.parse_args()
@@ -770,7 +812,10 @@ def main() -> int:
     ctx = {"gpus": gpus, "memory_names": set(args.memory.split(",")),
            "layouts": set(args.layouts.split(",")) if args.layouts else None,
            "resume_on": set(args.resume_on.split(",")) if args.resume_on else None,
-           "bench_on": set(args.bench_on.split(",")) if args.bench_on else None}
+           "bench_on": set(args.bench_on.split(",")) if args.bench_on else None,
+           "model": args.model, "bench_model": args.bench_model,
+           "reshard_from": args.reshard_from or f"tp{gpus}",
+           "reshard_to": args.reshard_to.split(",") if args.reshard_to else None}
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results
