@@ -328,7 +328,7 @@ def scenario_indexed(ctx) -> dict:
     root = WORK / "data"
     shutil.rmtree(root, ignore_errors=True)
     (root / "tok").mkdir(parents=True)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma"]
     import random
 
     rnd = random.Random(0)
@@ -352,7 +352,6 @@ def scenario_indexed(ctx) -> dict:
         prefixes.append(str(root / f"{name}_text_document"))
     sys.path.insert(0, str(REPO / "trainer_image"))
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     from megatron_trainer.indexed import read_indexed_dataset
     from megatron_trainer.tokenizer import LocalTokenizer
 

@@ -7,7 +7,6 @@ import struct
 
 import numpy as np
 import pytest
-
 from megatron_trainer.indexed import INDEX_HEADER, IndexedDatasetWriter, optimal_dtype, read_indexed_dataset
 from megatron_trainer.preprocess import main as preprocess_main
 from megatron_trainer.tokenizer import LocalTokenizer, NullTokenizer, build_tokenizer

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from megatron_trainer.progress import (
+    Cadence,
+    Progress,
+    ProgressWriter,
+    build_patch,
+    build_request,
+    in_cluster_api_server,
+)
 
-from megatron_trainer.progress import (Cadence, Progress, ProgressWriter, build_patch, build_request,
-                                       in_cluster_api_server)
-
-NOW = datetime(2026, 11, 21, 10, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 21, 10, 0, 0, tzinfo=UTC)
 SNAP = Progress(iteration=1200, train_iters=5000, loss=2.3141234567, tokens_per_second=123456.04,
                 tflops_per_gpu=410.234, mfu=0.41477, last_checkpoint_iteration=1000)
 
@@ -55,7 +60,7 @@ class _Recorder(BaseHTTPRequestHandler):
     requests: list = []
     status = 200
 
-    def do_PATCH(self):  # noqa: N802 - http.server naming
+    def do_PATCH(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).requests.append({"path": self.path, "headers": dict(self.headers), "body": json.loads(body)})
         self.send_response(type(self).status)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from megatron_trainer import flops
 from megatron_trainer.sampler import PretrainingSampler
 

@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 
 
 class _TP1:
-    class tp:  # noqa: N801 - mimics ProcessGroupCollection.tp
+    class tp:
         @staticmethod
         def size():
             return 1
@@ -24,7 +24,6 @@ class _TP1:
 def test_sdpa_attention_matches_reference(heads, groups):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
-
     from megatron_trainer.attention import make_sdpa_attention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads, num_query_groups=groups)
@@ -44,7 +43,6 @@ def test_sdpa_attention_matches_reference(heads, groups):
 
 def test_fully_reshardable_step_workaround():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     from megatron_trainer.compat import patch_fully_reshardable_load_with_torch_adam
 
     opt = types.SimpleNamespace()
@@ -78,12 +76,11 @@ def test_materialize_optimizer_state():
 
 def test_preprocessed_data_through_megatron_datasets(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from megatron_trainer.config import parse_args
     from megatron_trainer.data import build_dataset
     from megatron_trainer.preprocess import main as preprocess_main
     from megatron_trainer.tokenizer import LocalTokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts = [f"document {i} about the quick brown fox number {i * 7} " * (1 + i % 5) for i in range(300)]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType

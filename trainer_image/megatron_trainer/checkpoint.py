@@ -57,8 +57,8 @@ class CheckpointStats:
 
 def _noop() -> None:
     """The async writer's first request, run in the writer process: import what a save needs there."""
-    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.filesystem_async
+    import megatron.core.dist_checkpointing.strategies.torch
     import megatron.core.optimizer  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
 
@@ -119,9 +119,13 @@ class Checkpointer:
     def __init__(self, cfg: TrainerConfig, env: DistEnv, model: list, optimizer, scheduler, keep: int):
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
+            FullyParallelLoadStrategyWrapper,
+            FullyParallelSaveStrategyWrapper,
+        )
         from megatron.core.dist_checkpointing.strategies.torch import (
-            TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
+            TorchDistLoadShardedStrategy,
+            TorchDistSaveShardedStrategy,
+        )
 
         self.cfg, self.env = cfg, env
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -168,11 +172,15 @@ class Checkpointer:
             if self.async_strategy == "nvrx":
                 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
                 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
-                    get_write_results_queue as nvrx_results_queue)
+                    get_write_results_queue as nvrx_results_queue,
+                )
 
                 nvrx_results_queue()
             else:
-                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+                from megatron.core.dist_checkpointing.strategies.async_utils import (
+                    AsyncCallsQueue,
+                    AsyncRequest,
+                )
             self.async_queue = AsyncCallsQueue(persistent=True)
             AsyncCallsQueue.warmup_persistent_caller(self.env.rank)
         # The spawned writer needs seconds to import torch/Megatron and set up CUDA. A no-op request

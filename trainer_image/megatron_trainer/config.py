@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 def flag(*names: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:

@@ -103,7 +103,7 @@ class StopSignal:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received, self.received_at = signum, time.monotonic()
             # Only async-signal-safe work here; the loop logs it.

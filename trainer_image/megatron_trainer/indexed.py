@@ -18,8 +18,9 @@ As in Megatron's `tools/preprocess_data.py` without sentence splitting, every do
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 

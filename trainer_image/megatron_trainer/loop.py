@@ -16,8 +16,14 @@ from .checkpoint import Checkpointer
 from .config import RuntimeConfig, TrainerConfig
 from .distributed import DistEnv, StopSignal, any_rank, init_distributed
 from .metrics import Metrics
-from .model import (build_model, choose_path, count_parameters, te_available, transformer_config,
-                    wire_model_hooks)
+from .model import (
+    build_model,
+    choose_path,
+    count_parameters,
+    te_available,
+    transformer_config,
+    wire_model_hooks,
+)
 from .progress import Cadence, Progress, ProgressWriter
 
 log = logging.getLogger(__name__)
@@ -159,7 +165,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _log_startup(self) -> None:
-        c, p, t = self.cfg, self.cfg.parallel, self.cfg.training
+        p, t = self.cfg.parallel, self.cfg.training
         if self.env.is_rank0:
             log.info("megatron_trainer: %s", self.path.describe())
             log.info("layout: world=%d TP=%d PP=%d VPP=%s CP=%d EP=%d DP=%d | micro batch %d, global batch %d, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .config import parse_args, runtime_from_env
 

@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .tokenizer import LocalTokenizer
@@ -55,6 +55,28 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
+class _Counter:
+    def __init__(self, log_interval: int):
+        self.documents = self.tokens = 0
+        self.log_interval = log_interval
+        self.started = time.monotonic()
+
+
+def _write_batch(texts: list[str], tokenizer: LocalTokenizer, writer: IndexedDatasetWriter, append_eod: bool,
+                 counter: _Counter) -> None:
+    for ids in tokenizer.tokenize_batch(texts):
+        if append_eod:
+            ids.append(tokenizer.eod)
+        if not ids:
+            continue  # Megatron skips empty documents too
+        writer.add_document(ids)
+        counter.documents += 1
+        counter.tokens += len(ids)
+        if counter.log_interval and counter.documents % counter.log_interval == 0:
+            rate = counter.documents / max(time.monotonic() - counter.started, 1e-9)
+            print(f"preprocess: {counter.documents} documents ({rate:.0f} docs/s)", file=sys.stderr)
+
+
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_dir: str, json_keys: Sequence[str] = ("text",),
                append_eod: bool = False, log_interval: int = 100000) -> dict[str, dict[str, int]]:
     """Write one .bin/.idx per JSON key; returns {prefix: {"documents": n, "tokens": n}}."""
@@ -64,32 +86,16 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_dir: str, js
     for key in json_keys:
         prefix = output_prefix_for(output_prefix, key)
         writer = IndexedDatasetWriter(prefix, dtype)
-        num_docs = num_tokens = 0
-        started = time.monotonic()
+        counter = _Counter(log_interval)
         batch: list[str] = []
-
-        def flush() -> None:
-            nonlocal num_docs, num_tokens
-            for ids in tokenizer.tokenize_batch(batch):
-                if append_eod:
-                    ids.append(tokenizer.eod)
-                if not ids:
-                    continue  # Megatron skips empty documents too
-                writer.add_document(ids)
-                num_docs += 1
-                num_tokens += len(ids)
-                if log_interval and num_docs % log_interval == 0:
-                    rate = num_docs / max(time.monotonic() - started, 1e-9)
-                    print(f"preprocess: {num_docs} documents ({rate:.0f} docs/s)", file=sys.stderr)
-            batch.clear()
-
         for text in _documents(inputs, key):
             batch.append(text)
             if len(batch) >= _BATCH_LINES:
-                flush()
-        flush()
+                _write_batch(batch, tokenizer, writer, append_eod, counter)
+                batch = []
+        _write_batch(batch, tokenizer, writer, append_eod, counter)
         writer.finalize()
-        summary[prefix] = {"documents": num_docs, "tokens": num_tokens}
+        summary[prefix] = {"documents": counter.documents, "tokens": counter.tokens}
     return summary
 
 

@@ -18,9 +18,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Mapping
+from datetime import UTC, datetime
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def _finite(value: float | None, digits: int) -> float | None:
 
 def build_patch(name: str, namespace: str, progress: Progress, now: datetime | None = None) -> dict:
     """The apply-patch body. Unknown or non-finite figures are left out (the CRD types them as numbers)."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     body = {
         "iteration": int(progress.iteration),
         "trainIters": int(progress.train_iters),
@@ -62,7 +62,7 @@ def build_patch(name: str, namespace: str, progress: Progress, now: datetime | N
         "tflopsPerGpu": _finite(progress.tflops_per_gpu, 2),
         "mfu": _finite(progress.mfu, 4),
         "lastCheckpointIteration": progress.last_checkpoint_iteration,
-        "updateTime": now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "updateTime": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -123,7 +123,7 @@ class ProgressWriter:
         self.writes_failed = 0
 
     @classmethod
-    def in_cluster(cls, name: str, namespace: str, env: Mapping[str, str] = os.environ) -> "ProgressWriter | None":
+    def in_cluster(cls, name: str, namespace: str, env: Mapping[str, str] = os.environ) -> ProgressWriter | None:
         server = in_cluster_api_server(env)
         if server is None:
             return None

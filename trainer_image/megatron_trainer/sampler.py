@@ -8,7 +8,7 @@ into DP contiguous slices, one per data-parallel rank. The checkpoint stores onl
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class PretrainingSampler:
