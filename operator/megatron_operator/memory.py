@@ -36,12 +36,19 @@ GIB = 1024**3
 # Memory the PyTorch allocator does not count: CUDA context (~0.5 GiB), NCCL channels and
 # buffers, cuBLAS/cuDNN handles, and the caching allocator's fragmentation.
 RESERVED_OVERHEAD_GIB = 3.0
-# Allocator workspaces inside max_memory_allocated (cuBLAS workspace, small temporaries).
-WORKSPACE_GIB = 0.25
-# Bytes per s x s score element in Megatron's unfused attention: fp32 softmax output + bf16 probs.
+# Allocations that persist after the first step beyond weights, gradients and optimizer state (cuBLAS
+# workspaces and the like): measured 0.06-0.07 GiB on every shape.
+WORKSPACE_GIB = 0.07
+# Bytes per s x s score element and head that Megatron's unfused attention keeps per layer (fp32
+# softmax output + bf16 probabilities), and the transient of one layer's backward (score gradients).
 UNFUSED_SCORE_BYTES = 6
-# Bytes per logit on the last stage: bf16 logits, fp32 copy, fp32 exp-logits kept for the backward.
-LOGITS_BYTES = 10
+UNFUSED_BACKWARD_BYTES = 6
+# Bytes per logit on the last stage: the bf16 logits and the fp32 copy of the vocab-parallel cross
+# entropy (measured: 6.0-6.1 bytes per logit on two model shapes).
+LOGITS_BYTES = 6
+# torch.optim.AdamW (Megatron's fallback without Transformer Engine or apex) allocates a full-size
+# fp32 temporary per optimizer-shard parameter during its step; the fused Adam of TE/apex does not.
+TORCH_ADAM_STEP_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -166,36 +173,34 @@ def estimate(job: MegatronJob) -> Estimate:
         return w, gr, op
 
     # ---- activations per layer per micro-batch (bytes) ----------------------------------------
-    # What autograd keeps alive with dropout 0 (no masks: torch's dropout with p=0 saves nothing).
+    # What autograd keeps alive with dropout 0 (no masks: torch's dropout with p=0 saves nothing):
+    # 32 sbh per GPT layer at TP=1 (Korthikanti's 34 sbh without the two dropout masks).
     sbh = s * b * h
     split = tp if sp else 1  # sequence parallel also splits the norm and linear-input regions
     replicated = act_bytes * 4 * sbh / split  # inputs of: attention norm, QKV, MLP norm, fc1
     qkv = act_bytes * (sbh + 2 * s * b * kv) / tp  # Q, K, V kept for attention's backward
     attn_out = act_bytes * sbh / tp  # attention output = input of the output projection
-    if tr.attention_backend == "unfused":
-        # Megatron's local attention: the fp32 softmax output and the bf16 probabilities, s x s per head
-        core = UNFUSED_SCORE_BYTES * (a / tp) * s * s * b
-    else:
-        # flash / SDPA: its own copy of the output plus the fp32 log-sum-exp
-        core = act_bytes * sbh / tp + 4 * s * b * a / tp
+    scores = UNFUSED_SCORE_BYTES * (a / tp) * s * s * b if tr.attention_backend == "unfused" else 0.0
+    lse = 4 * s * b * a / tp if tr.attention_backend != "unfused" else 0.0  # flash's fp32 log-sum-exp
     if experts:
         topk = m["moeRouterTopk"]
         # routed tokens (topk copies) through expert MLPs split over expert-tensor parallel, plus the
-        # permuted/unpermuted token buffers and the router's fp32 logits
+        # permuted/unpermuted token buffers and the router's fp32 logits (not calibrated: no MoE run)
         mlp = act_bytes * topk * s * b * ((2 if swiglu else 1) + 1) * ffn / etp \
             + act_bytes * 2 * topk * sbh + 4 * s * b * experts
     else:
         mlp = act_bytes * ((2 if swiglu else 1) + 1) * s * b * ffn / tp  # activation input + fc2 input
-    full_layer = replicated + qkv + attn_out + core + mlp
+    full_layer = replicated + qkv + attn_out + scores + lse + mlp
+    backward_scores = UNFUSED_BACKWARD_BYTES * (a / tp) * s * s * b if scores else 0.0
     if tr.recompute == "full":
         per_layer = act_bytes * sbh / split  # only each layer's input is kept ...
-        recompute_peak = full_layer  # ... and one layer is rebuilt at a time in the backward pass
+        recompute_peak = full_layer + backward_scores  # ... one layer is rebuilt at a time in the backward
     elif tr.recompute == "selective":
-        per_layer = full_layer - core  # the attention core is recomputed from Q, K, V
-        recompute_peak = core
+        per_layer = full_layer - scores  # the attention core is recomputed from Q, K, V
+        recompute_peak = scores + backward_scores
     else:
         per_layer = full_layer
-        recompute_peak = 0.0
+        recompute_peak = backward_scores
 
     num_micro = lay["numMicrobatches"]
     if pp == 1:
@@ -204,23 +209,31 @@ def estimate(job: MegatronJob) -> Estimate:
         in_flight = min(num_micro, pp) * (1 + (pp - 1) / (pp * vpp))
     else:
         in_flight = float(min(pp, num_micro))
-    # Output layer and loss (last stage): the final norm's input and output, the bf16 logits, and the
-    # fp32 logits / exp-logits of the vocab-parallel cross entropy.
+    # Output layer and loss (last stage): the final norm's input and output, the bf16 logits and the
+    # fp32 logits of the vocab-parallel cross entropy.
     head = act_bytes * 2 * sbh / split + s * b * v / tp * LOGITS_BYTES
     stage0_acts = per_layer * layers_per_stage * in_flight + recompute_peak
     last_acts = per_layer * layers_per_stage + recompute_peak + head
     if pp == 1:
         stage0_acts += head
 
-    other = WORKSPACE_GIB * GIB
+    torch_adam = tr.transformer_impl == "local"  # no TE in the image: Megatron falls back to torch AdamW
+
+    def other(dense: float, acts: float) -> float:
+        """Workspaces, plus the optimizer step's temporaries where they exceed the activation peak
+        (activations are freed before the step)."""
+        shard = dense / dense_opt_div + expert_params / expert_opt_div
+        step = TORCH_ADAM_STEP_BYTES * shard if torch_adam else 0.0
+        return WORKSPACE_GIB * GIB + max(0.0, step - acts)
+
     w0, g0, o0 = static(dense_first)
-    first = Estimate(w0, g0, o0, stage0_acts, other, "first" if pp > 1 else "only",
+    first = Estimate(w0, g0, o0, stage0_acts, other(dense_first, stage0_acts), "first" if pp > 1 else "only",
                      {"paramsPerGpu": dense_first + expert_params, "inFlight": in_flight,
                       "perLayerActivationBytes": per_layer})
     if pp == 1:
         return first
     w1, g1, o1 = static(dense_last)
-    last = Estimate(w1, g1, o1, last_acts, other, "last",
+    last = Estimate(w1, g1, o1, last_acts, other(dense_last, last_acts), "last",
                     {"paramsPerGpu": dense_last + expert_params, "inFlight": 1,
                      "perLayerActivationBytes": per_layer})
     return first if first.total >= last.total else last
