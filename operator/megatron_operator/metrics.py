@@ -25,6 +25,8 @@ class Metrics:
         self.jobs = Gauge("megatron_operator_jobs", "MegatronJobs by phase", ["phase"], registry=self.registry)
         self.status_writes = Counter("megatron_operator_status_writes_total", "Status writes (once per change)",
                                      registry=self.registry)
+        self.job_phase = Gauge("megatron_operator_job_phase", "1 for the current phase of each MegatronJob",
+                               ["namespace", "name", "phase"], registry=self.registry)
         self._phases: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         for p in PHASES:
@@ -38,12 +40,20 @@ class Metrics:
 
     def set_phase(self, ns: str, name: str, phase: str) -> None:
         with self._lock:
+            old = self._phases.get((ns, name))
+            if old == phase:
+                return
+            if old is not None:
+                self.job_phase.remove(ns, name, old)
+            self.job_phase.labels(namespace=ns, name=name, phase=phase).set(1)
             self._phases[(ns, name)] = phase
             self._refresh()
 
     def forget(self, ns: str, name: str) -> None:
         with self._lock:
-            self._phases.pop((ns, name), None)
+            old = self._phases.pop((ns, name), None)
+            if old is not None:
+                self.job_phase.remove(ns, name, old)
             self._refresh()
 
     def _refresh(self) -> None:
