@@ -39,14 +39,13 @@ def free_port() -> int:
 
 
 def small_job(name: str, **spec_overrides: Any) -> dict[str, Any]:
-    """A tiny valid MegatronJob (2 pods x 8 GPUs, TP=8) for lifecycle tests."""
+    """A tiny valid MegatronJob (2 pods x 1 GPU, DP=2) for lifecycle tests: small enough that many
+    tests' pods fit on the kwok nodes at once."""
     spec: dict[str, Any] = {
         "numNodes": 2,
-        "gpusPerNode": 8,
-        "parallelism": {"tensor": 8},
+        "gpusPerNode": 1,
         "model": {"numLayers": 4, "hiddenSize": 512, "numAttentionHeads": 8, "seqLength": 512, "vocabSize": 1000},
         "training": {"microBatchSize": 1, "trainIters": 10},
-        "resources": {"efaPerNode": 32},
     }
     for key, value in spec_overrides.items():
         node = spec

@@ -93,7 +93,7 @@ STAGE_FILES = (
     "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
     "pod/fast/pod-ready.yaml",
     "pod/general/pod-complete.yaml",  # delay/jitter, overridable per pod by annotation
-    "pod/fast/pod-delete.yaml",
+    "pod/general/pod-delete.yaml",  # deletes once no finalizer is left (Job pods carry job-tracking)
     "pod/chaos/pod-container-running-failed.yaml",
     "pod/chaos/pod-init-container-running-failed.yaml",
 )
@@ -468,6 +468,52 @@ def gpu_nodes() -> list[dict]:
     return nodes
 
 
+# What a kubelet does when a pod is deleted while it runs: SIGTERM, the container exits (143), the pod
+# turns Failed. Only then does the Job controller drop its batch.kubernetes.io/job-tracking finalizer
+# and kwok's pod-delete stage can remove the pod; without this stage a Job pod deleted while Running
+# (suspend, gang restart, namespace deletion) would stay Terminating for ever and hold its GPUs.
+POD_TERMINATE_STAGE = {
+    "apiVersion": "kwok.x-k8s.io/v1alpha1",
+    "kind": "Stage",
+    "metadata": {"name": "pod-terminate-on-delete"},
+    "spec": {
+        "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+        "selector": {"matchExpressions": [
+            {"key": ".metadata.deletionTimestamp", "operator": "Exists"},
+            {"key": ".status.phase", "operator": "In", "values": ["Running", "Pending"]},
+        ]},
+        "weight": 10000,
+        "delay": {"durationMilliseconds": 500},
+        "next": {"statusTemplate": """\
+{{ $now := Now }}
+conditions:
+- lastTransitionTime: {{ $now | Quote }}
+  status: "False"
+  type: Ready
+- lastTransitionTime: {{ $now | Quote }}
+  status: "False"
+  type: ContainersReady
+containerStatuses:
+{{ range $index, $item := .spec.containers }}
+- image: {{ $item.image | Quote }}
+  name: {{ $item.name | Quote }}
+  ready: false
+  restartCount: 0
+  started: false
+  state:
+    terminated:
+      exitCode: 143
+      finishedAt: {{ $now | Quote }}
+      reason: Error
+      message: terminated on pod deletion (SIGTERM)
+      startedAt: {{ $now | Quote }}
+{{ end }}
+phase: Failed
+"""},
+    },
+}
+
+
 def kwok_stages() -> list[dict]:
     kwok_dir = module_dir("sigs.k8s.io/kwok", f"v{versions()['KWOK_VERSION']}")
     stages = []
@@ -476,7 +522,12 @@ def kwok_stages() -> list[dict]:
         if stage["metadata"]["name"] == "pod-complete":
             stage["spec"]["delay"]["durationMilliseconds"] = POD_RUN_MIN_MS
             stage["spec"]["delay"]["jitterDurationMilliseconds"] = POD_RUN_MAX_MS
+        if stage["metadata"]["name"] == "pod-delete":
+            # delete soon after the finalizers are gone (the stock jitter runs up to the end of the
+            # termination grace period, which the operator sets to minutes)
+            stage["spec"]["delay"] = {"durationMilliseconds": 200}
         stages.append(stage)
+    stages.append(POD_TERMINATE_STAGE)
     return stages
 
 

@@ -12,6 +12,7 @@ create that finds the object is a success).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -61,18 +62,42 @@ def parse(body: dict[str, Any]) -> Parsed:
     return Parsed(job, [])
 
 
+Snapshot = Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, list[st.PodView]]]
+
+
 class Controller:
     def __init__(self, kube: Kube, settings: Settings, metrics: Metrics):
         self.kube = kube
         self.settings = settings
         self.metrics = metrics
+        # Observations of one job are serialised (events and the resync loop may trigger it at once).
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        # The status this operator last wrote per job. Watch caches lag behind our own writes; without
+        # this a second observation could re-derive from a stale status and repeat events.
+        self._written: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def observe_key(self, key: tuple[str, str], snapshot: Snapshot, emit_for: Callable[[dict], EmitFn],
+                    resync: bool = False) -> None:
+        """Observe one job under its lock, reading the caches only once the lock is held."""
+        with self._lock(key):
+            body, jobset, pods = snapshot()
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                return
+            self.observe(body, jobset, pods, emit_for(body), resync=resync)
 
     # ---- create / resume ------------------------------------------------------------------------
 
     def reconcile(self, body: dict[str, Any], emit: EmitFn) -> None:
         parsed = parse(body)
         if parsed.problems:
-            self.observe(body, None, [], emit, parsed=parsed)
+            meta = body["metadata"]
+            with self._lock((meta["namespace"], meta["name"])):
+                self.observe(body, None, [], emit, parsed=parsed)
             raise InvalidSpec(parsed.problems)
         assert parsed.job is not None
         if (body.get("status") or {}).get("phase") in st.TERMINAL:
@@ -99,11 +124,15 @@ class Controller:
     # ---- the level-based loop -------------------------------------------------------------------
 
     def observe(self, body: dict[str, Any], jobset: dict[str, Any] | None, pods: Iterable[st.PodView],
-                emit: EmitFn, parsed: Parsed | None = None) -> None:
+                emit: EmitFn, parsed: Parsed | None = None, resync: bool = False) -> None:
         meta = body["metadata"]
         ns, name = meta["namespace"], meta["name"]
         parsed = parsed or parse(body)
-        previous = dict(body.get("status") or {})
+        key = (ns, name)
+        written = self._written.get(key)
+        if written is not None and written.get("_uid") != meta.get("uid"):
+            written = None  # a new object with the same name
+        previous = {**(body.get("status") or {}), **{k: v for k, v in (written or {}).items() if k != "_uid"}}
         spec = body.get("spec") or {}
         job = parsed.job
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
@@ -132,9 +161,13 @@ class Controller:
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, bool(spec.get("suspend")), bool(spec.get("queueName")))
 
-        if st.changed(previous, desired):
+        # Event-driven passes trust what we wrote; the periodic resync compares with the stored status
+        # itself, so a status changed behind our back (or a lost write) converges within one interval.
+        stored = body.get("status") or {}
+        if st.changed(stored if resync else previous, desired):
             self.kube.apply_status(ns, name, desired)
             self.metrics.status_writes.inc()
+            self._written[key] = {**desired, "_uid": meta.get("uid")}
         for ev in events:
             emit(ev)
         self.metrics.set_phase(ns, name, phase)
@@ -148,6 +181,9 @@ class Controller:
 
     def forget(self, ns: str, name: str) -> None:
         self.metrics.forget(ns, name)
+        self._written.pop((ns, name), None)
+        with self._locks_guard:
+            self._locks.pop((ns, name), None)
 
 
 def _fallback_layout(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,14 +1,20 @@
 """kopf glue: the only module that imports kopf. Thin handlers that call ``controller.Controller``.
 
 - ``reconcile`` (create and resume, one id): validate, create the children.
-- ``observe`` (timer): derive status from the watch-fed JobSet and pod indexes, act on the
-  difference, write status once per change.
-- indexes of JobSets and pods (server-side label selector ``app.kubernetes.io/managed-by``), so
-  the timer reads caches, not the API server.
+- Indexes of MegatronJobs, JobSets and pods (the latter two with a server-side label selector),
+  so status is derived from watch caches, not API reads.
+- ``observe``: on every event of a job, of its JobSet or of one of its pods, derive the status from
+  the indexes and act on the difference; plus one resync loop over all jobs (stall detection,
+  deadlines, a status changed behind the operator's back).
+
+No per-object timers or daemons: kopf puts a finalizer on every object that has one, and a
+finalizer would make deleting a MegatronJob hang whenever the operator is not running.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 from typing import Any
 
@@ -17,14 +23,11 @@ import kopf
 from .controller import Controller, InvalidSpec
 from .kube import PermanentApiError, TransientError
 from .render import LABEL_JOB_NAME
-from .settings import Settings
 from .spec import GROUP, PLURAL, VERSION
 from .status import Event, PodView
 
 MANAGED = {"app.kubernetes.io/managed-by": "megatron-operator"}
 MANAGED_SELECTOR = "app.kubernetes.io/managed-by=megatron-operator"
-# Read once: decorator arguments are fixed at import (operator_main sets the environment first).
-_INTERVAL_S = Settings.from_env().resync_interval_s
 
 
 @kopf.on.startup()
@@ -44,10 +47,19 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = 16
 
 
-def _emitter(body: kopf.Body):
+def _emitter(body: dict[str, Any]):
     def emit(ev: Event) -> None:
         kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:1024])
     return emit
+
+
+# ---- indexes (watch-fed caches) -------------------------------------------------------------------
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+    return {(namespace, name): {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                                "metadata": dict(body.metadata), "spec": dict(body.spec),
+                                "status": dict(body.status)}}
 
 
 @kopf.index("jobset.x-k8s.io", "v1alpha2", "jobsets", labels=MANAGED)
@@ -61,12 +73,31 @@ def pods_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) 
     return {(namespace, labels[LABEL_JOB_NAME]): PodView.from_pod(dict(body))}
 
 
+def _observe(memo: kopf.Memo, key: tuple[str, str], jobs: kopf.Index, jobsets: kopf.Index, pods: kopf.Index,
+             resync: bool = False) -> None:
+    ctl: Controller = memo.controller
+
+    def snapshot():
+        return (next(iter(jobs.get(key, [])), None), next(iter(jobsets.get(key, [])), None),
+                list(pods.get(key, [])))
+
+    try:
+        ctl.observe_key(key, snapshot, _emitter, resync=resync)
+        ctl.metrics.reconciles.labels(kind="JobSet", result="success").inc()
+    except (TransientError, PermanentApiError) as exc:
+        ctl.metrics.errors.labels(kind="JobSet", error=type(exc).__name__).inc()
+        logging.getLogger(__name__).warning(f"{key[0]}/{key[1]}: status not updated, retried on the next "
+                                            f"event or resync: {exc}")
+
+
+# ---- create / resume ------------------------------------------------------------------------------
+
 @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile")
 @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile")
-def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     ctl: Controller = memo.controller
     try:
-        ctl.reconcile(dict(body), _emitter(body))
+        ctl.reconcile(dict(body), _emitter(dict(body)))
         ctl.metrics.reconciles.labels(kind="MegatronJob", result="success").inc()
     except InvalidSpec as exc:
         ctl.metrics.reconciles.labels(kind="MegatronJob", result="invalid").inc()
@@ -79,25 +110,53 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
         raise kopf.TemporaryError(str(exc), delay=30) from None
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, id="observe", interval=_INTERVAL_S, initial_delay=1)
-def observe(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, jobsets_by_job: kopf.Index,
-            pods_by_job: kopf.Index, logger: logging.Logger, **_: Any) -> None:
-    ctl: Controller = memo.controller
-    key = (namespace, name)
-    jobset = next(iter(jobsets_by_job.get(key, [])), None)
-    pods = list(pods_by_job.get(key, []))
-    try:
-        ctl.observe(dict(body), jobset, pods, _emitter(body))
-        ctl.metrics.reconciles.labels(kind="JobSet", result="success").inc()
-    except (TransientError, PermanentApiError) as exc:
-        ctl.metrics.errors.labels(kind="JobSet", error=type(exc).__name__).inc()
-        logger.warning(f"status not updated, retrying on the next tick: {exc}")
+# ---- level-based observation ----------------------------------------------------------------------
 
-
-@kopf.on.event(GROUP, VERSION, PLURAL, id="forget")
-def forget(type: str, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(GROUP, VERSION, PLURAL, id="observe-job")
+def job_event(type: str, namespace: str, name: str, memo: kopf.Memo, jobs_by_key: kopf.Index,
+              jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
+    memo.indexed.set()  # event handlers only run once every index is filled
     if type == "DELETED":
         memo.controller.forget(namespace, name)
+        return
+    _observe(memo, (namespace, name), jobs_by_key, jobsets_by_job, pods_by_job)
+
+
+@kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels=MANAGED, id="observe-jobset")
+def jobset_event(namespace: str, name: str, memo: kopf.Memo, jobs_by_key: kopf.Index,
+                 jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
+    memo.indexed.set()
+    _observe(memo, (namespace, name), jobs_by_key, jobsets_by_job, pods_by_job)
+
+
+@kopf.on.event("v1", "pods", labels={**MANAGED, LABEL_JOB_NAME: kopf.PRESENT}, id="observe-pod")
+def pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, jobs_by_key: kopf.Index,
+              jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
+    memo.indexed.set()
+    _observe(memo, (namespace, labels[LABEL_JOB_NAME]), jobs_by_key, jobsets_by_job, pods_by_job)
+
+
+async def _resync_loop(memo: kopf.Memo, jobs: kopf.Index, jobsets: kopf.Index, pods: kopf.Index) -> None:
+    """Every resync interval, observe every job (in the executor, with kopf's context for events)."""
+    loop = asyncio.get_running_loop()
+    interval = memo.controller.settings.resync_interval_s
+    while not memo.indexed.is_set():  # never act on half-filled caches
+        await asyncio.sleep(0.2)
+    while True:
+        await asyncio.sleep(interval)
+        for key in list(jobs):
+            ctx = contextvars.copy_context()
+            try:
+                await loop.run_in_executor(None, ctx.run, _observe, memo, key, jobs, jobsets, pods, True)
+            except Exception:  # a bug on one job must not stop the loop for the others
+                logging.getLogger(__name__).exception(f"{key[0]}/{key[1]}: resync failed")
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, jobs_by_key: kopf.Index, jobsets_by_job: kopf.Index,
+                       pods_by_job: kopf.Index, **_: Any) -> None:
+    memo.indexed = asyncio.Event()
+    memo.resync_task = asyncio.create_task(_resync_loop(memo, jobs_by_key, jobsets_by_job, pods_by_job))
 
 
 @kopf.on.startup()
@@ -112,6 +171,9 @@ async def serve_metrics(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> No
         return web.Response(body=data, headers={"Content-Type": ctype})
 
     async def healthz(_: web.Request) -> web.Response:
+        task = getattr(memo, "resync_task", None)
+        if task is not None and task.done():
+            return web.Response(status=500, text="resync loop stopped")
         return web.Response(text="ok")
 
     app = web.Application()
@@ -126,7 +188,10 @@ async def serve_metrics(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> No
 
 
 @kopf.on.cleanup()
-async def stop_metrics(memo: kopf.Memo, **_: Any) -> None:
+async def stop_background(memo: kopf.Memo, **_: Any) -> None:
+    task = getattr(memo, "resync_task", None)
+    if task is not None:
+        task.cancel()
     runner = getattr(memo, "metrics_runner", None)
     if runner is not None:
         await runner.cleanup()

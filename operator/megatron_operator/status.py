@@ -146,6 +146,11 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
         if o.queue_name:
             return "Pending", "Queued", f"waiting for Kueue to admit the job from queue {o.queue_name}"
         return "Suspended", "Suspended", "the JobSet is suspended"
+    if js.restarts > int(o.previous.get("restarts") or 0) and o.previous.get("phase"):
+        # A gang restart since the last observation is reported as Restarting at least once, even when
+        # the new pods are already running by now: the phase history and the event show every restart.
+        return "Restarting", "GangRestart", (f"restart {js.restarts}: the whole gang is restarted and resumes "
+                                             f"from the last checkpoint")
     current = [p for p in o.pods if not p.terminating and (p.restart_attempt is None or
                                                            p.restart_attempt == js.restarts)]
     running = [p for p in current if p.phase == "Running" or p.phase == "Succeeded"]

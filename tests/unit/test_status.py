@@ -196,3 +196,13 @@ def test_exactly_one_core_phase_condition_is_true(phase):
     true = [c["type"] for c in s["conditions"] if c["status"] == "True" and c["type"] in
             ("Running", "Restarting", "Suspended", "Succeeded", "Failed")]
     assert true == ([] if phase == "Pending" else [phase])
+
+
+def test_every_restart_is_reported_as_restarting_once():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    # the operator looks again only after the new pods already run
+    s, events = derive(obs(jobset=js(restarts=1), pods=pods(2, attempt=1), previous=running), NOW)
+    assert (s["phase"], s["reason"], s["restarts"]) == ("Restarting", "GangRestart", 1)
+    assert [e.reason for e in events] == ["GangRestart"]
+    s2, _ = derive(obs(jobset=js(restarts=1), pods=pods(2, attempt=1), previous=s), NOW)
+    assert s2["phase"] == "Running"
