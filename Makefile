@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
 
 venv: $(STAMP)
 
-unit: $(STAMP)
+unit: cluster-build  # the chart tests need the pinned helm it builds
 	$(PY) -m pytest tests -q
 
 cluster-build: $(STAMP)
