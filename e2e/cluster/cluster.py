@@ -556,7 +556,15 @@ def kwokctl_config() -> list[dict]:
             },
             # Test data need not survive a power cut: skip fsync (much faster etcd on a slow disk).
             "componentsPatches": [
-                {"name": "etcd", "extraArgs": [{"key": "unsafe-no-fsync", "value": "true"}]}
+                {"name": "etcd", "extraArgs": [{"key": "unsafe-no-fsync", "value": "true"}]},
+                # One instance each, and no kubelet to restart them: with leader election on, an API
+                # server restart makes them lose the lease and exit for good.
+                {"name": "kube-controller-manager", "extraArgs": [{"key": "leader-elect", "value": "false"}]},
+                {"name": "kube-scheduler", "extraArgs": [{"key": "leader-elect", "value": "false"}]},
+                # As on most production clusters: setting blockOwnerDeletion needs update on the owner's
+                # finalizers subresource (the chart's RBAC grants exactly that; e2e/test_helm.py proves it).
+                {"name": "kube-apiserver", "extraArgs": [
+                    {"key": "enable-admission-plugins", "value": "OwnerReferencesPermissionEnforcement"}]},
             ],
         },
         *kwok_stages(),

@@ -1,0 +1,87 @@
+"""The operator against a control plane that goes away: an API server (and etcd) restart, and a
+cluster without the JobSet CRD. Runs last in a session (file name), because it stops the API server
+and removes and restores the JobSet CRD."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mjob import ROOT, crd, jobs, operator, run_for, small_job  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.e2e
+JOBSET_CRD = "jobsets.jobset.x-k8s.io"
+
+
+def restart_api_server(cluster, down_s: float = 8) -> None:
+    """Stop kube-apiserver (SIGTERM) for ``down_s`` seconds, then start it again with the same command
+    line; kwokctl's pid file is updated so that `cluster.py down` still stops it."""
+    pid_file = cluster.run_dir / "kwok" / "clusters" / "e2e" / "pids" / "kube-apiserver.pid"
+    pid = int(pid_file.read_text().strip())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    cwd = os.readlink(f"/proc/{pid}/cwd")
+    os.kill(pid, signal.SIGTERM)
+
+    def alive() -> bool:  # an exited process may linger as a zombie until PID 1 reaps it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), "kube-apiserver did not stop"
+    time.sleep(down_s)
+    log = open(cluster.run_dir / "kwok" / "clusters" / "e2e" / "logs" / "kube-apiserver.log", "ab")
+    proc = subprocess.Popen([a.decode() for a in argv], cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    pid_file.write_text(str(proc.pid))
+    cluster.wait_for(lambda: cluster.kubectl("get", "--raw=/readyz", check=False).returncode == 0, 120,
+                     "the API server ready again")
+
+
+def test_operator_survives_an_api_server_restart(cluster, operator, jobs):
+    jobs.create(small_job("before", podMetadata=run_for(20)))
+    jobs.wait_phase("before", "Running")
+    restart_api_server(cluster)
+    assert operator.proc.poll() is None, "the operator exited while the API server was down"
+    # the job from before the restart is still followed to the end, and a new one is handled end to end
+    jobs.create(small_job("after", podMetadata=run_for(3)))
+    jobs.wait_phase("after", "Succeeded", timeout=180)
+    jobs.wait_phase("before", "Succeeded", timeout=180)
+    assert operator.healthy()
+
+
+def test_operator_refuses_to_start_without_the_jobset_crd(cluster, crd, tmp_path):
+    saved = json.loads(cluster.kubectl("get", "crd", JOBSET_CRD, "-o", "json").stdout)
+    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        saved["metadata"].pop(key, None)
+    saved.pop("status", None)
+    cluster.kubectl("delete", "crd", JOBSET_CRD, "--wait=true", timeout=120)
+    try:
+        cluster.wait_for(lambda: cluster.kubectl("get", "--raw=/apis/jobset.x-k8s.io/v1alpha2",
+                                                 check=False).returncode != 0,
+                         60, "jobset.x-k8s.io/v1alpha2 no longer served")
+        proc = subprocess.run([sys.executable, "-m", "megatron_operator", "run", "--kubeconfig",
+                               str(cluster.kubeconfig), "--metrics-port", "0"],
+                              env={**cluster.env(), "PYTHONPATH": str(ROOT / "operator")},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1
+        assert "missing the JobSet CRD (sigs.k8s.io/jobset)" in proc.stderr
+        assert "install JobSet" in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        f = tmp_path / "jobset-crd.json"
+        f.write_text(json.dumps(saved))
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(f), timeout=120)
+
+        def served() -> bool:
+            return cluster.kubectl("get", "--raw=/apis/jobset.x-k8s.io/v1alpha2", check=False).returncode == 0
+
+        cluster.wait_for(served, 60, "the JobSet CRD served again")
