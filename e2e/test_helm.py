@@ -281,22 +281,19 @@ def run_jobs_through_every_api_call(cluster: Cluster, jobs: Jobs, op: ChartOpera
     assert op.metric("megatron_operator_status_writes_total") > 0
     assert op.metric("megatron_operator_reconcile_errors_total") == 0
     assert not op.forbidden_lines(), "the operator was refused:\n" + "\n".join(op.forbidden_lines()[:20])
-    # kopf keeps its finalizer on live jobs (its timer needs it): this is why patch is granted
-    assert "kopf.zalando.org/KopfFinalizerMarker" in (jobs.get("pause")["metadata"].get("finalizers") or [])
+    # no finalizer on live jobs: deleting one never depends on the operator
+    assert not jobs.get("pause")["metadata"].get("finalizers")
 
 
 def delete_jobs(cluster: Cluster, jobs: Jobs, op: ChartOperator) -> None:
-    """Delete the test's MegatronJobs while the operator still runs: kopf's finalizer needs it."""
+    """Delete the test's MegatronJobs (no finalizer: this works whether or not the operator runs)."""
     for item in jobs.custom.list_namespaced_custom_object(GROUP, VERSION, jobs.ns, PLURAL)["items"]:
-        if op.proc is None or op.proc.poll() is not None:  # the operator died: release them by hand
-            jobs.custom.patch_namespaced_custom_object(GROUP, VERSION, jobs.ns, PLURAL, item["metadata"]["name"],
-                                                       {"metadata": {"finalizers": None}})
         jobs.delete(item["metadata"]["name"])
 
     def gone() -> bool:
         return not jobs.custom.list_namespaced_custom_object(GROUP, VERSION, jobs.ns, PLURAL)["items"]
 
-    cluster.wait_for(gone, 60, "the MegatronJobs to be deleted (kopf removes its finalizer)", namespace=jobs.ns,
+    cluster.wait_for(gone, 60, "the MegatronJobs to be deleted", namespace=jobs.ns,
                      kinds=("megatronjobs",))
 
 

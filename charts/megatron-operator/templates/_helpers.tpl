@@ -60,8 +60,8 @@ Roles. Every rule is a call the operator or kopf makes (operator/megatron_operat
 handlers.py; kopf's watching, patching and event posting); docs/install.md explains each one.
 */}}
 {{- define "megatron-operator.rules" -}}
-# Watch MegatronJobs; kopf patches their annotations (handler progress, the last handled spec)
-# and the finalizer it keeps while the job's timer runs.
+# Watch MegatronJobs; kopf patches their annotations (handler progress, the last handled spec).
+# No finalizer: the operator has no per-object timers or daemons.
 - apiGroups: ["megatron-operator.io"]
   resources: ["megatronjobs"]
   verbs: ["list", "watch", "patch"]
