@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
 venv: $(STAMP)
 
 unit: cluster-build  # the chart tests need the pinned helm it builds
+	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
 	$(PY) -m pytest tests -q
 
 cluster-build: $(STAMP)
@@ -48,7 +49,7 @@ run: $(STAMP)
 	$(VENV)/bin/megatron-operator run
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check operator tests e2e bench
+	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
 	$(VENV)/bin/lint-imports
 
 constraints:

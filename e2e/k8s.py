@@ -165,7 +165,7 @@ class Cluster:
                 last_value = predicate()
                 if last_value:
                     return last_value
-            except Exception as e:  # noqa: BLE001 - reported on timeout
+            except Exception as e:
                 last_error = e
             if time.monotonic() >= deadline:
                 break
@@ -186,7 +186,7 @@ class Cluster:
             try:
                 proc = self.kubectl(*args, check=False, timeout=30)
                 text = (proc.stdout + proc.stderr).strip()
-            except Exception as e:  # noqa: BLE001 - a dump must never raise
+            except Exception as e:
                 text = f"({type(e).__name__}: {e})"
             if len(text) > limit:
                 text = text[:limit] + f"\n... ({len(text) - limit} more characters)"

@@ -14,15 +14,14 @@ import kubernetes
 import pytest
 import yaml
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, pod_runtime_annotations
-from mjob import EXAMPLES, GROUP, PLURAL, VERSION, crd  # noqa: F401  (fixture)
+from mjob import EXAMPLES, GROUP, PLURAL, VERSION, crd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
-from spec_table import CASES  # noqa: E402
-
-from megatron_operator.crd import to_yaml  # noqa: E402
-from megatron_operator.render import render  # noqa: E402
-from megatron_operator.settings import Settings  # noqa: E402
-from megatron_operator.validation import SpecError, parse_job  # noqa: E402
+from megatron_operator.crd import to_yaml
+from megatron_operator.render import render
+from megatron_operator.settings import Settings
+from megatron_operator.validation import SpecError, parse_job
+from spec_table import CASES
 
 pytestmark = pytest.mark.e2e
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))

@@ -31,7 +31,7 @@ import kubernetes
 import pytest
 import yaml
 from k8s import Cluster
-from mjob import OPERATOR_START_TIMEOUT_S, Jobs, OperatorProcess, crd, free_port, run_for, small_job  # noqa: F401
+from mjob import OPERATOR_START_TIMEOUT_S, Jobs, OperatorProcess, crd, free_port, run_for, small_job
 
 pytestmark = pytest.mark.e2e
 
@@ -147,7 +147,7 @@ class ChartOperator(OperatorProcess):
                    log_name=log_name)
 
     def start(self) -> None:
-        log = open(self.log_path, "a")  # noqa: SIM115 - the child process writes it
+        log = open(self.log_path, "a")
         log.write(f"\n===== {' '.join(self.argv)} (chart env, chart ServiceAccount) =====\n")
         log.flush()
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -222,7 +222,7 @@ FORBIDDEN_CLUSTER = [("create", "clusterroles"), ("create", "clusterrolebindings
 
 
 @pytest.fixture
-def release(cluster: Cluster, crd: None, tmp_path: Path):  # noqa: F811 - crd is a fixture
+def release(cluster: Cluster, crd: None, tmp_path: Path):
     rel = Release(cluster, f"mo-{secrets.token_hex(3)}", f"mo-sys-{secrets.token_hex(3)}", tmp_path)
     yield rel
     rel.uninstall()
@@ -321,7 +321,7 @@ def assert_forbidden_outside_rbac(cluster: Cluster, kubeconfig: Path, namespace:
 
 # ---- tests ---------------------------------------------------------------------------------------------------
 
-def test_chart_crd_template_is_accepted_by_the_api_server(cluster, crd, tmp_path):  # noqa: F811
+def test_chart_crd_template_is_accepted_by_the_api_server(cluster, crd, tmp_path):
     """The CRD as the chart renders it (metadata + the generated spec) passes the API server's validation."""
     rel = Release(cluster, "crd-check", "default", tmp_path)
     server = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]

@@ -15,10 +15,10 @@ from pathlib import Path
 import kubernetes
 import pytest
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL
-from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone  # noqa: F401  (fixtures)
+from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
-from megatron_trainer.progress import Progress, ProgressWriter  # noqa: E402
+from megatron_trainer.progress import Progress, ProgressWriter
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +31,8 @@ def table(text: str) -> list[dict[str, str]]:
     names = header.split()
     rows = []
     for line in lines[1:]:
-        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
-        rows.append(dict(zip(names, cells)))
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None], strict=True)]
+        rows.append(dict(zip(names, cells, strict=False)))
     return rows
 
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "charts" / "megatron-operator" / "files" / "crds" / "megatronjobs.spec.yaml"
 sys.path.insert(0, str(ROOT / "operator"))
 
-from megatron_operator import crd
+from megatron_operator import crd  # noqa: E402  (after the sys.path entry)
 
 
 def render() -> str:

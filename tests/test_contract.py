@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from megatron_operator.render import launch_command, megatron_args, render, replicated_job_plan
 from megatron_operator.rules import derived_layout, resolved_model
 from megatron_operator.settings import Settings

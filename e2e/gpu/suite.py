@@ -171,7 +171,7 @@ class Run:
             try:
                 if p.environ().get("RANK") == str(rank):
                     return p
-            except Exception:  # noqa: BLE001
+            except Exception:
                 continue
         return None
 
@@ -186,7 +186,7 @@ class Run:
         for p in reversed(self._tree()):
             try:
                 p.send_signal(signal.SIGKILL)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     def sigterm(self) -> None:
@@ -316,7 +316,7 @@ def attention_bench() -> dict:
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
             out[name] = round(statistics.median(times), 3)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out[name] = f"unavailable: {type(e).__name__}"
     return out
 
@@ -413,7 +413,7 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: in
         while run.proc.poll() is None:
             try:
                 scraped["text"] = urllib.request.urlopen(url, timeout=1).read().decode()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             time.sleep(0.5)
 
@@ -752,7 +752,7 @@ def scenario_memory(ctx) -> dict:
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus))).split(",")
 
-        def work(i, c):
+        def work(i, c, outs=outs, visible=visible):
             outs[i] = memory_run(c, visible[i])
 
         for i, c in enumerate(batch):
@@ -834,7 +834,7 @@ def main() -> int:
         print(f"=== {name} (t={t0 - started:.0f}s)", flush=True)
         try:
             results[name] = SCENARIOS[name](ctx)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         results[name]["seconds"] = round(time.monotonic() - t0, 1)
         print(f"=== {name}: ok={results[name].get('ok')} in {results[name]['seconds']} s", flush=True)
@@ -869,7 +869,7 @@ def render_table(results: dict) -> str:
             if isinstance(v, dict) and "ok" in v:
                 lines.append(f"  {sub:10s} ok={v['ok']} " + "; ".join(v.get("failures", [])))
         if name == "bench":
-            for sub, v in r.items():
+            for _sub, v in r.items():
                 if isinstance(v, dict) and "peer" in v:
                     o, p = v.get("ours", {}), v.get("peer", {})
                     lines.append(f"  BENCH {v['layout']}: peer MFU {p.get('mfu_pct')}% tok/s/gpu {p.get('tokens_per_s_per_gpu')} "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -35,8 +35,8 @@ class Metrics:
     def observe_jobset_created(self, creation_timestamp: str | None) -> None:
         if not creation_timestamp:
             return
-        created = datetime.strptime(creation_timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-        self.jobset_latency.observe(max(0.0, (datetime.now(timezone.utc) - created).total_seconds()))
+        created = datetime.strptime(creation_timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        self.jobset_latency.observe(max(0.0, (datetime.now(UTC) - created).total_seconds()))
 
     def set_phase(self, ns: str, name: str, phase: str) -> None:
         with self._lock:

@@ -14,7 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .expr import All, Attr, Expr, Field, Filter, Has, Index, Lit, Matches, Missing, Var, cond, fmt, lit, lookup
+from .expr import (
+    All,
+    Attr,
+    Expr,
+    Field,
+    Filter,
+    Has,
+    Index,
+    Lit,
+    Matches,
+    Missing,
+    Var,
+    cond,
+    fmt,
+    lit,
+    lookup,
+)
 from .presets import MODEL_PRESETS
 from .spec import MAX_NAME_LENGTH
 

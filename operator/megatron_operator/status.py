@@ -9,7 +9,7 @@ restarted at any point derives the same status from the same world.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .memory import FitReport
@@ -20,13 +20,13 @@ CORE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded",
 
 
 def iso(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(s: str | None) -> datetime | None:
     if not s:
         return None
-    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def _condition(prev: dict[str, dict[str, Any]], kind: str, status: bool | str, r
 
 def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
     """The operator-owned status fields and the events for this observation."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     prev = o.previous
     prev_conds = {c["type"]: c for c in prev.get("conditions") or []}
     phase, reason, message = _phase(o, now)

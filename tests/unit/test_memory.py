@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from factory import make_job
-
 from megatron_operator.memory import GIB, estimate, fit_report, padded_vocab
 from megatron_operator.validation import parse_job
 

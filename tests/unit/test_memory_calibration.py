@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from megatron_operator.memory import GIB, estimate
 from megatron_operator.validation import parse_job
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 from factory import make_job
-
 from megatron_operator.crd import to_yaml
 from megatron_operator.render import megatron_args, render, replicated_job_plan
 from megatron_operator.settings import Settings

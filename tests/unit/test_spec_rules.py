@@ -7,11 +7,10 @@ import copy
 import pytest
 from celeval import apply_defaults, cel_errors
 from factory import make_job
-from spec_table import CASES
-
 from megatron_operator import crd
 from megatron_operator.rules import SPEC_RULES
 from megatron_operator.validation import SpecError, parse_job
+from spec_table import CASES
 
 ROOT = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 RULE_NAMES = {r.name for r in SPEC_RULES}
@@ -64,7 +63,7 @@ def test_message_hint_when_batch_below_multiple():
 
 
 def test_every_invalid_case_message_starts_with_its_field():
-    for case_id, doc, rule in CASES:
+    for case_id, doc, _rule in CASES:
         for p in python_problems(doc):
             assert p.message.startswith(p.field + ":") or p.message.startswith(p.field.rsplit(".", 1)[0]), case_id
 

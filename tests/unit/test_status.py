@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-
+from factory import make_job
 from megatron_operator.memory import FitReport, estimate
 from megatron_operator.rules import Problem
 from megatron_operator.status import JobSetView, Observation, PodView, changed, derive, iso
 from megatron_operator.validation import parse_job
 
-from factory import make_job
-
-NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
 LAYOUT = {"tensor": 2, "pipeline": 2, "context": 1, "expert": 1, "data": 4}
 
 

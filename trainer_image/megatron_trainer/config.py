@@ -325,7 +325,7 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
     if len(items) % 2:
         raise ValueError(f"--data-path needs 'WEIGHT PREFIX' pairs or a single PREFIX, got {items}")
     prefixes, weights = [], []
-    for w, p in zip(items[0::2], items[1::2]):
+    for w, p in zip(items[0::2], items[1::2], strict=True):
         try:
             weight = float(w)
         except ValueError:

@@ -330,7 +330,7 @@ class Trainer:
                        grad_norm: float | None) -> None:
         """Megatron-style lines (last rank), metrics and progress (rank 0). Collective on the CPU group."""
         losses = [(it, float(v)) for it, v in zip([i for i, _ in pending],
-                                                  torch.stack([x for _, x in pending]).tolist())] if pending else []
+                                                  torch.stack([x for _, x in pending]).tolist(), strict=True)] if pending else []
         for it, value in losses:
             self.state.losses[it] = value
         # The loss lives on the last stage; bring it to rank 0 (for metrics and status.progress).
