@@ -19,11 +19,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import kubernetes
@@ -173,7 +172,7 @@ def main() -> int:
     finally:
         op.stop()
         cluster.kubectl("delete", "nodes", "-l", "megatron-bench=true", "--wait=false", check=False)
-    meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine":
+    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine":
             f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
             "command": " ".join(sys.argv)}
     print(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -28,7 +28,7 @@ class ModelPath:
 def te_available() -> bool:
     try:
         from megatron.core.extensions.transformer_engine import HAVE_TE
-    except Exception:  # noqa: BLE001 - any import failure means no TE
+    except Exception:
         return False
     return bool(HAVE_TE)
 
