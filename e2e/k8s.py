@@ -165,7 +165,7 @@ class Cluster:
                 last_value = predicate()
                 if last_value:
                     return last_value
-            except Exception as e:
+            except Exception as e:  # reported on timeout
                 last_error = e
             if time.monotonic() >= deadline:
                 break
@@ -186,7 +186,7 @@ class Cluster:
             try:
                 proc = self.kubectl(*args, check=False, timeout=30)
                 text = (proc.stdout + proc.stderr).strip()
-            except Exception as e:
+            except Exception as e:  # a dump must never raise
                 text = f"({type(e).__name__}: {e})"
             if len(text) > limit:
                 text = text[:limit] + f"\n... ({len(text) - limit} more characters)"

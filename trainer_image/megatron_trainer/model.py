@@ -28,7 +28,7 @@ class ModelPath:
 def te_available() -> bool:
     try:
         from megatron.core.extensions.transformer_engine import HAVE_TE
-    except Exception:
+    except Exception:  # any import failure means no TE
         return False
     return bool(HAVE_TE)
 

@@ -151,7 +151,7 @@ class ProgressWriter:
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode(errors="replace") if e.fp else ""
             log.warning("progress: status write failed: HTTP %s %s", e.code, detail)
-        except Exception as e:
+        except Exception as e:  # best effort by contract: never let progress stop training
             log.warning("progress: status write failed: %s", e)
         self.writes_failed += 1
         return False
