@@ -304,7 +304,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
                 return value
         except ProcessExited:
             raise
-        except Exception as e:
+        except Exception as e:  # keep polling, report the last error on timeout
             last_error = e
         if time.monotonic() > deadline:
             raise ClusterError(
