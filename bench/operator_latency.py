@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import json
 import os
 import platform
@@ -30,16 +29,8 @@ import kubernetes
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator")]
 
-from k8s import Cluster, pod_runtime_annotations  # noqa: E402
+from k8s import Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
 from mjob import CRD_FILE, GROUP, PLURAL, VERSION, OperatorProcess, free_port  # noqa: E402
-
-
-def cluster_module():
-    spec = importlib.util.spec_from_file_location("megatron_e2e_cluster", ROOT / "e2e" / "cluster" / "cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def bench_nodes(count: int) -> list[dict]:
@@ -153,7 +144,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
-    local = cluster_module()
+    local = load_cluster_module()
     state = local.up()
     cluster = Cluster(kubeconfig=Path(state["kubeconfig"]), run_dir=local.run_dir(), kubectl_path=Path(state["kubectl"]))
     cluster.apply(CRD_FILE)

@@ -13,35 +13,24 @@ Binaries must be built first: `e2e/cluster/cluster.py build` (see docs/local-clu
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import secrets
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
 import kubernetes
 import pytest
-from k8s import Cluster
+from k8s import Cluster, load_cluster_module
 
-CLUSTER_SCRIPT = Path(__file__).resolve().parent / "cluster" / "cluster.py"
 NAMESPACE_DELETE_TIMEOUT_S = 90
 TEST_NAMESPACE_LABEL = "megatron-e2e=true"
 
 
-def _cluster_module():
-    spec = importlib.util.spec_from_file_location("megatron_e2e_cluster", CLUSTER_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
-    local = _cluster_module()
+    local = load_cluster_module()
     run_dir = local.run_dir()
     external = os.environ.get("MEGATRON_E2E_KUBECONFIG")
     started_here = False

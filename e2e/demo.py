@@ -10,7 +10,6 @@ prints what a person would look at.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -19,17 +18,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from k8s import load_cluster_module
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_JOBS = ["kubeflow-tp2.yaml", "gpt3-7.5b-efa.yaml"]
 TIMEOUT_S = 300
-
-
-def load_cluster_module():
-    spec = importlib.util.spec_from_file_location("megatron_e2e_cluster", ROOT / "e2e" / "cluster" / "cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> int:

@@ -43,6 +43,24 @@ POD_RUN_JITTER = "pod-complete.stage.kwok.x-k8s.io/jitter-delay"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
+CLUSTER_SCRIPT = Path(__file__).resolve().parent / "cluster" / "cluster.py"
+
+
+def load_cluster_module():
+    """e2e/cluster/cluster.py as a module (it is a script, not part of a package)."""
+    import importlib.util
+    import sys
+
+    name = "megatron_e2e_cluster"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, CLUSTER_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def pod_runtime_annotations(seconds: float) -> dict[str, str]:
     """Pod annotations that make kwok complete the pod after exactly `seconds` of Running.
 
