@@ -171,7 +171,8 @@ class ChartOperator(OperatorProcess):
 
     def forbidden_lines(self) -> list[str]:
         text = self.log_path.read_text(errors="replace")
-        return [line for line in text.splitlines() if re.search(r"\b403\b|[Ff]orbidden", line)]
+        # a 403 anywhere but inside a timestamp ("23:14:40,403" is a millisecond count)
+        return [line for line in text.splitlines() if re.search(r"(?<![\d,.:])403\b|[Ff]orbidden", line)]
 
 
 def rules_of(api: kubernetes.client.ApiClient, namespace: str) -> set[tuple[str, str, str]]:
