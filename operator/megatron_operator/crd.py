@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel
 
 from . import rules
-from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, MegatronJobSpec, MegatronJobStatus
+from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, MegatronJobSpec, MegatronJobStatus, model_in
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
@@ -155,30 +155,17 @@ def _field_defaults(model: type[BaseModel]) -> dict[str, Any]:
 
 def _apply_factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
     props = schema.get("properties", {})
+    defaults = _field_defaults(model)
     for name, info in model.model_fields.items():
         key = info.alias or name
         if key not in props:
             continue
-        if info.default_factory is not None:
-            props[key]["default"] = _field_defaults(model)[key]
-        ann = info.annotation
-        sub = _model_in(ann)
+        if key in defaults:
+            props[key]["default"] = defaults[key]
+        sub = model_in(info.annotation)
         if sub is not None:
-            _apply_factory_defaults(props[key], sub)
-            if props[key].get("type") == "array":
-                _apply_factory_defaults(props[key]["items"], sub)
-
-
-def _model_in(ann: Any) -> type[BaseModel] | None:
-    import typing
-
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in typing.get_args(ann):
-        m = _model_in(arg)
-        if m is not None:
-            return m
-    return None
+            node = props[key]["items"] if props[key].get("type") == "array" else props[key]
+            _apply_factory_defaults(node, sub)
 
 
 def _key_rules(key_schema: dict[str, Any], where: str) -> list[dict[str, str]]:

@@ -349,17 +349,6 @@ class Attr(Expr):
 
 
 @dataclass(frozen=True, eq=False)
-class Size(Expr):
-    inner: Expr
-
-    def cel(self) -> str:
-        return f"size({self.inner.cel()})"
-
-    def eval(self, env: dict[str, Any]) -> Any:
-        return len(self.inner.eval(env))
-
-
-@dataclass(frozen=True, eq=False)
 class Format(Expr):
     """CEL's strings-extension ``"... %d ... %s".format([args])``.
 
@@ -399,13 +388,3 @@ def fmt(*parts: Any) -> Expr:
     if not args:
         return Lit(template.replace("%%", "%"))
     return Format(template, tuple(args))
-
-
-def concat(*parts: Any) -> Expr:
-    """String concatenation of string expressions (stringify ints with ``.str()`` first)."""
-    out: Expr | None = None
-    for p in parts:
-        e = lit(p)
-        out = e if out is None else Bin("+", out, e)
-    assert out is not None
-    return out

@@ -14,6 +14,7 @@ Conventions:
 
 from __future__ import annotations
 
+import typing
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -46,6 +47,17 @@ Quantity = Annotated[
     int | Annotated[str, Field(pattern=QUANTITY, max_length=32)],
     Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
 ]
+
+
+def model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (``X | None``, ``list[X]``, ...), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 class ApiModel(BaseModel):

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .rules import Problem
-from .spec import API_VERSION, KIND, MegatronJob, MegatronJobSpec
+from .spec import API_VERSION, KIND, MegatronJob, model_in
 
 _UNION_TAGS = {"int", "str", "constrained-str", "float", "bool", "dict[str,str]", "list[str]"}
 
@@ -24,29 +24,17 @@ class SpecError(ValueError):
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The pydantic model that owns the field at ``loc`` (for 'did you mean')."""
-    import typing
-
-    model: Any = MegatronJob
+    model: type[BaseModel] | None = MegatronJob
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        if model is None:
             return None
         field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
         if field is None:
             return None
-        model = _unwrap(field.annotation, typing)
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-
-
-def _unwrap(ann: Any, typing: Any) -> Any:
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in typing.get_args(ann):
-        found = _unwrap(arg, typing)
-        if found is not None:
-            return found
-    return None
+        model = model_in(field.annotation)
+    return model
 
 
 def _path(loc: tuple[Any, ...]) -> str:
@@ -105,19 +93,6 @@ def parse_job(doc: Any) -> MegatronJob:
         return MegatronJob.model_validate(doc)
     except ValidationError as exc:
         raise SpecError(problems_from(exc)) from None
-
-
-def parse_spec(spec: Any) -> MegatronJobSpec:
-    """Validate just a spec (what the operator gets from a watch event)."""
-    try:
-        return MegatronJobSpec.model_validate(spec)
-    except ValidationError as exc:
-        problems = problems_from(exc)
-        for p in problems:  # locations are relative to spec here
-            if not p.message.startswith("spec."):
-                object.__setattr__(p, "message", f"spec.{p.message}")
-                object.__setattr__(p, "field", f"spec.{p.field}")
-        raise SpecError(problems) from None
 
 
 def is_megatronjob(doc: Any) -> bool:
