@@ -34,10 +34,17 @@ def restart_api_server(cluster, down_s: float = 8) -> None:
         except OSError:
             return False
 
-    deadline = time.monotonic() + 60
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive(), "kube-apiserver did not stop"
+    def wait_dead(timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return not alive()
+
+    # Like a kubelet: SIGTERM, then SIGKILL after a grace period (its graceful shutdown can outlast
+    # open watches by a minute).
+    if not wait_dead(20):
+        os.kill(pid, signal.SIGKILL)
+        assert wait_dead(20), "kube-apiserver did not stop"
     time.sleep(down_s)
     log = open(cluster.run_dir / "kwok" / "clusters" / "e2e" / "logs" / "kube-apiserver.log", "ab")
     proc = subprocess.Popen([a.decode() for a in argv], cwd=cwd, stdout=log, stderr=subprocess.STDOUT,

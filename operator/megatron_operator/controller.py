@@ -19,7 +19,7 @@ from typing import Any
 
 from . import status as st
 from .kube import Kube
-from .memory import fit_report
+from .memory import FitReport, fit_report
 from .metrics import Metrics
 from .render import render
 from .rules import Problem, derived_layout
@@ -44,6 +44,7 @@ class InvalidSpec(Exception):
 class Parsed:
     job: MegatronJob | None
     problems: list[Problem]
+    fit: FitReport | None = None
 
 
 def parse(body: dict[str, Any]) -> Parsed:
@@ -59,8 +60,8 @@ def parse(body: dict[str, Any]) -> Parsed:
     report = fit_report(job)
     if report is not None and report.fits is False and job.spec.resources.memory_fit == "Reject":
         return Parsed(job, [Problem("spec.resources", "spec.resources.memoryFit is Reject and the job does not "
-                                    "fit: " + report.summary(), "memory-fit")])
-    return Parsed(job, [])
+                                    "fit: " + report.summary(), "memory-fit")], report)
+    return Parsed(job, [], report)
 
 
 Snapshot = Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, list[st.PodView]]]
@@ -77,6 +78,18 @@ class Controller:
         # The status this operator last wrote per job. Watch caches lag behind our own writes; without
         # this a second observation could re-derive from a stale status and repeat events.
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
+        # Validation and the memory estimate per (uid, generation): the spec of a generation never
+        # changes, and observations run on every pod and JobSet event.
+        self._parsed: dict[tuple[str, str], tuple[tuple[str, int], Parsed]] = {}
+
+    def parse(self, body: dict[str, Any]) -> Parsed:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        version = (meta.get("uid") or "", int(meta.get("generation") or 0))
+        cached = self._parsed.get(key)
+        if cached is None or cached[0] != version:
+            cached = self._parsed[key] = (version, parse(body))
+        return cached[1]
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._locks_guard:
@@ -94,7 +107,7 @@ class Controller:
     # ---- create / resume ------------------------------------------------------------------------
 
     def reconcile(self, body: dict[str, Any], emit: EmitFn) -> None:
-        parsed = parse(body)
+        parsed = self.parse(body)
         if parsed.problems:
             meta = body["metadata"]
             with self._lock((meta["namespace"], meta["name"])):
@@ -128,7 +141,7 @@ class Controller:
                 emit: EmitFn, parsed: Parsed | None = None, resync: bool = False) -> None:
         meta = body["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        parsed = parsed or parse(body)
+        parsed = parsed or self.parse(body)
         key = (ns, name)
         written = self._written.get(key)
         if written is not None and written.get("_uid") != meta.get("uid"):
@@ -145,7 +158,7 @@ class Controller:
             suspend=bool(spec.get("suspend")), queue_name=spec.get("queueName"),
             previous=previous, problems=parsed.problems, jobset=js_view,
             pods=list(pods),
-            fit=fit_report(job) if job else None,
+            fit=parsed.fit,
             deadline_s=spec.get("activeDeadlineSeconds"),
             stall_timeout_s=self.settings.stall_timeout_s,
         )
@@ -183,6 +196,7 @@ class Controller:
     def forget(self, ns: str, name: str) -> None:
         self.metrics.forget(ns, name)
         self._written.pop((ns, name), None)
+        self._parsed.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)
 
