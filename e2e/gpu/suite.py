@@ -18,6 +18,8 @@ Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` 
              during an async save -> the previous complete checkpoint is used, start -> first
              resumed iteration
   memory     peak memory of many configurations (calibration data for the memory estimator)
+  perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
+             MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
 Results: $OUT/results.json, $OUT/table.txt, $OUT/logs.tar.gz. A compact table is printed last.
 """
@@ -683,6 +685,80 @@ def scenario_bench(ctx) -> dict:
     return {"ok": all(r["ok"] for r in out.values()), **out}
 
 
+# Performance variants of ours for `perf` (env, extra flags). "old" is the configuration of the
+# first benchmark (Megatron's host-syncing multi-tensor fallbacks, no sequence parallelism).
+PERF_VARIANTS = {
+    "old": ({"MEGATRON_TRAINER_FOREACH_OPS": "0"}, []),
+    "foreach": ({}, []),
+    "sp": ({}, ["--sequence-parallel"]),
+    "sp_conn8": ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, ["--sequence-parallel"]),
+    "conn8": ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, []),
+}
+
+
+def scenario_perf(ctx) -> dict:
+    """Iteration time of ours at TP=N under several variants and the peer, same model, same call.
+
+    No checkpoints; 26 iterations, median of 4-20; variants in --perf-profile are profiled over
+    iteration 22 (traces and operator tables in the logs archive). Losses of the first iterations are
+    compared across variants: they compute the same thing, so they must agree within bf16 noise.
+    """
+    gpus = ctx["gpus"]
+    tp = ctx.get("perf_tp") or gpus
+    dp = gpus // tp
+    model = ctx.get("bench_model", "gpt1b")
+    m = MODELS[model]
+    mb = m["mbs"]
+    sys.path.insert(0, str(REPO / "trainer_image"))
+    from megatron_trainer import flops
+
+    classic = flops.classic_flops_per_iteration(mb * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
+    out: dict = {"layout": f"TP{tp} DP{dp}", "model": model}
+    peer = Run(f"perf_peer_tp{tp}", gpus, [], module=False, script=str(REPO / ".run" / "mcore_peer.py"),
+               env={"TP": str(tp), "LAYERS": str(m["layers"]), "HIDDEN": str(m["hidden"]), "HEADS": str(m["heads"]),
+                    "SEQ": str(m["seq"]), "MBS": str(mb), "ITERS": "20", "MODE": "bf16", "CKPT": "",
+                    **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
+    rc = peer.wait(300)
+    peer.close()
+    pm = PEER_RE.search(peer.text())
+    out["peer"] = {"iter_ms": float(pm.group(1)), "mfu_pct": float(pm.group(3)), "peak_mem_gib": float(pm.group(4))} \
+        if pm else {"rc": rc, "error": peer.text()[-800:]}
+    failures: list[str] = []
+    first_losses = {}
+    for name in ctx.get("perf_variants") or list(PERF_VARIANTS):
+        env, extra = PERF_VARIANTS[name]
+        env = dict(env)
+        if name in (ctx.get("perf_profile") or ()):
+            env["MEGATRON_TRAINER_PROFILE"] = f"22:22:{LOGS / ('profile_' + name)}"
+        args = trainer_args(model, tp=tp, mbs=mb, gbs=mb * dp, iters=26, lr="3e-4", warmup=4, extra=extra)
+        run = Run(f"perf_{name}", gpus, args, env=env)
+        rc = run.wait(300)
+        run.close()
+        ms = run.iteration_ms()
+        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
+        res = {"rc": rc, "env": env, "extra": extra}
+        if steady:
+            median = statistics.median(steady)
+            thr = flops.throughput(classic, mb * dp * m["seq"], median / 1000, gpus)
+            res.update({"median_iter_ms": median, "mfu_pct_peer_formula": round(100 * thr["mfu"], 2)})
+            if "mfu_pct" in out["peer"]:
+                res["mfu_ratio_ours_over_peer"] = round(100 * thr["mfu"] / out["peer"]["mfu_pct"], 3)
+        peaks = [float(x.group(5)) for x in ITER_RE.finditer(run.text())]
+        res["peak_mem_gib_logging_rank"] = max(peaks) if peaks else None
+        losses = run.losses()
+        first_losses[name] = [losses.get(i) for i in range(1, 6)]
+        res["losses_1_5"] = first_losses[name]
+        check(rc == 0 and bool(steady), f"{name}: rc={rc}", failures)
+        out[name] = res
+    ref = first_losses.get("old") or next(iter(first_losses.values()), None)
+    for name, got in first_losses.items():
+        ok = ref is not None and None not in got and None not in ref and \
+            all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(got, ref, strict=True))
+        check(ok, f"{name}: losses 1-5 {got} differ from {ref}", failures)
+    out["ok"], out["failures"] = not failures, failures
+    return out
+
+
 # Memory calibration: (name, gpus, model, tp, pp, mbs, gbs, attn, recompute, dist_opt)
 MEMORY_CONFIGS = [
     ("m01_1g_flash_mbs4", 1, "gpt1b", 1, 1, 4, 4, "flash", None, True),
@@ -780,7 +856,7 @@ def scenario_memory(ctx) -> dict:
 
 SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": scenario_layouts,
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
-             "bench": scenario_bench, "memory": scenario_memory}
+             "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf}
 
 
 def main() -> int:
@@ -796,6 +872,9 @@ def main() -> int:
     ap.add_argument("--bench-model", default="gpt1b", choices=sorted(MODELS), help="model of the benchmark")
     ap.add_argument("--reshard-from", default=None, help="layout whose checkpoint is resharded (default tpN)")
     ap.add_argument("--reshard-to", default=None, help="layouts to resume it under (default ppN,dpN)")
+    ap.add_argument("--perf-variants", default=None, help=f"perf variants (default: all of {sorted(PERF_VARIANTS)})")
+    ap.add_argument("--perf-profile", default="", help="perf variants to profile over iteration 22")
+    ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
     args = ap.parse_args()
@@ -814,13 +893,15 @@ def main() -> int:
            "bench_on": set(args.bench_on.split(",")) if args.bench_on else None,
            "model": args.model, "bench_model": args.bench_model,
            "reshard_from": args.reshard_from or f"tp{gpus}",
-           "reshard_to": args.reshard_to.split(",") if args.reshard_to else None}
+           "reshard_to": args.reshard_to.split(",") if args.reshard_to else None,
+           "perf_variants": args.perf_variants.split(",") if args.perf_variants else None,
+           "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp}
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
-                  "bench": 200, "memory": 60}
+                  "bench": 200, "memory": 60, "perf": 300}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
@@ -877,6 +958,13 @@ def render_table(results: dict) -> str:
                                  f"tok/s/gpu {o.get('tokens_per_s_per_gpu')} mem {o.get('peak_mem_gib_rank_logging')} "
                                  f"blocked(own,waited) {[(b, c) for _, b, c in o.get('async_save_blocked_s', [])]} "
                                  f"start->resumed {o.get('startup_to_first_resumed_iteration_s')}s | ratio {v.get('mfu_ratio_ours_over_peer')}")
+        if name == "perf":
+            lines.append(f"  PERF {r.get('layout')} peer {r.get('peer')}")
+            for sub, v in r.items():
+                if isinstance(v, dict) and "losses_1_5" in v:
+                    lines.append(f"  PERF {sub:9s} {v.get('median_iter_ms')} ms MFU {v.get('mfu_pct_peer_formula')}% "
+                                 f"ratio {v.get('mfu_ratio_ours_over_peer')} mem {v.get('peak_mem_gib_logging_rank')} "
+                                 f"losses {v.get('losses_1_5')}")
         if name == "memory":
             for rec in r.get("records", []):
                 lines.append(f"  MEM {rec}")

@@ -103,3 +103,101 @@ def test_preprocessed_data_through_megatron_datasets(tmp_path):
     train = build_dataset(cfg, None, lt, 40, str(tmp_path / "cache"))
     sample = train[0]
     assert len(train) >= 40 and sample["tokens"].shape == (32,) and sample["labels"].shape == (32,)
+
+
+def test_foreach_multi_tensor_ops_match_the_definitions():
+    from megatron_trainer.compat import _foreach_l2_norm, _foreach_scale
+
+    tensors = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2).to(torch.bfloat16), torch.zeros(0)]
+    norm, per_tensor = _foreach_l2_norm(2048, None, [tensors], False)
+    expected = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in tensors]))
+    assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    assert torch.allclose(norm[0], expected, rtol=1e-6)
+    grads = [torch.randn(4), torch.randn(3, 3)]
+    before = [g.clone() for g in grads]
+    _foreach_scale(2048, None, [grads, grads], 0.25)  # in place (gradient clipping)
+    assert all(torch.equal(g, b * 0.25) for g, b in zip(grads, before, strict=True))
+    dst = [torch.empty(4), torch.empty(3, 3)]
+    _foreach_scale(2048, None, [before, dst], 2.0)  # this -> that (optimizer copies)
+    assert all(torch.equal(d, b * 2.0) for d, b in zip(dst, before, strict=True))
+
+
+def test_multi_tensor_fallbacks_are_patched_once():
+    import megatron.core.optimizer.clip_grads as clip_grads
+    from megatron.core import utils
+    from megatron_trainer.compat import _foreach_l2_norm, patch_multi_tensor_fallbacks
+
+    if clip_grads.l2_norm_impl not in (utils.local_multi_tensor_l2_norm, _foreach_l2_norm):
+        pytest.skip("apex or Transformer Engine provides the multi-tensor kernels here")
+    patch_multi_tensor_fallbacks()
+    assert clip_grads.l2_norm_impl is _foreach_l2_norm
+    assert patch_multi_tensor_fallbacks() == []  # nothing left to patch
+
+
+@pytest.mark.parametrize("normalization, cls", [("LayerNorm", "LayerNorm"), ("RMSNorm", "RMSNorm")])
+@pytest.mark.parametrize("sp", [False, True])
+def test_local_norm_marks_sequence_parallel_weights(normalization, cls, sp):
+    from megatron_trainer.norm import TorchNorm
+
+    config = types.SimpleNamespace(normalization=normalization, sequence_parallel=sp,
+                                   layernorm_zero_centered_gamma=False, persist_layer_norm=False,
+                                   memory_efficient_layer_norm=False)
+    norm = TorchNorm(config, 32, eps=1e-6)
+    assert type(norm).__name__ == cls and norm.eps == 1e-6
+    assert [p.sequence_parallel for p in norm.parameters()] == [sp] * len(list(norm.parameters()))
+    config.layernorm_zero_centered_gamma = True
+    with pytest.raises(ValueError, match="zero_centered_gamma"):
+        TorchNorm(config, 32)
+
+
+def test_local_path_allows_sequence_parallel_and_uses_the_local_norm(mock_argv):
+    from megatron_trainer import model as M
+    from megatron_trainer.config import parse_args
+
+    i = mock_argv.index("--tensor-model-parallel-size")
+    cfg = parse_args(mock_argv[:i + 1] + ["2"] + mock_argv[i + 2:] + ["--sequence-parallel"])
+    path = M.choose_path(cfg, have_te=False)
+    assert path.transformer_impl == "local"
+    spec = M.layer_spec(cfg, path)
+    from megatron_trainer.norm import TorchNorm
+
+    assert spec.submodules.input_layernorm is TorchNorm and spec.submodules.pre_mlp_layernorm is TorchNorm
+    cp = parse_args(mock_argv[:i + 1] + ["2"] + mock_argv[i + 2:] + ["--context-parallel-size", "2"])
+    with pytest.raises(ValueError, match="context-parallel"):
+        M.choose_path(cp, have_te=False)
+
+
+def test_local_gpt_model_uses_the_local_norm_everywhere(mock_argv, tmp_path):
+    """A GPTModel built from the local block spec (CPU, one gloo rank, in a child process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "build.py"
+    script.write_text(f"""
+import os, sys, json, socket, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel(1, 1)
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron_trainer import model as M
+from megatron_trainer.config import parse_args
+cfg = parse_args({mock_argv!r})
+path = M.choose_path(cfg, False)
+tc = M.transformer_config(cfg, path)
+tc.use_cpu_initialization = True
+m = GPTModel(config=tc, transformer_layer_spec=M.block_spec(M.layer_spec(cfg, path), tc, path, None),
+             vocab_size=1024, max_sequence_length=128)
+norms = [n for n, p in m.named_parameters() if "norm" in n]
+print(json.dumps({{"layers": len(m.decoder.layers), "final": type(m.decoder.final_layernorm).__name__,
+                  "marked": all(hasattr(p, "sequence_parallel") for n, p in m.named_parameters() if "norm" in n),
+                  "norms": len(norms)}}))
+""")
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"layers": 2, "final": "LayerNorm", "marked": True, "norms": 2 * (2 * 2) + 2}

@@ -35,3 +35,50 @@ def patch_fully_reshardable_load_with_torch_adam(optimizer) -> int:
         opt._set_main_param_and_optimizer_states = set_states
         patched += 1
     return patched
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for `amp_C.multi_tensor_l2norm` that stays on the device.
+
+    Megatron-Core's fallback (`utils.local_multi_tensor_l2_norm`) builds a host tensor from one CUDA
+    scalar per gradient, i.e. one device->host sync per parameter tensor every step (~300 for a
+    24-layer GPT): the GPU idles while the host re-queues work after each. This computes the same
+    fp32 norm with `torch._foreach_norm` and no sync.
+    """
+    tensors = [t for t in tensor_lists[0] if t.numel()]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device="cuda"), None
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for `amp_C.multi_tensor_scale` (dst = src * scale) with grouped foreach kernels."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if all(s is d for s, d in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def patch_multi_tensor_fallbacks() -> list[str]:
+    """Swap Megatron-Core's per-tensor, host-syncing multi-tensor fallbacks (used when neither
+    Transformer Engine nor apex is importable) for the foreach versions above. Patches only the
+    module globals that still hold the fallbacks; returns which."""
+    import importlib
+
+    from megatron.core import utils
+
+    targets = {"megatron.core.optimizer.clip_grads": {"l2_norm_impl": (utils.local_multi_tensor_l2_norm, _foreach_l2_norm),
+                                                      "multi_tensor_scale_impl": (utils.local_multi_tensor_scale, _foreach_scale)},
+               "megatron.core.optimizer.optimizer": {"multi_tensor_scale_impl": (utils.local_multi_tensor_scale, _foreach_scale)}}
+    patched = []
+    for module_name, names in targets.items():
+        module = importlib.import_module(module_name)
+        for name, (fallback, replacement) in names.items():
+            if getattr(module, name, None) is fallback:
+                setattr(module, name, replacement)
+                patched.append(f"{module_name}.{name}")
+    return patched

@@ -90,9 +90,12 @@ class Trainer:
             bf16=t.bf16, fp16=t.fp16, params_dtype=self.tconfig.params_dtype,
             use_distributed_optimizer=t.use_distributed_optimizer, overlap_param_gather=t.overlap_param_gather)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
-        from .compat import patch_fully_reshardable_load_with_torch_adam
+        from .compat import patch_fully_reshardable_load_with_torch_adam, patch_multi_tensor_fallbacks
 
         patch_fully_reshardable_load_with_torch_adam(self.optimizer)
+        # Diagnostics knob for A/B benchmarks: MEGATRON_TRAINER_FOREACH_OPS=0 keeps Megatron's fallbacks.
+        self.patched_ops = [] if os.environ.get("MEGATRON_TRAINER_FOREACH_OPS", "1") == "0" \
+            else patch_multi_tensor_fallbacks()
         gbs = layout.global_batch_size
         decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
         wsd_iters = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
@@ -161,6 +164,8 @@ class Trainer:
             self.stop_signal.install()
         self.last_log = {"loss": None, "tokens_per_second": None, "tflops_per_gpu": None, "mfu": None}
         self.first_iteration_age_s: float | None = None
+        self.profiler = IterationProfiler.from_env(os.environ.get("MEGATRON_TRAINER_PROFILE"), self.env.rank,
+                                                   {0, self.env.world_size - 1})
         self._log_startup()
 
     # ------------------------------------------------------------------------------------------
@@ -177,6 +182,8 @@ class Trainer:
             log.info("params on rank 0: %.1fM | vocab %d (padded %d) | async save: %s",
                      self.num_params_rank / 1e6, self.vocab_size, self.padded_vocab,
                      self.checkpointer.async_strategy or "off")
+            if self.patched_ops:
+                log.info("multi-tensor fallbacks replaced by foreach kernels: %s", ", ".join(self.patched_ops))
 
     # ----------------------------------------------------------------------- cadence predicates
     def should_log(self) -> bool:
@@ -284,7 +291,9 @@ class Trainer:
         stop_reason = "done"
         while self.state.iteration < t.train_iters:
             t0 = time.monotonic()
+            self.profiler.before(self.state.iteration + 1)
             loss, grad_norm, ok = self.train_step()
+            self.profiler.after(self.state.iteration + 1)
             self.state.iteration += 1
             self.state.consumed_samples += self.env.layout.global_batch_size
             self.state.skipped_iterations += 0 if ok else 1
@@ -414,6 +423,55 @@ class Trainer:
             self.progress.close()
         if getattr(self, "stop_signal", None) is not None:
             self.stop_signal.restore()
+
+
+class IterationProfiler:
+    """torch.profiler over iterations FIRST..LAST on chosen ranks (MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR).
+
+    Writes DIR/rank<r>.json.gz (a Chrome/Perfetto trace) and DIR/rank<r>.txt (operators by CUDA
+    time). A diagnostics knob for benchmarks, off by default; a malformed value is ignored with a
+    warning, never fatal.
+    """
+
+    def __init__(self, first: int = 0, last: int = -1, directory: str = "", rank: int = 0):
+        self.first, self.last, self.directory, self.rank = first, last, directory, rank
+        self.prof = None
+
+    @classmethod
+    def from_env(cls, value: str | None, rank: int, ranks: set[int]) -> IterationProfiler:
+        if not value or rank not in ranks:
+            return cls()
+        try:
+            first, last, directory = value.split(":", 2)
+            if int(first) < 1 or int(last) < int(first) or not directory:
+                raise ValueError
+        except ValueError:
+            log.warning("MEGATRON_TRAINER_PROFILE=%r ignored: expected FIRST:LAST:DIR with 1 <= FIRST <= LAST", value)
+            return cls()
+        return cls(int(first), int(last), directory, rank)
+
+    def before(self, iteration: int) -> None:
+        if iteration == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def after(self, iteration: int) -> None:
+        if self.prof is None or iteration != self.last:
+            return
+        torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        base = os.path.join(self.directory, f"rank{self.rank}")
+        try:
+            self.prof.export_chrome_trace(base + ".json.gz")
+            with open(base + ".txt", "w") as f:
+                f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
+        except Exception as e:  # diagnostics only
+            log.warning("profiler export failed: %s", e)
+        self.prof = None
 
 
 def dump_summary(summary: dict) -> None:

@@ -36,8 +36,7 @@ def te_available() -> bool:
 def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
     """The implementation for this run; ValueError when the job needs TE and TE is missing."""
     t, p = cfg.training, cfg.parallel
-    needs_te = [why for cond, why in ((p.sequence_parallel, "--sequence-parallel"),
-                                      (p.context > 1, "--context-parallel-size > 1"),
+    needs_te = [why for cond, why in ((p.context > 1, "--context-parallel-size > 1"),
                                       (t.fp8_format is not None, "--fp8-format")) if cond]
     if t.transformer_impl == "transformer_engine" and have_te:
         return ModelPath("transformer_engine", f"TE DotProductAttention ({t.attention_backend})")
@@ -121,12 +120,33 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
                                                           fp8=t.fp8_format)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from .norm import TorchNorm
+
     spec = get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization)
+    # torch norms that allow sequence parallelism (Megatron's WrappedTorchNorm refuses it)
+    spec.submodules.input_layernorm = TorchNorm
+    spec.submodules.pre_mlp_layernorm = TorchNorm
     if t.attention_backend not in ("unfused", "local"):
         from .attention import make_sdpa_attention
 
         spec.submodules.self_attention.submodules.core_attention = make_sdpa_attention(t.attention_backend)
     return spec
+
+
+def block_spec(layer, tconfig, path: ModelPath, vp_stage: int | None):
+    """The decoder block of one pipeline chunk. On the local path the final norm is TorchNorm too
+    (Megatron would pick WrappedTorchNorm for a bare layer spec)."""
+    if path.transformer_impl != "local":
+        return layer
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from .norm import TorchNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tconfig, vp_stage=vp_stage),
+                                      layer_norm=TorchNorm)
 
 
 def build_model(cfg: TrainerConfig, tconfig, path: ModelPath, vocab_size: int, ddp: bool = True):
@@ -145,7 +165,7 @@ def build_model(cfg: TrainerConfig, tconfig, path: ModelPath, vocab_size: int, d
         vp_stage = vp if p.virtual_pipeline else None
         chunk = GPTModel(
             config=tconfig,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block_spec(spec, tconfig, path, vp_stage),
             vocab_size=padded,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
