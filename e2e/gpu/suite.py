@@ -64,6 +64,7 @@ MODELS = {
 }
 
 WORK = Path(os.environ.get("SUITE_WORK", "/tmp/suite"))
+OURS_EXTRA: list[str] = []  # --ours-extra: appended to every trainer command line
 LOGS = WORK / "logs"
 DEADLINE = [float("inf")]
 
@@ -101,7 +102,7 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
                  "--ckpt-format", "torch_dist", "--exit-signal-handler"]
         if async_save:
             args += ["--async-save", "--use-persistent-ckpt-worker"]
-    return args + list(extra)
+    return args + list(extra) + OURS_EXTRA
 
 
 def free_port() -> int:
@@ -624,9 +625,17 @@ def scenario_bench(ctx) -> dict:
         save = WORK / "ckpt" / f"bench_{name}"
         shutil.rmtree(save, ignore_errors=True)
         extra = ["--overlap-grad-reduce", "--overlap-param-gather"] if dp > 1 else []
+        variant = ctx.get("bench_variant") or "foreach"
+        if variant == "auto":  # the fastest variant the perf scenario measured
+            timed = {k: v["median_iter_ms"] for k, v in ctx.get("perf", {}).items()
+                     if isinstance(v, dict) and v.get("median_iter_ms") and v.get("rc") == 0}
+            variant = min(timed, key=timed.get) if timed else "foreach"
+        v_env, v_extra = variant_for(variant, tp)
+        res["variant"] = {"name": variant, "env": v_env, "extra": v_extra}
         args = trainer_args(model, tp=tp, mbs=mb, gbs=mb * dp, iters=36, lr="3e-4", warmup=4, save=str(save),
-                            save_interval=12, extra=extra)
-        ours = Run(f"bench_ours_{name}", gpus, args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+                            save_interval=12, extra=extra + v_extra)
+        ours_env = {**({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}), **v_env}
+        ours = Run(f"bench_ours_{name}", gpus, args, env=ours_env)
         hit = ours.wait_for(re.compile(r"async save of iteration 24 scheduled"), 400)
         if hit:
             ours.kill_tree()
@@ -643,7 +652,7 @@ def scenario_bench(ctx) -> dict:
                        "checkpoints_after_kill": after_kill}
         # The restart is the real command (async worker warm-up included); it is stopped after a few
         # resumed iterations, so no further checkpoint is written.
-        again = Run(f"bench_ours_{name}_restart", gpus, args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+        again = Run(f"bench_ours_{name}_restart", gpus, args, env=ours_env)
         reached = again.wait_for(re.compile(r"iteration\s+16/"), 400)
         again.kill_tree()
         again.wait(60)
@@ -693,7 +702,15 @@ PERF_VARIANTS = {
     "sp": ({}, ["--sequence-parallel"]),
     "sp_conn8": ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, ["--sequence-parallel"]),
     "conn8": ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, []),
+    "graph": ({}, ["--cuda-graph-impl", "full_iteration"]),
+    "graph_sp": ({}, ["--cuda-graph-impl", "full_iteration", "--sequence-parallel"]),
 }
+
+
+def variant_for(name: str, tp: int) -> tuple[dict, list[str]]:
+    """A PERF_VARIANTS entry for a layout (sequence parallelism only where TP > 1)."""
+    env, extra = PERF_VARIANTS[name]
+    return dict(env), [a for a in extra if tp > 1 or a != "--sequence-parallel"]
 
 
 def scenario_perf(ctx) -> dict:
@@ -726,8 +743,7 @@ def scenario_perf(ctx) -> dict:
     failures: list[str] = []
     first_losses = {}
     for name in ctx.get("perf_variants") or list(PERF_VARIANTS):
-        env, extra = PERF_VARIANTS[name]
-        env = dict(env)
+        env, extra = variant_for(name, tp)
         if name in (ctx.get("perf_profile") or ()):
             env["MEGATRON_TRAINER_PROFILE"] = f"22:22:{LOGS / ('profile_' + name)}"
         args = trainer_args(model, tp=tp, mbs=mb, gbs=mb * dp, iters=26, lr="3e-4", warmup=4, extra=extra)
@@ -756,6 +772,7 @@ def scenario_perf(ctx) -> dict:
             all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(got, ref, strict=True))
         check(ok, f"{name}: losses 1-5 {got} differ from {ref}", failures)
     out["ok"], out["failures"] = not failures, failures
+    ctx["perf"] = out
     return out
 
 
@@ -874,6 +891,9 @@ def main() -> int:
     ap.add_argument("--reshard-to", default=None, help="layouts to resume it under (default ppN,dpN)")
     ap.add_argument("--perf-variants", default=None, help=f"perf variants (default: all of {sorted(PERF_VARIANTS)})")
     ap.add_argument("--perf-profile", default="", help="perf variants to profile over iteration 22")
+    ap.add_argument("--bench-variant", default="foreach",
+                    help="PERF_VARIANTS entry ours runs in the benchmark, or 'auto': the fastest one perf measured")
+    ap.add_argument("--ours-extra", default="", help="flags appended to every trainer command line (space separated)")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
@@ -895,13 +915,15 @@ def main() -> int:
            "reshard_from": args.reshard_from or f"tp{gpus}",
            "reshard_to": args.reshard_to.split(",") if args.reshard_to else None,
            "perf_variants": args.perf_variants.split(",") if args.perf_variants else None,
-           "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp}
+           "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp,
+           "bench_variant": args.bench_variant}
+    OURS_EXTRA[:] = args.ours_extra.split()
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
-                  "bench": 200, "memory": 60, "perf": 300}
+                  "bench": 170, "memory": 60, "perf": 300}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
@@ -953,7 +975,7 @@ def render_table(results: dict) -> str:
             for _sub, v in r.items():
                 if isinstance(v, dict) and "peer" in v:
                     o, p = v.get("ours", {}), v.get("peer", {})
-                    lines.append(f"  BENCH {v['layout']}: peer MFU {p.get('mfu_pct')}% tok/s/gpu {p.get('tokens_per_s_per_gpu')} "
+                    lines.append(f"  BENCH {v['layout']} ({v.get('variant', {}).get('name')}): peer MFU {p.get('mfu_pct')}% tok/s/gpu {p.get('tokens_per_s_per_gpu')} "
                                  f"mem {p.get('peak_mem_gib')} save {p.get('sync_save_s')}s | ours MFU {o.get('mfu_pct_peer_formula')}% "
                                  f"tok/s/gpu {o.get('tokens_per_s_per_gpu')} mem {o.get('peak_mem_gib_rank_logging')} "
                                  f"blocked(own,waited) {[(b, c) for _, b, c in o.get('async_save_blocked_s', [])]} "

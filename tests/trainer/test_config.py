@@ -86,6 +86,11 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: without(a, "--tokenizer-type") + ["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-model"),
     (lambda a: without(a, "--min-lr") + ["--min-lr", "1"], "--min-lr <= --lr"),
     (lambda a: a + ["--overlap-param-gather"], "--use-distributed-optimizer"),
+    (lambda a: a + ["--cuda-graph-impl", "local"], "use --cuda-graph-impl full_iteration or none"),
+    (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size 1 only"),
+    (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--num-experts", "2"], "does not support MoE"),
+    (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"], "must be >= 1"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -142,3 +147,9 @@ def test_pure_modules_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(root)})
     assert out.stdout.strip() == "False"
+
+
+def test_cuda_graph_flags(mock_argv):
+    cfg = parse_args(mock_argv + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"])
+    assert (cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps) == ("full_iteration", 2)
+    assert parse_args(mock_argv).training.cuda_graph_impl == "none"

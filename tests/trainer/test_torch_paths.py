@@ -201,3 +201,32 @@ print(json.dumps({{"layers": len(m.decoder.layers), "final": type(m.decoder.fina
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"layers": 2, "final": "LayerNorm", "marked": True, "norms": 2 * (2 * 2) + 2}
+
+
+def test_rng_tracker_states_round_trip_between_tensor_and_generator_forms():
+    from megatron_trainer.checkpoint import restore_tracker_states, tracker_states_as_tensors
+
+    class Tracker:
+        def __init__(self, states):
+            self.states_ = states
+
+        def get_states(self):
+            return dict(self.states_)
+
+        def set_states(self, states):
+            self.states_ = states
+
+    graph_safe = Tracker({"model-parallel-rng": torch.Generator().manual_seed(7)})
+    saved = tracker_states_as_tensors(graph_safe.get_states())  # what a checkpoint holds
+    assert isinstance(saved["model-parallel-rng"], torch.Tensor)
+    expected = torch.rand(3, generator=graph_safe.states_["model-parallel-rng"])
+    # into a graph-safe tracker (Generators kept, their state set) ...
+    fresh = Tracker({"model-parallel-rng": torch.Generator().manual_seed(99)})
+    generator = fresh.states_["model-parallel-rng"]
+    restore_tracker_states(fresh, saved)
+    assert fresh.states_["model-parallel-rng"] is generator
+    assert torch.equal(torch.rand(3, generator=generator), expected)
+    # ... and into a plain tracker (state tensors)
+    plain = Tracker({})
+    restore_tracker_states(plain, saved)
+    assert torch.equal(plain.states_["model-parallel-rng"], saved["model-parallel-rng"])

@@ -232,7 +232,7 @@ class Checkpointer:
             "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": torch.cuda.get_rng_state(),
-            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            "rng_tracker_states": tracker_states_as_tensors(tensor_parallel.get_cuda_rng_tracker().get_states()),
         }
         pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
         return ShardedObject("rng_state", [state], (pp, tp),
@@ -407,7 +407,7 @@ class Checkpointer:
             np.random.set_state(rng["np_rng_state"])
             torch.set_rng_state(rng["torch_rng_state"])
             torch.cuda.set_rng_state(rng["cuda_rng_state"])
-            tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
+            restore_tracker_states(tensor_parallel.get_cuda_rng_tracker(), rng["rng_tracker_states"])
         torch.distributed.barrier()
         seconds = time.monotonic() - t0
         self.stats.last_published = int(common["iteration"])
@@ -416,3 +416,21 @@ class Checkpointer:
         log.info("checkpoint: resumed from %s (iteration %d, %s, layout %s -> %s) in %.2f s", path,
                  result.iteration, chosen.reason, saved_layout, mine, seconds)
         return result
+
+
+def tracker_states_as_tensors(states: dict) -> dict:
+    """The RNG tracker's states as state tensors. With CUDA graphs the tracker holds graph-safe
+    `torch.Generator`s instead; saving their state tensors keeps one checkpoint format for both."""
+    return {name: (state.get_state() if isinstance(state, torch.Generator) else state) for name, state in states.items()}
+
+
+def restore_tracker_states(tracker, saved: dict) -> None:
+    """Load saved tracker states into the tracker, whichever form either side holds."""
+    current = tracker.get_states()
+    if any(isinstance(state, torch.Generator) for state in current.values()):
+        for name, state in saved.items():
+            value = state.get_state() if isinstance(state, torch.Generator) else state
+            if isinstance(current.get(name), torch.Generator):
+                current[name].set_state(value)
+        return
+    tracker.set_states(tracker_states_as_tensors(saved))

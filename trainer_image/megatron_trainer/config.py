@@ -45,7 +45,7 @@ class ParallelConfig:
                                     help="Tensor-parallel size inside the experts (default: TP)."))
     sequence_parallel: bool = field(default=False, metadata=flag(
         "--sequence-parallel", action="store_true",
-        help="Shard layer-norm/dropout activations along the sequence over the TP group (needs TE)."))
+        help="Shard layer-norm/dropout activations along the sequence over the TP group."))
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,13 @@ class TrainingConfig:
     overlap_param_gather: bool = field(default=False, metadata=flag(
         "--overlap-param-gather", action="store_true",
         help="Overlap the distributed optimizer's param all-gather with forward."))
+    cuda_graph_impl: str = field(default="none", metadata=flag(
+        "--cuda-graph-impl", choices=("none", "local", "transformer_engine", "full_iteration"),
+        help="CUDA graphs. 'full_iteration' captures forward+backward of a whole step once and replays it "
+             "(optimizer outside the graph): removes the per-kernel launch cost of the host. This trainer "
+             "implements 'none' and 'full_iteration' (PP=1, dense models)."))
+    cuda_graph_warmup_steps: int = field(default=3, metadata=flag(
+        "--cuda-graph-warmup-steps", type=int, help="Eager steps before the CUDA graph is captured."))
     no_bias_activation_fusion: bool = field(default=False, metadata=flag(
         "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", action="store_true",
         help="Do not fuse bias + GeLU/SwiGLU (torch.compile'd kernels)."))
@@ -402,6 +409,18 @@ def validate(cfg: TrainerConfig) -> None:
         raise ValueError("--recompute-method needs --recompute-granularity full")
     if t.recompute_granularity == "full" and (t.recompute_method is None or not t.recompute_num_layers):
         raise ValueError("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+    if t.cuda_graph_impl in ("local", "transformer_engine"):
+        raise ValueError(f"--cuda-graph-impl {t.cuda_graph_impl} (per-layer graphs) is not implemented by this "
+                         "trainer; use --cuda-graph-impl full_iteration or none")
+    if t.cuda_graph_impl == "full_iteration":
+        if p.pipeline > 1:
+            raise ValueError("--cuda-graph-impl full_iteration is implemented for --pipeline-model-parallel-size 1 "
+                             "only; drop it or use PP=1")
+        if m.num_experts is not None:
+            raise ValueError("--cuda-graph-impl full_iteration does not support MoE (--num-experts): expert "
+                             "routing sizes change every step; drop one of them")
+        if t.cuda_graph_warmup_steps < 1:
+            raise ValueError("--cuda-graph-warmup-steps must be >= 1 (the graph is captured after eager steps)")
     if t.eval_iters != 0:
         raise ValueError("the trainer does no evaluation: --eval-iters must be 0")
     if t.lr_warmup_iters < 0 or t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:

@@ -55,11 +55,11 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
         expert_model_parallel_size=p.expert,
         expert_tensor_parallel_size=p.expert_tensor,
     )
-    set_random_seed(cfg.training.seed)
+    set_random_seed(cfg.training.seed, graph_safe=cfg.training.cuda_graph_impl != "none")
     return DistEnv(rank, local_rank, world_size, layout, cpu_group)
 
 
-def set_random_seed(seed: int) -> None:
+def set_random_seed(seed: int, graph_safe: bool = False) -> None:
     """Megatron-LM's `_set_random_seed`: every generator, offset per pipeline stage.
 
     The CPU generators matter: some weights are initialised on the CPU (e.g. the learned position
@@ -75,7 +75,8 @@ def set_random_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    # graph_safe: the tracker's states become torch.Generators a CUDA graph can register and replay.
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe, force_reset_rng=graph_safe)
 
 
 def destroy_distributed() -> None:

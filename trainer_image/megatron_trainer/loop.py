@@ -107,6 +107,16 @@ class Trainer:
             wsd_decay_steps=wsd_iters * gbs if t.lr_decay_style == "WSD" else None,
             lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None)
         wire_model_hooks(cfg, self.tconfig, self.model, self.optimizer)
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.forward_backward = get_forward_backward_func()
+        if t.cuda_graph_impl == "full_iteration":
+            from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+            # Eager for the warm-up steps, then forward+backward of a whole step is captured once
+            # (data copied into static buffers) and replayed; the optimizer step stays outside.
+            self.forward_backward = FullCudaGraphWrapper(self.forward_backward,
+                                                         cuda_graph_warmup_steps=t.cuda_graph_warmup_steps)
         torch.cuda.synchronize()
         self.mem_after_optimizer = torch.cuda.memory_allocated()
 
@@ -173,12 +183,12 @@ class Trainer:
         p, t = self.cfg.parallel, self.cfg.training
         if self.env.is_rank0:
             log.info("megatron_trainer: %s", self.path.describe())
-            log.info("layout: world=%d TP=%d PP=%d VPP=%s CP=%d EP=%d DP=%d | micro batch %d, global batch %d, "
-                     "%d micro-batches/step | %s | distributed optimizer %s | recompute %s",
+            log.info("layout: world=%d TP=%d PP=%d VPP=%s CP=%d EP=%d DP=%d SP=%s | micro batch %d, global batch %d, "
+                     "%d micro-batches/step | %s | distributed optimizer %s | recompute %s | CUDA graph %s",
                      self.env.world_size, p.tensor, p.pipeline, p.virtual_pipeline, p.context, p.expert,
-                     self.env.layout.data_parallel, t.micro_batch_size, self.env.layout.global_batch_size,
-                     self.env.layout.num_microbatches, t.precision, t.use_distributed_optimizer,
-                     t.recompute_granularity or "none")
+                     self.env.layout.data_parallel, p.sequence_parallel, t.micro_batch_size,
+                     self.env.layout.global_batch_size, self.env.layout.num_microbatches, t.precision,
+                     t.use_distributed_optimizer, t.recompute_granularity or "none", t.cuda_graph_impl)
             log.info("params on rank 0: %.1fM | vocab %d (padded %d) | async save: %s",
                      self.num_params_rank / 1e6, self.vocab_size, self.padded_vocab,
                      self.checkpointer.async_strategy or "off")
@@ -257,14 +267,13 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor | None, float | None, bool]:
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         layout, m = self.env.layout, self.cfg.model
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         iterators = self.data_iterators if len(self.model) > 1 else self.data_iterators[0]
-        reports = get_forward_backward_func()(
+        reports = self.forward_backward(
             forward_step_func=self._forward_step, data_iterator=iterators,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=layout.num_microbatches, seq_length=m.seq_length,
