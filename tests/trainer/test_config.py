@@ -91,6 +91,8 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
      "--pipeline-model-parallel-size 1 only"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--num-experts", "2"], "does not support MoE"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"], "must be >= 1"),
+    (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                    "--overlap-param-gather"], "drop --overlap-param-gather"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -419,6 +419,10 @@ def validate(cfg: TrainerConfig) -> None:
         if m.num_experts is not None:
             raise ValueError("--cuda-graph-impl full_iteration does not support MoE (--num-experts): expert "
                              "routing sizes change every step; drop one of them")
+        if t.overlap_param_gather:
+            raise ValueError("--cuda-graph-impl full_iteration with --overlap-param-gather is not supported: the "
+                             "parameter all-gather starts after the optimizer, outside the graph, and is waited "
+                             "for inside it; drop --overlap-param-gather (--overlap-grad-reduce is fine)")
         if t.cuda_graph_warmup_steps < 1:
             raise ValueError("--cuda-graph-warmup-steps must be >= 1 (the graph is captured after eager steps)")
     if t.eval_iters != 0:

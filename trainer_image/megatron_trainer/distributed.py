@@ -43,6 +43,14 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     torch.cuda.set_device(local_rank)
+    if cfg.training.cuda_graph_impl == "full_iteration":
+        # Run everything on the stream the graph is captured on. Megatron's DDP keeps each
+        # parameter's AccumulateGrad node from its construction; a node made on the legacy default
+        # stream breaks the capture on torch builds without set_override_stale_capture_stream
+        # (seen with torch 2.11: cudaErrorStreamCaptureImplicit in backward).
+        from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+        torch.cuda.set_stream(get_shared_capture_stream())
     torch.distributed.init_process_group(backend="nccl", rank=rank, world_size=world_size,
                                          device_id=torch.device("cuda", local_rank))
     cpu_group = torch.distributed.new_group(backend="gloo")
