@@ -423,7 +423,22 @@ class Trainer:
                                                           self.tokens_per_iteration, median, self.env.world_size)
         return out
 
+    def release_cuda_graph(self) -> None:
+        """Destroy the captured graph before the process groups. With the graph alive (it holds the
+        NCCL kernels it captured), `destroy_process_group` hung at exit on 2 x H200 (torch 2.11)."""
+        reset = getattr(getattr(self, "forward_backward", None), "reset_cuda_graph", None)
+        if reset is not None:
+            torch.cuda.synchronize()
+            reset()
+            torch.cuda.synchronize()
+
     def close(self, abort: bool = False) -> None:
+        try:
+            self.release_cuda_graph()
+        except Exception as e:  # after a CUDA error the graph may not be releasable; closing goes on
+            if not abort:
+                raise
+            log.warning("could not release the CUDA graph: %s", e)
         for it in getattr(self, "data_iterators", None) or []:
             if it is not None:
                 it.close()
