@@ -109,7 +109,8 @@ class Parallelism(ApiModel):
                                          "rank (interleaved schedule, --num-virtual-stages-per-pipeline-rank). "
                                          "Omit for the plain 1F1B schedule. Needs pipeline > 1.")
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism (--sequence-parallel). "
-                                           "Default: on when tensor > 1 and Transformer Engine is used.")
+                                           "Default: on when tensor > 1 and Transformer Engine is used; with "
+                                           "transformerImpl local it is supported but off unless set.")
 
 
 # --------------------------------------------------------------------------------------------
