@@ -67,6 +67,14 @@ WORK = Path(os.environ.get("SUITE_WORK", "/tmp/suite"))
 OURS_EXTRA: list[str] = []  # --ours-extra: appended to every trainer command line
 LOGS = WORK / "logs"
 DEADLINE = [float("inf")]
+# Runs in flight stop this long after --deadline-s at the latest (a hung run once used up a whole
+# device call and nothing came back): keep --deadline-s at least a minute under the call's limit.
+OVERRUN_S = 30.0
+
+
+def bounded(timeout: float) -> float:
+    """A wait, cut so that no run outlasts the suite's deadline by more than OVERRUN_S."""
+    return max(1.0, min(timeout, DEADLINE[0] + OVERRUN_S - time.monotonic()))
 
 
 def model_args(name: str) -> list[str]:
@@ -137,7 +145,7 @@ class Run:
         return self.log_path.read_text(errors="replace")
 
     def wait_for(self, pattern: re.Pattern, timeout: float):
-        end = time.monotonic() + timeout
+        end = time.monotonic() + bounded(timeout)
         while time.monotonic() < end:
             m = pattern.search(self.text())
             if m:
@@ -149,7 +157,7 @@ class Run:
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(bounded(timeout))
         except subprocess.TimeoutExpired:
             self.kill_tree()
             return -999
