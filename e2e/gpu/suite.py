@@ -44,6 +44,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "trainer_image"))  # megatron_trainer's torch-free helpers (flops, ckpt_layout, config)
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
                      r"lm loss: ([0-9.E+-]+).*?mem GiB \(alloc/peak\): ([0-9.]+)/([0-9.]+)")
 SCHEDULED_RE = re.compile(r"async save of iteration (\d+) scheduled \(loop blocked ([0-9.]+) s, of which ([0-9.]+) s")
@@ -243,7 +244,6 @@ def compare(ref: dict[int, float], got: dict[int, float], start: int, rel_tol: f
 
 
 def ckpt_state(root: Path) -> dict:
-    sys.path.insert(0, str(REPO / "trainer_image"))
     from megatron_trainer import ckpt_layout
 
     return {"tracker": ckpt_layout.read_tracker(root),
@@ -278,7 +278,6 @@ def scenario_probe(ctx) -> dict:
     out["megatron_lm_parse_args"] = "ok: " + p.stdout.strip().splitlines()[-1] if p.returncode == 0 and \
         "MEGATRON_LM_PARSED" in p.stdout else f"failed rc={p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
     # Our parser on the same line.
-    sys.path.insert(0, str(REPO / "trainer_image"))
     from megatron_trainer.config import parse_args
 
     parse_args(rendered)
@@ -361,7 +360,6 @@ def scenario_indexed(ctx) -> dict:
         if p.returncode != 0:
             return {"ok": False, "error": p.stderr[-500:]}
         prefixes.append(str(root / f"{name}_text_document"))
-    sys.path.insert(0, str(REPO / "trainer_image"))
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron_trainer.indexed import read_indexed_dataset
     from megatron_trainer.tokenizer import LocalTokenizer
@@ -586,6 +584,40 @@ def scenario_reshard(ctx) -> dict:
     return {"ok": all(r["ok"] for r in out.values()), **out}
 
 
+def run_peer(name: str, gpus: int, model: str, tp: int, ckpt: Path | None = None) -> dict:
+    """The peer (../shared/bench/mcore_peer.py, MODE=bf16, 20 iterations) on the same model and GPUs;
+    with `ckpt`, its synchronous save/load of the model too."""
+    m = MODELS[model]
+    peer = Run(name, gpus, [], module=False, script=str(REPO / ".run" / "mcore_peer.py"),
+               env={"TP": str(tp), "LAYERS": str(m["layers"]), "HIDDEN": str(m["hidden"]), "HEADS": str(m["heads"]),
+                    "SEQ": str(m["seq"]), "MBS": str(m["mbs"]), "ITERS": "20", "MODE": "bf16",
+                    "CKPT": str(ckpt) if ckpt else "", **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
+    rc = peer.wait(300)
+    peer.close()
+    pm = PEER_RE.search(peer.text())
+    if not pm:
+        return {"rc": rc, "error": peer.text()[-800:]}
+    pc = PEER_CKPT_RE.search(peer.text())
+    out = {"iter_ms": float(pm.group(1)), "tokens_per_s_per_gpu": float(pm.group(2)), "mfu_pct": float(pm.group(3)),
+           "peak_mem_gib": float(pm.group(4)), "rc": rc}
+    if ckpt:
+        out.update({"sync_save_s": float(pc.group(1)) if pc else None, "load_s": float(pc.group(2)) if pc else None})
+    return out
+
+
+def ours_throughput(model: str, dp: int, gpus: int, iter_ms: float, peer: dict) -> dict:
+    """Our tokens/s/GPU and MFU by the peer's formula, and the MFU ratio to the peer where it ran."""
+    from megatron_trainer import flops
+
+    m = MODELS[model]
+    classic = flops.classic_flops_per_iteration(m["mbs"] * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
+    thr = flops.throughput(classic, m["mbs"] * dp * m["seq"], iter_ms / 1000, gpus)
+    out = {"tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"]), "mfu_pct_peer_formula": round(100 * thr["mfu"], 2)}
+    if "mfu_pct" in peer:
+        out["mfu_ratio_ours_over_peer"] = round(100 * thr["mfu"] / peer["mfu_pct"], 3)
+    return out
+
+
 def bench_layouts(gpus: int) -> list[tuple[str, int]]:
     """(name, TP): the peer covers TP x DP layouts only."""
     if gpus == 1:
@@ -612,22 +644,7 @@ def scenario_bench(ctx) -> dict:
         peer_ckpt = WORK / "ckpt" / f"peer_{name}"
         shutil.rmtree(peer_ckpt, ignore_errors=True)
         peer_ckpt.mkdir(parents=True)
-        peer = Run(f"bench_peer_{name}", gpus, [], module=False, script=str(REPO / ".run" / "mcore_peer.py"),
-                   env={"TP": str(tp), "LAYERS": str(m["layers"]), "HIDDEN": str(m["hidden"]), "HEADS": str(m["heads"]),
-                        "SEQ": str(m["seq"]), "MBS": str(mb), "ITERS": "20", "MODE": "bf16", "CKPT": str(peer_ckpt),
-                        **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
-        rc = peer.wait(300)
-        peer.close()
-        pm = PEER_RE.search(peer.text())
-        pc = PEER_CKPT_RE.search(peer.text())
-        if pm:
-            it_s = float(pm.group(1)) / 1000
-            res["peer"] = {"iter_ms": float(pm.group(1)), "tokens_per_s_per_gpu": float(pm.group(2)),
-                           "mfu_pct": float(pm.group(3)), "peak_mem_gib": float(pm.group(4)),
-                           "sync_save_s": float(pc.group(1)) if pc else None,
-                           "load_s": float(pc.group(2)) if pc else None, "rc": rc}
-        else:
-            res["peer"] = {"rc": rc, "error": peer.text()[-800:]}
+        res["peer"] = run_peer(f"bench_peer_{name}", gpus, model, tp, ckpt=peer_ckpt)
         shutil.rmtree(peer_ckpt, ignore_errors=True)
         # --- ours: async save at 12, kill -9 while the save of 24 is in flight, restart from 12
         save = WORK / "ckpt" / f"bench_{name}"
@@ -682,17 +699,11 @@ def scenario_bench(ctx) -> dict:
             "load_s": float(load_m.group(1)) if load_m else None,
             "peak_alloc_gib_logging_rank_after_resume": max(peaks2) if peaks2 else None})
         if res["ours"]["median_iter_ms"]:
-            it_s = res["ours"]["median_iter_ms"] / 1000
-            tokens = mb * dp * m["seq"]
-            sys.path.insert(0, str(REPO / "trainer_image"))
-            from megatron_trainer import flops
-
-            classic = flops.classic_flops_per_iteration(mb * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
-            tp_ = flops.throughput(classic, tokens, it_s, gpus)
-            res["ours"].update({"tokens_per_s_per_gpu": round(tp_["tokens_per_s_per_gpu"]),
-                                "mfu_pct_peer_formula": round(100 * tp_["mfu"], 2)})
-            if "mfu_pct" in res.get("peer", {}):
-                res["mfu_ratio_ours_over_peer"] = round(tp_["mfu"] * 100 / res["peer"]["mfu_pct"], 3)
+            thr = ours_throughput(model, dp, gpus, res["ours"]["median_iter_ms"], res["peer"])
+            ratio = thr.pop("mfu_ratio_ours_over_peer", None)
+            res["ours"].update(thr)
+            if ratio is not None:
+                res["mfu_ratio_ours_over_peer"] = ratio
         failures: list[str] = []
         check("mfu_ratio_ours_over_peer" in res, "no ratio", failures)
         check(bool(hit), "kill during async save not reached", failures)
@@ -740,20 +751,7 @@ def scenario_perf(ctx) -> dict:
     model = ctx.get("bench_model", "gpt1b")
     m = MODELS[model]
     mb = m["mbs"]
-    sys.path.insert(0, str(REPO / "trainer_image"))
-    from megatron_trainer import flops
-
-    classic = flops.classic_flops_per_iteration(mb * dp, m["seq"], m["layers"], m["hidden"], m["vocab"])
-    out: dict = {"layout": f"TP{tp} DP{dp}", "model": model}
-    peer = Run(f"perf_peer_tp{tp}", gpus, [], module=False, script=str(REPO / ".run" / "mcore_peer.py"),
-               env={"TP": str(tp), "LAYERS": str(m["layers"]), "HIDDEN": str(m["hidden"]), "HEADS": str(m["heads"]),
-                    "SEQ": str(m["seq"]), "MBS": str(mb), "ITERS": "20", "MODE": "bf16", "CKPT": "",
-                    **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
-    rc = peer.wait(300)
-    peer.close()
-    pm = PEER_RE.search(peer.text())
-    out["peer"] = {"iter_ms": float(pm.group(1)), "mfu_pct": float(pm.group(3)), "peak_mem_gib": float(pm.group(4))} \
-        if pm else {"rc": rc, "error": peer.text()[-800:]}
+    out: dict = {"layout": f"TP{tp} DP{dp}", "model": model, "peer": run_peer(f"perf_peer_tp{tp}", gpus, model, tp)}
     failures: list[str] = []
     first_losses = {}
     for name in ctx.get("perf_variants") or list(PERF_VARIANTS):
@@ -769,10 +767,7 @@ def scenario_perf(ctx) -> dict:
         res = {"rc": rc, "env": env, "extra": extra}
         if steady:
             median = statistics.median(steady)
-            thr = flops.throughput(classic, mb * dp * m["seq"], median / 1000, gpus)
-            res.update({"median_iter_ms": median, "mfu_pct_peer_formula": round(100 * thr["mfu"], 2)})
-            if "mfu_pct" in out["peer"]:
-                res["mfu_ratio_ours_over_peer"] = round(100 * thr["mfu"] / out["peer"]["mfu_pct"], 3)
+            res.update({"median_iter_ms": median, **ours_throughput(model, dp, gpus, median, out["peer"])})
         peaks = [float(x.group(5)) for x in ITER_RE.finditer(run.text())]
         res["peak_mem_gib_logging_rank"] = max(peaks) if peaks else None
         losses = run.losses()
