@@ -47,6 +47,13 @@ class ParallelConfig:
         "--sequence-parallel", action="store_true",
         help="Shard layer-norm/dropout activations along the sequence over the TP group."))
 
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The sizes under the keyword names `initialize_model_parallel` and `TransformerConfig` share."""
+        return {"tensor_model_parallel_size": self.tensor, "pipeline_model_parallel_size": self.pipeline,
+                "virtual_pipeline_model_parallel_size": self.virtual_pipeline,
+                "context_parallel_size": self.context, "expert_model_parallel_size": self.expert,
+                "expert_tensor_parallel_size": self.expert_tensor}
+
 
 @dataclass(frozen=True)
 class ModelConfig:

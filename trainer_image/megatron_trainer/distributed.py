@@ -54,15 +54,7 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
     torch.distributed.init_process_group(backend="nccl", rank=rank, world_size=world_size,
                                          device_id=torch.device("cuda", local_rank))
     cpu_group = torch.distributed.new_group(backend="gloo")
-    p = cfg.parallel
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor,
-        pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
-        context_parallel_size=p.context,
-        expert_model_parallel_size=p.expert,
-        expert_tensor_parallel_size=p.expert_tensor,
-    )
+    parallel_state.initialize_model_parallel(**cfg.parallel.megatron_sizes())
     set_random_seed(cfg.training.seed, graph_safe=cfg.training.cuda_graph_impl != "none")
     return DistEnv(rank, local_rank, world_size, layout, cpu_group)
 
