@@ -15,6 +15,7 @@ them. The chart's CRD template is checked separately by a server-side dry-run ap
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -339,6 +340,24 @@ def test_chart_crd_template_is_accepted_by_the_api_server(cluster, crd, tmp_path
     assert [v["schema"] for v in applied["spec"]["versions"]] == [v["schema"] for v in doc["spec"]["versions"]]
 
 
+@contextlib.contextmanager
+def chart_operator(cluster: Cluster, rel: Release, tmp_path: Path, log_name: str, namespace: str):
+    """The chart's operator running with the chart's identity, as (API client of that identity,
+    its kubeconfig); on the way out its jobs are deleted and it stops."""
+    op, kubeconfig = start_chart_operator(cluster, rel, tmp_path, log_name)
+    try:
+        sa_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        try:
+            yield op, sa_api, kubeconfig
+        finally:
+            sa_api.close()
+    finally:
+        try:
+            delete_jobs(cluster, Jobs(cluster, namespace), op)
+        finally:
+            op.stop()
+
+
 def test_helm_install_cluster_wide_runs_jobs_with_the_charts_identity(cluster, release, namespace, tmp_path):
     release.install(e2e_values())
     dep = release.deployment()
@@ -346,24 +365,13 @@ def test_helm_install_cluster_wide_runs_jobs_with_the_charts_identity(cluster, r
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
-    op, kubeconfig = start_chart_operator(cluster, release, tmp_path, "operator-helm-clusterwide")
-    try:
-        sa_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
-        try:
-            # cluster-wide: the same rules in the job namespace and in any other
-            assert rules_of(sa_api, namespace) == EXPECTED
-            assert rules_of(sa_api, "kube-system") == EXPECTED
-        finally:
-            sa_api.close()
+    with chart_operator(cluster, release, tmp_path, "operator-helm-clusterwide", namespace) as (op, sa_api, kubeconfig):
+        # cluster-wide: the same rules in the job namespace and in any other
+        assert rules_of(sa_api, namespace) == EXPECTED
+        assert rules_of(sa_api, "kube-system") == EXPECTED
         assert can_i(cluster, kubeconfig, "list", "megatronjobs", "--all-namespaces")
         assert_forbidden_outside_rbac(cluster, kubeconfig, namespace)
-        jobs = Jobs(cluster, namespace)
-        run_jobs_through_every_api_call(cluster, jobs, op)
-    finally:
-        try:
-            delete_jobs(cluster, Jobs(cluster, namespace), op)
-        finally:
-            op.stop()
+        run_jobs_through_every_api_call(cluster, Jobs(cluster, namespace), op)
 
     # helm upgrade changes the operator's settings through the Deployment (Recreate rollout)
     release.run("upgrade", release.name, str(CHART), "--namespace", release.namespace, "--reuse-values",
@@ -387,21 +395,10 @@ def test_helm_install_namespaced_watches_only_its_namespaces(cluster, release, n
     assert names == []
     assert rbac.read_namespaced_role(f"{release.name}-megatron-operator", namespace).rules
 
-    op, kubeconfig = start_chart_operator(cluster, release, tmp_path, "operator-helm-namespaced")
-    try:
-        sa_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
-        try:
-            assert rules_of(sa_api, namespace) == EXPECTED
-            assert rules_of(sa_api, release.namespace) == set()  # nothing outside the watched namespace
-        finally:
-            sa_api.close()
+    with chart_operator(cluster, release, tmp_path, "operator-helm-namespaced", namespace) as (op, sa_api, kubeconfig):
+        assert rules_of(sa_api, namespace) == EXPECTED
+        assert rules_of(sa_api, release.namespace) == set()  # nothing outside the watched namespace
         assert not can_i(cluster, kubeconfig, "list", "megatronjobs", "--all-namespaces")
         assert not can_i(cluster, kubeconfig, "list", "pods", "-n", "kube-system")
         assert_forbidden_outside_rbac(cluster, kubeconfig, namespace)
-        jobs = Jobs(cluster, namespace)
-        run_jobs_through_every_api_call(cluster, jobs, op)
-    finally:
-        try:
-            delete_jobs(cluster, Jobs(cluster, namespace), op)
-        finally:
-            op.stop()
+        run_jobs_through_every_api_call(cluster, Jobs(cluster, namespace), op)
