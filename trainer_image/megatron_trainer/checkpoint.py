@@ -425,12 +425,11 @@ def tracker_states_as_tensors(states: dict) -> dict:
 
 
 def restore_tracker_states(tracker, saved: dict) -> None:
-    """Load saved tracker states into the tracker, whichever form either side holds."""
+    """Load saved state tensors (see above) into the tracker, whichever form the tracker holds."""
     current = tracker.get_states()
     if any(isinstance(state, torch.Generator) for state in current.values()):
         for name, state in saved.items():
-            value = state.get_state() if isinstance(state, torch.Generator) else state
             if isinstance(current.get(name), torch.Generator):
-                current[name].set_state(value)
-        return
-    tracker.set_states(tracker_states_as_tensors(saved))
+                current[name].set_state(state)
+    else:
+        tracker.set_states(dict(saved))
