@@ -1,0 +1,189 @@
+"""Controller decisions, table-driven, through a fake ``Kube`` (no cluster; milliseconds).
+
+What the e2e tests prove against the real control plane, decided here first: create the children
+once, recreate a JobSet deleted while the job was unfinished, never recreate one of a finished job,
+delete the JobSet on a deadline, make the JobSet's suspend follow the spec (never un-suspend under
+Kueue), write the status only when it changed, trust the cache of the operator's own writes between
+resyncs, and refuse an invalid spec with one status write and no children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from factory import make_job
+from megatron_operator import status as st
+from megatron_operator.controller import Controller, InvalidSpec
+from megatron_operator.metrics import Metrics
+from megatron_operator.settings import Settings
+
+UID = "00000000-0000-0000-0000-000000000001"
+
+
+@dataclass
+class FakeKube:
+    """The four calls the controller makes, recorded; ``existing`` holds (kind, name) already there."""
+
+    existing: set[tuple[str, str]] = field(default_factory=set)
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        key = (obj["kind"], obj["metadata"]["name"])
+        self.calls.append(("create", *key))
+        if key in self.existing:
+            return False
+        self.existing.add(key)
+        return True
+
+    def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.calls.append(("status", status["phase"], status["reason"]))
+
+    def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        self.calls.append(("suspend", name, suspend))
+
+    def delete_jobset(self, namespace: str, name: str) -> None:
+        self.calls.append(("delete", name))
+
+    def of(self, verb: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == verb]
+
+
+def body(status: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+    job = make_job(**overrides)
+    job["metadata"].update(uid=UID, generation=1, creationTimestamp=st.iso(datetime.now(UTC)))
+    if status is not None:
+        job["status"] = status
+    return job
+
+
+def jobset(suspended: bool = False, restarts: int = 0, created: datetime | None = None,
+           **conditions: str) -> dict[str, Any]:
+    return {"metadata": {"name": "job", "creationTimestamp": st.iso(created or datetime.now(UTC))},
+            "spec": {"suspend": suspended},
+            "status": {"restarts": restarts,
+                       "conditions": [{"type": k, "status": "True", "reason": v, "message": v}
+                                      for k, v in conditions.items()]}}
+
+
+def running_pods(n: int = 2) -> list[st.PodView]:
+    return [st.PodView(name=f"job-p{i}", phase="Running", ready=True, restart_attempt=0) for i in range(n)]
+
+
+@pytest.fixture
+def kube() -> FakeKube:
+    return FakeKube()
+
+
+@pytest.fixture
+def ctl(kube: FakeKube) -> Controller:
+    return Controller(kube, Settings(), Metrics())  # type: ignore[arg-type]
+
+
+def observe(ctl: Controller, b: dict[str, Any], js: dict[str, Any] | None, pods=(), resync=False):
+    events: list[st.Event] = []
+    ctl.observe(b, js, list(pods), events.append, resync=resync)
+    return events
+
+
+# ---- create / resume ---------------------------------------------------------------------------
+
+def test_reconcile_creates_every_child_once_and_409_is_success(ctl, kube):
+    events: list[st.Event] = []
+    ctl.reconcile(body(), events.append)
+    kinds = [c[1] for c in kube.of("create")]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+    assert [e.reason for e in events] == ["JobSetCreated"]
+    events.clear()
+    ctl.reconcile(body(), events.append)  # resume after an operator restart: everything exists
+    assert len(kube.of("create")) == 8 and events == []
+
+
+def test_reconcile_of_a_finished_job_creates_nothing(ctl, kube):
+    ctl.reconcile(body(status={"phase": "Succeeded", "jobSetName": "job"}), lambda e: None)
+    assert kube.calls == []
+
+
+def test_invalid_spec_writes_failed_status_once_and_creates_nothing(ctl, kube):
+    b = body(training__globalBatchSize=33)
+    with pytest.raises(InvalidSpec, match="globalBatchSize"):
+        ctl.reconcile(b, lambda e: None)
+    assert kube.of("create") == []
+    assert kube.of("status") == [("status", "Failed", "InvalidSpec")]
+
+
+# ---- observe: act on the difference ------------------------------------------------------------
+
+@pytest.mark.parametrize(("status", "expect_create", "expect_event"), [
+    # a JobSet deleted while the job ran is recreated and the user told why
+    ({"phase": "Running", "reason": "AllPodsRunning", "jobSetName": "job"}, True, "JobSetRecreated"),
+    # a finished job's JobSet (deleted by hand or by TTL) is never recreated
+    ({"phase": "Succeeded", "reason": "Completed", "jobSetName": "job"}, False, None),
+    ({"phase": "Failed", "reason": "RestartsExhausted", "jobSetName": "job"}, False, None),
+])
+def test_missing_jobset(ctl, kube, status, expect_create, expect_event):
+    kube.existing |= {("ServiceAccount", "job-trainer"), ("Role", "job-trainer"), ("RoleBinding", "job-trainer")}
+    events = observe(ctl, body(status=status), None)
+    created = [c for c in kube.of("create") if c[1] == "JobSet"]
+    assert bool(created) is expect_create
+    assert (expect_event in [e.reason for e in events]) if expect_event else not created
+
+
+def test_deadline_deletes_the_jobset_and_fails_the_job(ctl, kube):
+    start = datetime.now(UTC) - timedelta(hours=2)
+    b = body(status={"phase": "Running", "reason": "AllPodsRunning", "startTime": st.iso(start)},
+             activeDeadlineSeconds=60)
+    events = observe(ctl, b, jobset(created=start), running_pods())
+    assert kube.of("delete") == [("delete", "job")]
+    assert kube.of("status")[-1] == ("status", "Failed", "DeadlineExceeded")
+    assert any(e.reason == "DeadlineExceeded" and e.type == "Warning" for e in events)
+
+
+@pytest.mark.parametrize(("spec_suspend", "queue", "js_suspended", "expected"), [
+    (True, None, False, [("suspend", "job", True)]),      # user suspends
+    (False, None, True, [("suspend", "job", False)]),     # user resumes
+    (True, "gpu-queue", False, [("suspend", "job", True)]),  # suspend also under Kueue
+    (False, "gpu-queue", True, []),                       # Kueue un-suspends, never the operator
+    (False, None, False, []),                             # nothing to do
+])
+def test_suspend_follows_the_spec(ctl, kube, spec_suspend, queue, js_suspended, expected):
+    overrides: dict[str, Any] = {"suspend": spec_suspend}
+    if queue:
+        overrides["queueName"] = queue
+    observe(ctl, body(status={"phase": "Running", "reason": "AllPodsRunning"}, **overrides),
+            jobset(suspended=js_suspended), running_pods())
+    assert kube.of("suspend") == expected
+
+
+# ---- status writes -----------------------------------------------------------------------------
+
+def test_status_is_written_once_per_change_and_the_own_write_cache_is_trusted(ctl, kube):
+    stale = body(status={})  # the watch cache has not seen our write yet
+    observe(ctl, stale, jobset(), running_pods())
+    assert kube.of("status") == [("status", "Running", "AllPodsRunning")]
+    events = observe(ctl, stale, jobset(), running_pods())  # same world, stale body: nothing again
+    assert kube.of("status") == [("status", "Running", "AllPodsRunning")] and events == []
+
+
+def test_resync_compares_with_the_stored_status_and_repairs_a_lost_write(ctl, kube):
+    stale = body(status={})
+    observe(ctl, stale, jobset(), running_pods())
+    observe(ctl, stale, jobset(), running_pods(), resync=True)  # the stored status still lacks our write
+    assert len(kube.of("status")) == 2
+
+
+def test_a_new_object_with_the_same_name_does_not_inherit_the_cache(ctl, kube):
+    observe(ctl, body(status={}), jobset(), running_pods())
+    again = body(status={})
+    again["metadata"]["uid"] = "00000000-0000-0000-0000-000000000002"
+    observe(ctl, again, jobset(), running_pods())
+    assert len(kube.of("status")) == 2
+
+
+def test_completed_jobset_gives_succeeded_and_no_further_action(ctl, kube):
+    b = body(status={"phase": "Running", "reason": "AllPodsRunning", "jobSetName": "job"})
+    observe(ctl, b, jobset(Completed="AllJobsCompleted"))
+    assert kube.of("status")[-1][1] == "Succeeded"
+    assert kube.of("suspend") == [] and kube.of("delete") == [] and kube.of("create") == []
