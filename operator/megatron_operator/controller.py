@@ -1,8 +1,9 @@
 """The reconcile steps, as a flat list of named functions (no kopf here; ``handlers.py`` is glue).
 
 ``reconcile`` runs on create and on resume: validate, then make sure the children exist.
-``observe`` runs on a timer for every live MegatronJob: derive the status from what exists
-(the JobSet and pods come from watch-fed indexes), act on the difference (recreate a JobSet that
+``observe`` runs for a live MegatronJob on every event of it, its JobSet or its pods, and from one
+periodic resync loop (``handlers.py``): derive the status from what exists (the JobSet and pods
+come from watch-fed indexes), act on the difference (recreate a JobSet that
 was deleted while the job was unfinished, enforce suspend and the deadline), write the status once
 if it changed, and emit events for transitions. Both are idempotent: an operator killed at any
 point and restarted leaves exactly one JobSet per MegatronJob (children have fixed names, a
@@ -47,7 +48,7 @@ class Parsed:
     fit: FitReport | None = None
 
 
-def parse(body: dict[str, Any]) -> Parsed:
+def parse_body(body: dict[str, Any]) -> Parsed:
     """Validate the object as the API server gave it (status and server metadata stripped)."""
     doc = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
            "metadata": {k: v for k, v in (body.get("metadata") or {}).items()
@@ -88,7 +89,7 @@ class Controller:
         version = (meta.get("uid") or "", int(meta.get("generation") or 0))
         cached = self._parsed.get(key)
         if cached is None or cached[0] != version:
-            cached = self._parsed[key] = (version, parse(body))
+            cached = self._parsed[key] = (version, parse_body(body))
         return cached[1]
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
@@ -118,22 +119,18 @@ class Controller:
             return  # a finished job is never restarted (resume after an operator restart)
         self.ensure_children(parsed.job, body, emit)
 
-    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn) -> bool:
-        """Create whatever child is missing; True when the JobSet was created now."""
+    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn) -> None:
+        """Create whatever child is missing."""
         meta = body["metadata"]
-        objects = render(job, self.settings, owner_uid=meta["uid"])
-        created_jobset = False
-        for obj in objects:
+        for obj in render(job, self.settings, owner_uid=meta["uid"]):
             created = self.kube.create(obj)
             if obj["kind"] == "JobSet" and created:
-                created_jobset = True
                 self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
                 recreated = bool((body.get("status") or {}).get("jobSetName"))
                 emit(st.Event("Normal" if not recreated else "Warning",
                               "JobSetRecreated" if recreated else "JobSetCreated",
                               (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
                                f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
-        return created_jobset
 
     # ---- the level-based loop -------------------------------------------------------------------
 

@@ -10,16 +10,13 @@ import sys
 
 def run_operator(args: argparse.Namespace) -> int:
     if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
-    if args.metrics_port is not None:
-        os.environ["MEGATRON_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
-    if args.namespace:
-        os.environ["MEGATRON_OPERATOR_NAMESPACES"] = ",".join(args.namespace)
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads only the environment
 
     from .settings import Settings
 
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env(metrics_port=args.metrics_port,
+                                     namespaces=",".join(args.namespace) if args.namespace else None)
     except ValueError as exc:
         print(f"megatron-operator: bad setting: {exc}", file=sys.stderr)
         return 2
@@ -52,7 +49,7 @@ def run_operator(args: argparse.Namespace) -> int:
     from . import handlers  # noqa: F401  (registers the handlers)
 
     memo = kopf.Memo(controller=Controller(kube, settings, Metrics()), metrics_port=settings.metrics_port,
-                     metrics_host=os.environ.get("MEGATRON_OPERATOR_METRICS_HOST", "0.0.0.0"))
+                     metrics_host=settings.metrics_host)
     namespaces = settings.watched_namespaces()
     kopf.run(
         clusterwide=not namespaces,

@@ -38,11 +38,14 @@ class Settings:
     resync_interval_s: float = 10.0
     #: Port of the operator's /metrics and /healthz.
     metrics_port: int = 8080
+    #: Address /metrics and /healthz bind to.
+    metrics_host: str = "0.0.0.0"
     #: Namespaces to watch (comma-separated); empty watches the whole cluster.
     namespaces: str = ""
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:
+        """The defaults, then the environment, then ``overrides`` (the command line's flags; None is unset)."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in fields(cls):
@@ -53,6 +56,7 @@ class Settings:
                     values[f.name] = type(getattr(cls, f.name))(raw)
                 except ValueError as exc:
                     raise ValueError(f"{key}={raw!r}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
     def watched_namespaces(self) -> list[str]:

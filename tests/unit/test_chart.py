@@ -184,7 +184,7 @@ def test_container_command_is_the_cli_run_command(default_objs):
 
 def test_every_operator_setting_is_set_from_values(default_objs):
     env = env_of(default_objs)
-    expected = {"MEGATRON_OPERATOR_" + f.name.upper() for f in fields(Settings)} | {"MEGATRON_OPERATOR_METRICS_HOST"}
+    expected = {"MEGATRON_OPERATOR_" + f.name.upper() for f in fields(Settings)}
     assert expected == {k for k in env if k.startswith("MEGATRON_OPERATOR_")}
 
 
@@ -206,8 +206,7 @@ def test_config_values_reach_the_operator(tmp_path):
     assert s == Settings(default_image="registry.example/megatron-trainer:2026.11", shm_gib_per_gpu=4, shm_min_gib=8,
                          termination_grace_period_s=1200, max_restarts=7, progress_interval_s=15,
                          trainer_metrics_port=9500, rendezvous_port=29600, stall_timeout_s=3600, run_as_user=2000,
-                         resync_interval_s=2.5, metrics_port=9090, namespaces="")
-    assert env["MEGATRON_OPERATOR_METRICS_HOST"] == "127.0.0.1"
+                         resync_interval_s=2.5, metrics_port=9090, metrics_host="127.0.0.1", namespaces="")
     c = container(objs)
     assert c["ports"][0]["containerPort"] == 9090
     svc = one(objs, "Service")
