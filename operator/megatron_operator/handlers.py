@@ -22,12 +22,20 @@ import kopf
 
 from .controller import Controller, InvalidSpec
 from .kube import PermanentApiError, TransientError
-from .render import LABEL_JOB_NAME
-from .spec import GROUP, PLURAL, VERSION
+from .names import (
+    GROUP,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    LABEL_JOB_NAME,
+    MANAGED_LABELS,
+    MANAGED_SELECTOR,
+    PLURAL,
+    VERSION,
+)
 from .status import Event, PodView
 
-MANAGED = {"app.kubernetes.io/managed-by": "megatron-operator"}
-MANAGED_SELECTOR = "app.kubernetes.io/managed-by=megatron-operator"
+MANAGED = MANAGED_LABELS
 
 
 @kopf.on.startup()
@@ -40,7 +48,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # explicit events below; kopf's own only for problems
     settings.posting.reporting_component = "megatron-operator"
     settings.scanning.disabled = True  # no CRD watching: no cluster-wide CRD read permission needed
-    settings.watching.label_selectors["jobset.x-k8s.io", "jobsets"] = MANAGED_SELECTOR
+    settings.watching.label_selectors[JOBSET_GROUP, JOBSET_PLURAL] = MANAGED_SELECTOR
     settings.watching.label_selectors["v1", "pods"] = MANAGED_SELECTOR
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -62,7 +70,7 @@ def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tu
                                 "status": dict(body.status)}}
 
 
-@kopf.index("jobset.x-k8s.io", "v1alpha2", "jobsets", labels=MANAGED)
+@kopf.index(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels=MANAGED)
 def jobsets_by_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
     return {(namespace, name): {"metadata": dict(body.metadata), "spec": {"suspend": body.spec.get("suspend")},
                                 "status": dict(body.status)}}
@@ -122,7 +130,7 @@ def job_event(type: str, namespace: str, name: str, memo: kopf.Memo, jobs_by_key
     _observe(memo, (namespace, name), jobs_by_key, jobsets_by_job, pods_by_job)
 
 
-@kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels=MANAGED, id="observe-jobset")
+@kopf.on.event(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels=MANAGED, id="observe-jobset")
 def jobset_event(namespace: str, name: str, memo: kopf.Memo, jobs_by_key: kopf.Index,
                  jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
     memo.indexed.set()

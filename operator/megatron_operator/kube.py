@@ -16,8 +16,17 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from .render import FIELD_MANAGER, JOBSET_API_VERSION
-from .spec import GROUP, KIND, PLURAL, VERSION
+from .names import (
+    FIELD_MANAGER,
+    GROUP,
+    JOBSET_API_VERSION,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    KIND,
+    PLURAL,
+    VERSION,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ class PermanentApiError(RuntimeError):
 _PLURALS = {"ServiceAccount": ("", "v1", "serviceaccounts"),
             "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
             "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-            "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets")}
+            "JobSet": (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)}
 
 
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
@@ -137,7 +146,7 @@ class Kube:
     def missing_apis(self) -> list[str]:
         """API groups the operator needs that the cluster does not serve (JobSet, MegatronJob)."""
         missing = []
-        for api_version, plural, what in ((JOBSET_API_VERSION, "jobsets", "the JobSet CRD (sigs.k8s.io/jobset)"),
+        for api_version, plural, what in ((JOBSET_API_VERSION, JOBSET_PLURAL, "the JobSet CRD (sigs.k8s.io/jobset)"),
                                           (f"{GROUP}/{VERSION}", PLURAL, "the MegatronJob CRD (crds/)")):
             try:
                 res = self._call("GET", f"/apis/{api_version}")

@@ -10,21 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from .names import (
+    API_VERSION,
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    GROUP,
+    JOBSET_API_VERSION,
+    JOBSET_GLOBAL_INDEX_LABEL,
+    JOBSET_RESTART_ATTEMPT_LABEL,
+    KIND,
+    KUEUE_QUEUE_LABEL,
+    LABEL_JOB_NAME,
+    LABEL_MANAGED_BY,
+    LABEL_TP_GROUP,
+    MANAGED_BY,
+    PLURAL,
+)
 from .rules import derived_layout, resolved_model
 from .settings import Settings
-from .spec import API_VERSION, GROUP, KIND, PLURAL, MegatronJob, MegatronJobSpec
+from .spec import MegatronJob, MegatronJobSpec
 
-JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 CONTAINER_NAME = "trainer"
-FIELD_MANAGER = "megatron-operator"
 
-LABEL_JOB_NAME = f"{GROUP}/job-name"
-LABEL_TP_GROUP = f"{GROUP}/tp-group"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-JOBSET_GLOBAL_INDEX_LABEL = "jobset.sigs.k8s.io/job-global-index"
-JOBSET_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
-GPU_RESOURCE = "nvidia.com/gpu"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
@@ -42,7 +49,7 @@ def labels_for(name: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "megatron-trainer",
         "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/managed-by": "megatron-operator",
+        LABEL_MANAGED_BY: MANAGED_BY,
         LABEL_JOB_NAME: name,
     }
 

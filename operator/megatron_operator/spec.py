@@ -22,16 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from .names import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401  (re-exported: the API's identity)
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
 
-GROUP = "megatron-operator.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "MegatronJob"
-PLURAL = "megatronjobs"
-
 # The longest MegatronJob name: the JobSet, its Jobs and pod hostnames are built from it
-# (``<name>-tp-<g>-<job index>-<pod index>`` must stay a 63-character DNS label).
+# (``<name>-<replicated job>-<job index>-<pod index>``, e.g. ``<name>-tp3-0-1``, must stay a
+# 63-character DNS label).
 MAX_NAME_LENGTH = 40
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .memory import FitReport
+from .names import JOBSET_RESTART_ATTEMPT_LABEL
 from .rules import Problem
 
 TERMINAL = ("Succeeded", "Failed")
@@ -45,7 +46,7 @@ class PodView:
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
         meta, status = pod.get("metadata", {}), pod.get("status", {}) or {}
-        attempt = (meta.get("labels") or {}).get("jobset.sigs.k8s.io/restart-attempt")
+        attempt = (meta.get("labels") or {}).get(JOBSET_RESTART_ATTEMPT_LABEL)
         conds = {c.get("type"): c for c in status.get("conditions") or []}
         sched = conds.get("PodScheduled", {})
         unsched = sched.get("message") if sched.get("status") == "False" and sched.get("reason") == "Unschedulable" else None

@@ -1,0 +1,36 @@
+"""The one home for API names: groups, versions, kinds, labels and the field manager (pure).
+
+Every module that talks about these objects imports the names from here, so that a version bump
+(JobSet v1alpha2 -> v1) or a renamed label is one edit.
+"""
+
+from __future__ import annotations
+
+# The MegatronJob API
+GROUP = "megatron-operator.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "MegatronJob"
+PLURAL = "megatronjobs"
+
+# JobSet (sigs.k8s.io/jobset), the child every MegatronJob runs as
+JOBSET_GROUP = "jobset.x-k8s.io"
+JOBSET_VERSION = "v1alpha2"
+JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
+JOBSET_PLURAL = "jobsets"
+JOBSET_GLOBAL_INDEX_LABEL = "jobset.sigs.k8s.io/job-global-index"
+JOBSET_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+
+# What the operator writes and selects on
+FIELD_MANAGER = "megatron-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "megatron-operator"
+MANAGED_LABELS = {LABEL_MANAGED_BY: MANAGED_BY}
+MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+LABEL_JOB_NAME = f"{GROUP}/job-name"
+LABEL_TP_GROUP = f"{GROUP}/tp-group"
+
+# Other controllers' names
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
