@@ -36,7 +36,11 @@ class TransientError(RuntimeError):
 
 
 class PermanentApiError(RuntimeError):
-    """A request the API server refuses for good (e.g. validation, forbidden)."""
+    """A request the API server refuses for good (e.g. validation, forbidden, not found)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 _PLURALS = {"ServiceAccount": ("", "v1", "serviceaccounts"),
@@ -75,7 +79,7 @@ def _raise(exc: ApiException, what: str) -> None:
         detail = json.loads(exc.body).get("message", exc.body)
     except (TypeError, ValueError, AttributeError):
         pass
-    raise PermanentApiError(f"{what}: HTTP {exc.status}: {detail}") from None
+    raise PermanentApiError(f"{what}: HTTP {exc.status}: {detail}", status=exc.status) from None
 
 
 class Kube:
@@ -140,7 +144,7 @@ class Kube:
             self._call("DELETE", _path("JobSet", namespace, name),
                        body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
         except PermanentApiError as exc:
-            if "HTTP 404" not in str(exc):
+            if exc.status != 404:  # already gone is what we wanted
                 raise
 
     def missing_apis(self) -> list[str]:
