@@ -15,9 +15,74 @@ from typing import Any
 from .memory import FitReport
 from .names import JOBSET_RESTART_ATTEMPT_LABEL
 from .rules import Problem
+from .spec import Condition, MegatronJobStatus
 
-TERMINAL = ("Succeeded", "Failed")
-CORE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+class Phase:
+    """``status.phase`` (a public API: kubectl columns, the Argo CD health check, alerts)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ConditionType:
+    """``status.conditions[].type``: one per phase but Pending, plus these."""
+
+    CREATED = "Created"
+    RUNNING = Phase.RUNNING
+    RESTARTING = Phase.RESTARTING
+    SUSPENDED = Phase.SUSPENDED
+    SUCCEEDED = Phase.SUCCEEDED
+    FAILED = Phase.FAILED
+    INVALID_SPEC = "InvalidSpec"
+    STALLED = "Stalled"
+    MEMORY_FIT = "MemoryFit"
+
+
+class Reason:
+    """``status.reason``, condition reasons and Event reasons (docs/troubleshooting.md lists them)."""
+
+    # phase reasons
+    INVALID_SPEC = "InvalidSpec"
+    CREATING = "Creating"
+    COMPLETED = "Completed"
+    RESTARTS_EXHAUSTED = "RestartsExhausted"
+    FAILED = "Failed"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    SUSPENDED = "Suspended"
+    QUEUED = "Queued"
+    GANG_RESTART = "GangRestart"
+    ALL_PODS_RUNNING = "AllPodsRunning"
+    UNSCHEDULABLE = "Unschedulable"
+    WAITING = "Waiting"
+    PODS_STARTING = "PodsStarting"
+    # condition reasons
+    JOBSET_CREATED = "JobSetCreated"
+    NOT_CREATED = "NotCreated"
+    NO_PROGRESS = "NoProgress"
+    PROGRESSING = "Progressing"
+    FITS = "Fits"
+    PREDICTED_OUT_OF_MEMORY = "PredictedOutOfMemory"
+    # event-only reasons
+    JOBSET_RECREATED = "JobSetRecreated"
+    STALLED = "Stalled"
+
+    @staticmethod
+    def not_(condition_type: str) -> str:
+        """The reason of a phase condition that is False (``NotRunning``, ...)."""
+        return f"Not{condition_type}"
+
+
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+# JobSet's own condition reason when its restarts ran out
+_JOBSET_MAX_RESTARTS = "ReachedMaxRestarts"
+# The status fields the operator owns (server-side apply): all of them but the trainer's progress.
+OPERATOR_FIELDS = tuple(f.alias or n for n, f in MegatronJobStatus.model_fields.items() if n != "progress")
+MAX_MESSAGE = 32000
 
 
 def iso(t: datetime) -> str:
@@ -123,111 +188,103 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
     """(phase, reason, message)."""
     prev_phase = o.previous.get("phase")
     if o.problems:
-        return "Failed", "InvalidSpec", "; ".join(p.message for p in o.problems)
-    if prev_phase in TERMINAL and (o.jobset is None or prev_phase == "Failed"):
+        return Phase.FAILED, Reason.INVALID_SPEC, "; ".join(p.message for p in o.problems)
+    if prev_phase in TERMINAL and (o.jobset is None or prev_phase == Phase.FAILED):
         # A finished job stays finished: its JobSet is never recreated (deleted by hand, by TTL,
         # or by the operator on a deadline).
         return prev_phase, o.previous.get("reason", ""), o.previous.get("message", "")
     js = o.jobset
     if js is None:
-        return "Pending", "Creating", "creating the JobSet"
+        return Phase.PENDING, Reason.CREATING, "creating the JobSet"
     if c := js.condition_true("Completed"):
-        return "Succeeded", "Completed", c.get("message") or "all pods finished"
+        return Phase.SUCCEEDED, Reason.COMPLETED, c.get("message") or "all pods finished"
     if c := js.condition_true("Failed"):
-        reason = "RestartsExhausted" if c.get("reason") == "ReachedMaxRestarts" else (c.get("reason") or "Failed")
-        return "Failed", reason, c.get("message") or "the JobSet failed"
+        reason = (Reason.RESTARTS_EXHAUSTED if c.get("reason") == _JOBSET_MAX_RESTARTS
+                  else (c.get("reason") or Reason.FAILED))
+        return Phase.FAILED, reason, c.get("message") or "the JobSet failed"
     if o.deadline_s is not None:
         # counted from the first start, or from the JobSet's creation if the job never ran
         start = parse_time(o.previous.get("startTime")) or parse_time(js.created)
         if start and (now - start).total_seconds() > o.deadline_s:
-            return "Failed", "DeadlineExceeded", f"the job ran longer than spec.activeDeadlineSeconds={o.deadline_s}"
+            return Phase.FAILED, Reason.DEADLINE_EXCEEDED, f"the job ran longer than spec.activeDeadlineSeconds={o.deadline_s}"
     if js.suspended:
         if o.suspend:
-            return "Suspended", "Suspended", "spec.suspend is true: pods are stopped, the checkpoint is kept"
+            return Phase.SUSPENDED, Reason.SUSPENDED, "spec.suspend is true: pods are stopped, the checkpoint is kept"
         if o.queue_name:
-            return "Pending", "Queued", f"waiting for Kueue to admit the job from queue {o.queue_name}"
-        return "Suspended", "Suspended", "the JobSet is suspended"
+            return Phase.PENDING, Reason.QUEUED, f"waiting for Kueue to admit the job from queue {o.queue_name}"
+        return Phase.SUSPENDED, Reason.SUSPENDED, "the JobSet is suspended"
     if js.restarts > int(o.previous.get("restarts") or 0) and o.previous.get("phase"):
         # A gang restart since the last observation is reported as Restarting at least once, even when
         # the new pods are already running by now: the phase history and the event show every restart.
-        return "Restarting", "GangRestart", (f"restart {js.restarts}: the whole gang is restarted and resumes "
+        return Phase.RESTARTING, Reason.GANG_RESTART, (f"restart {js.restarts}: the whole gang is restarted and resumes "
                                              f"from the last checkpoint")
     current = [p for p in o.pods if not p.terminating and (p.restart_attempt is None or
                                                            p.restart_attempt == js.restarts)]
-    running = [p for p in current if p.phase == "Running" or p.phase == "Succeeded"]
+    running = [p for p in current if p.phase in ("Running", "Succeeded")]
     if len(running) >= o.num_nodes:
-        return "Running", "AllPodsRunning", f"{o.num_nodes} pods running"
+        return Phase.RUNNING, Reason.ALL_PODS_RUNNING, f"{o.num_nodes} pods running"
     unsched = next((p for p in current if p.unschedulable), None)
     waiting = next((p for p in current if p.waiting_reason), None)
     if js.restarts > 0:
         detail = f"; {unsched.unschedulable}" if unsched else ""
-        return "Restarting", "GangRestart", (f"restart {js.restarts}: {len(running)}/{o.num_nodes} pods running, "
+        return Phase.RESTARTING, Reason.GANG_RESTART, (f"restart {js.restarts}: {len(running)}/{o.num_nodes} pods running, "
                                              f"resuming from the last checkpoint{detail}")
     if unsched:
-        return "Pending", "Unschedulable", f"pod {unsched.name}: {unsched.unschedulable}"
+        return Phase.PENDING, Reason.UNSCHEDULABLE, f"pod {unsched.name}: {unsched.unschedulable}"
     if waiting:
-        return "Pending", waiting.waiting_reason or "Waiting", f"pod {waiting.name}: {waiting.waiting_message or ''}".strip()
-    return "Pending", "PodsStarting", f"{len(running)}/{o.num_nodes} pods running"
+        return Phase.PENDING, waiting.waiting_reason or Reason.WAITING, f"pod {waiting.name}: {waiting.waiting_message or ''}".strip()
+    return Phase.PENDING, Reason.PODS_STARTING, f"{len(running)}/{o.num_nodes} pods running"
 
 
-def _condition(prev: dict[str, dict[str, Any]], kind: str, status: bool | str, reason: str, message: str,
-               now: datetime, generation: int) -> dict[str, Any]:
-    value = status if isinstance(status, str) else ("True" if status else "False")
-    old = prev.get(kind)
-    # lastTransitionTime only moves when the status flips
-    ltt = old["lastTransitionTime"] if old and old.get("status") == value else iso(now)
-    return {"type": kind, "status": value, "reason": reason, "message": message[:32000],
-            "lastTransitionTime": ltt, "observedGeneration": generation}
+class _Conditions:
+    """The conditions of one derivation; ``lastTransitionTime`` moves only when a status flips."""
+
+    def __init__(self, previous: dict[str, Any], now: datetime, generation: int):
+        self.previous = {c["type"]: c for c in previous.get("conditions") or []}
+        self.now, self.generation = now, generation
+        self.items: list[Condition] = []
+
+    def was_true(self, kind: str) -> bool:
+        return (self.previous.get(kind) or {}).get("status") == "True"
+
+    def set(self, kind: str, status: bool, reason: str, message: str = "") -> None:
+        value = "True" if status else "False"
+        old = self.previous.get(kind)
+        changed_at = old["lastTransitionTime"] if old and old.get("status") == value else iso(self.now)
+        self.items.append(Condition(type=kind, status=value, reason=reason, message=message[:MAX_MESSAGE],
+                                    last_transition_time=changed_at, observed_generation=self.generation))
 
 
 def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
-    """The operator-owned status fields and the events for this observation."""
+    """The operator-owned status fields (wire form, built through ``MegatronJobStatus``) and the events
+    for this observation."""
     now = now or datetime.now(UTC)
     prev = o.previous
-    prev_conds = {c["type"]: c for c in prev.get("conditions") or []}
+    conditions = _Conditions(prev, now, o.generation)
     phase, reason, message = _phase(o, now)
+    message = message[:MAX_MESSAGE]
     events: list[Event] = []
     if phase != prev.get("phase") or reason != prev.get("reason"):
-        warn = phase == "Failed" or reason in ("Unschedulable", "GangRestart") or phase == "Restarting"
-        events.append(Event("Warning" if warn else "Normal", reason if phase != "Running" else "Running",
+        warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART)
+        events.append(Event("Warning" if warn else "Normal", reason if phase != Phase.RUNNING else Phase.RUNNING,
                             f"{phase}: {message}"))
 
     lay = o.layout
-    status: dict[str, Any] = {
-        "phase": phase,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": o.generation,
-        "worldSize": o.world_size,
-        "parallelism": {k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")},
-        "layout": f"{lay['tensor']}/{lay['pipeline']}/{lay['data']}",
-        "restarts": o.jobset.restarts if o.jobset else int(prev.get("restarts") or 0),
-    }
-    if o.jobset is not None:
-        status["jobSetName"] = o.jobset.name
-    elif prev.get("jobSetName"):
-        status["jobSetName"] = prev["jobSetName"]
-
+    jobset_name = o.jobset.name if o.jobset is not None else prev.get("jobSetName")
     # start / completion times: set once
     start = prev.get("startTime")
-    if not start and phase in ("Running", "Restarting", "Succeeded"):
+    if not start and phase in (Phase.RUNNING, Phase.RESTARTING, Phase.SUCCEEDED):
         start = iso(now)
-    if start:
-        status["startTime"] = start
-    completion = prev.get("completionTime")
-    if phase in TERMINAL:
-        status["completionTime"] = completion or iso(now)
+    completion = (prev.get("completionTime") or iso(now)) if phase in TERMINAL else None
 
-    conds: list[dict[str, Any]] = []
-    c = lambda *a: conds.append(_condition(prev_conds, *a, now=now, generation=o.generation))  # noqa: E731
     if o.problems:
-        c("InvalidSpec", True, "InvalidSpec", message)
-    c("Created", o.jobset is not None or bool(prev.get("jobSetName")),
-      "JobSetCreated" if (o.jobset or prev.get("jobSetName")) else "NotCreated",
-      f"JobSet {o.jobset.name if o.jobset else prev.get('jobSetName') or ''}".strip())
-    for kind in ("Running", "Restarting", "Suspended", "Succeeded", "Failed"):
+        conditions.set(ConditionType.INVALID_SPEC, True, Reason.INVALID_SPEC, message)
+    conditions.set(ConditionType.CREATED, bool(jobset_name),
+                   Reason.JOBSET_CREATED if jobset_name else Reason.NOT_CREATED, f"JobSet {jobset_name or ''}".strip())
+    for kind in (ConditionType.RUNNING, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED,
+                 ConditionType.FAILED):
         on = phase == kind
-        c(kind, on, reason if on else f"Not{kind}", message if on else "")
+        conditions.set(kind, on, reason if on else Reason.not_(kind), message if on else "")
 
     # Stalled: Running, but the trainer's reported iteration has not moved for stall_timeout_s
     progress = prev.get("progress") or {}
@@ -235,39 +292,43 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     last_it, last_t = prev.get("lastProgressIteration"), prev.get("lastProgressTime")
     if it is not None and it != last_it:
         last_it, last_t = it, iso(now)
-    if phase == "Running":
+    if phase == Phase.RUNNING:
         since = parse_time(last_t) or parse_time(start) or now
         idle = (now - since).total_seconds()
         if idle > o.stall_timeout_s:
             msg = (f"no new iteration for {int(idle)} s (last reported: {last_it if last_it is not None else 'none'}); "
                    f"check the trainer logs for a hang (NCCL timeout, data loader, storage)")
-            c("Stalled", True, "NoProgress", msg)
-            if not prev_conds.get("Stalled") or prev_conds["Stalled"].get("status") != "True":
-                events.append(Event("Warning", "Stalled", msg))
+            conditions.set(ConditionType.STALLED, True, Reason.NO_PROGRESS, msg)
+            if not conditions.was_true(ConditionType.STALLED):
+                events.append(Event("Warning", Reason.STALLED, msg))
         else:
-            c("Stalled", False, "Progressing", f"iteration {last_it}" if last_it is not None else "waiting for the "
-              "first progress report")
-    if last_it is not None:
-        status["lastProgressIteration"] = last_it
-        status["lastProgressTime"] = last_t
+            conditions.set(ConditionType.STALLED, False, Reason.PROGRESSING,
+                           f"iteration {last_it}" if last_it is not None else "waiting for the first progress report")
 
+    memory = None
     if o.fit is not None:
         est = o.fit
-        status["memory"] = {"perGpuGiB": round(est.per_gpu_gib, 2), **(
+        memory = {"perGpuGiB": round(est.per_gpu_gib, 2), **(
             {"capacityGiB": est.capacity_gib, "fits": est.fits} if est.capacity_gib is not None else {})}
         if est.capacity_gib is not None:
-            c("MemoryFit", bool(est.fits), "Fits" if est.fits else "PredictedOutOfMemory", est.summary())
-            if not est.fits and "MemoryFit" not in prev_conds:
-                events.append(Event("Warning", "PredictedOutOfMemory", est.summary()))
-    status["conditions"] = conds
-    return status, events
+            conditions.set(ConditionType.MEMORY_FIT, bool(est.fits),
+                           Reason.FITS if est.fits else Reason.PREDICTED_OUT_OF_MEMORY, est.summary())
+            if not est.fits and ConditionType.MEMORY_FIT not in conditions.previous:
+                events.append(Event("Warning", Reason.PREDICTED_OUT_OF_MEMORY, est.summary()))
 
-
-OWNED_FIELDS = ("phase", "reason", "message", "observedGeneration", "worldSize", "parallelism", "layout", "restarts",
-                "jobSetName", "startTime", "completionTime", "conditions", "lastProgressIteration",
-                "lastProgressTime", "memory")
+    optional = dict(job_set_name=jobset_name, start_time=start, completion_time=completion, memory=memory,
+                    last_progress_iteration=last_it, last_progress_time=last_t if last_it is not None else None)
+    status = MegatronJobStatus(
+        **{k: v for k, v in optional.items() if v not in (None, "")},
+        phase=phase, reason=reason, message=message, observed_generation=o.generation, world_size=o.world_size,
+        parallelism={k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")},
+        layout=f"{lay['tensor']}/{lay['pipeline']}/{lay['data']}",
+        restarts=o.jobset.restarts if o.jobset else int(prev.get("restarts") or 0),
+        conditions=conditions.items,
+    )
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json"), events
 
 
 def changed(previous: dict[str, Any], desired: dict[str, Any]) -> bool:
     """True when an operator-owned field differs (so status is written once per change)."""
-    return any(previous.get(k) != desired.get(k) for k in OWNED_FIELDS)
+    return any(previous.get(k) != desired.get(k) for k in OPERATOR_FIELDS)
