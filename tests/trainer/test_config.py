@@ -123,6 +123,10 @@ def test_runtime_from_env():
     assert (rt.metrics_port, rt.checkpoint_keep, rt.data_cache_shared) == (9500, 2, True)
     defaults = runtime_from_env({})
     assert (defaults.progress_interval_s, defaults.metrics_port, defaults.checkpoint_keep) == (30.0, 9400, 0)
+    assert (defaults.shutdown_grace_s, defaults.foreach_ops, defaults.profile) == (30.0, True, None)
+    knobs = runtime_from_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90", "MEGATRON_TRAINER_FOREACH_OPS": "0",
+                              "MEGATRON_TRAINER_PROFILE": "5:6:/tmp/p"})
+    assert (knobs.shutdown_grace_s, knobs.foreach_ops, knobs.profile) == (90.0, False, "5:6:/tmp/p")
     with pytest.raises(ValueError, match="MEGATRON_CHECKPOINT_KEEP"):
         runtime_from_env({"MEGATRON_CHECKPOINT_KEEP": "two"})
 

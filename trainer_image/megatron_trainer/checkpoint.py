@@ -23,7 +23,7 @@ import torch
 
 from . import ckpt_layout
 from .config import TrainerConfig
-from .distributed import DistEnv, ignore_sigterm
+from .distributed import DistEnv, any_rank, ignore_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +341,36 @@ class Checkpointer:
         log.info("checkpoint: iteration %d published (%.2f s after the save started)", iteration, total)
         if self.on_published:
             self.on_published(iteration, total)
+
+    def maybe_save(self, iteration: int, consumed_samples: int) -> SaveRecord | None:
+        """The periodic save, every --save-interval iterations (async where enabled); None if not due."""
+        interval = self.cfg.checkpoint.save_interval
+        if self.save_dir is None or not interval or iteration % interval:
+            return None
+        return self.save(iteration, consumed_samples)
+
+    def save_final(self, iteration: int, consumed_samples: int, signal_age_s: float | None = None,
+                   grace_s: float = 30.0) -> None:
+        """The last save of this process, then every save finished.
+
+        When training ends or stops on its own, `iteration` is saved unless it already is. After a
+        signal (`signal_age_s` seconds ago) a new save is made only if it can end within the
+        launcher's `grace_s` before SIGKILL (all ranks decide together); otherwise the newest
+        complete checkpoint stays the resume point.
+        """
+        self.finalize(blocking=True)
+        if self.save_dir is None or self.stats.last_published == iteration:
+            return
+        if signal_age_s is not None:
+            durations = [s["total_s"] for s in self.stats.saves if s.get("total_s")]
+            last = durations[-1] if durations else None
+            if any_rank(not ckpt_layout.final_save_fits(signal_age_s, last, grace_s), self.env):
+                if self.env.is_rank0:
+                    log.warning("no time for a new checkpoint before SIGKILL (%.0f s grace, last save took %s s): "
+                                "resume point stays iteration %s", grace_s, last if last is not None else "?",
+                                self.stats.last_published)
+                return
+        self.save(iteration, consumed_samples, blocking=True)
 
     def finalize(self, blocking: bool = False) -> None:
         """Collective: finish async saves whose writers are done on every rank (all of them if blocking)."""

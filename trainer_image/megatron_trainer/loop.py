@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -60,6 +62,12 @@ class Trainer:
 
         self.cfg, self.runtime = cfg, runtime
         t, m = cfg.training, cfg.model
+        # set up below; here so that close() works whatever stage set-up reached
+        self.forward_backward = None
+        self.data_iterators: list = []
+        self.progress: ProgressWriter | None = None
+        self.stop_signal: StopSignal | None = None
+        self.mem_after_first_step = 0
         self.started_age_s = process_age_s() or 0.0
         self.t_start = time.monotonic() - self.started_age_s
 
@@ -93,9 +101,7 @@ class Trainer:
         from .compat import patch_fully_reshardable_load_with_torch_adam, patch_multi_tensor_fallbacks
 
         patch_fully_reshardable_load_with_torch_adam(self.optimizer)
-        # Diagnostics knob for A/B benchmarks: MEGATRON_TRAINER_FOREACH_OPS=0 keeps Megatron's fallbacks.
-        self.patched_ops = [] if os.environ.get("MEGATRON_TRAINER_FOREACH_OPS", "1") == "0" \
-            else patch_multi_tensor_fallbacks()
+        self.patched_ops = patch_multi_tensor_fallbacks() if runtime.foreach_ops else []
         gbs = layout.global_batch_size
         decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
         wsd_iters = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
@@ -134,7 +140,6 @@ class Trainer:
         from megatron.core import parallel_state
 
         t, m = cfg.training, cfg.model
-        self.data_iterators = []
         self.checkpointer.start_workers()
         self.loaded = self.checkpointer.load()
         if self.loaded is not None:
@@ -164,7 +169,6 @@ class Trainer:
         self.metrics = Metrics(runtime.metrics_port, serve)
         self.metrics.set("train_iters", t.train_iters)
         self.metrics.set("restarts", runtime.restart_attempt)
-        self.progress = None
         if self.env.is_rank0 and runtime.job_name and runtime.job_namespace and runtime.progress_interval_s > 0:
             self.progress = ProgressWriter.in_cluster(runtime.job_name, runtime.job_namespace)
         self.progress_cadence = Cadence(runtime.progress_interval_s)
@@ -174,8 +178,7 @@ class Trainer:
             self.stop_signal.install()
         self.last_log = {"loss": None, "tokens_per_second": None, "tflops_per_gpu": None, "mfu": None}
         self.first_iteration_age_s: float | None = None
-        self.profiler = IterationProfiler.from_env(os.environ.get("MEGATRON_TRAINER_PROFILE"), self.env.rank,
-                                                   {0, self.env.world_size - 1})
+        self.profiler = IterationProfiler.from_spec(runtime.profile, self.env.rank, {0, self.env.world_size - 1})
         self._log_startup()
 
     # ------------------------------------------------------------------------------------------
@@ -200,10 +203,6 @@ class Trainer:
         return self.state.iteration % self.cfg.training.log_interval == 0 or \
             self.state.iteration == self.cfg.training.train_iters
 
-    def should_save(self) -> bool:
-        c = self.cfg.checkpoint
-        return bool(c.save and c.save_interval and self.state.iteration % c.save_interval == 0)
-
     def should_stop(self) -> str | None:
         """Why every rank stops now (None: keep going). One gloo all-reduce, so all ranks agree."""
         t = self.cfg.training
@@ -215,29 +214,6 @@ class Trainer:
         if t.exit_interval and self.state.iteration % t.exit_interval == 0:
             return "exit-interval"
         return None
-
-    def _final_save_fits(self, stop_reason: str) -> bool:
-        """After a SIGTERM: finish any save in flight, then save again only if it can end before
-        torchrun's SIGKILL (all ranks decide together). Otherwise the last complete checkpoint is
-        the resume point."""
-        if stop_reason != "signal":
-            return True
-        from .ckpt_layout import final_save_fits
-
-        self.checkpointer.finalize(blocking=True)
-        if self.checkpointer.stats.last_published == self.state.iteration:
-            return False  # this very iteration is already checkpointed
-        grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or 30)
-        since = time.monotonic() - (self.stop_signal.received_at or time.monotonic())
-        durations = [s.get("total_s") for s in self.checkpointer.stats.saves if s.get("total_s")]
-        fits = final_save_fits(since, durations[-1] if durations else None, grace_s)
-        if any_rank(not fits, self.env):
-            if self.env.is_rank0:
-                log.warning("no time for a new checkpoint before SIGKILL (%.0f s grace, last save took %s s): "
-                            "resume point stays iteration %s", grace_s, durations[-1] if durations else "?",
-                            self.checkpointer.stats.last_published)
-            return False
-        return True
 
     # ------------------------------------------------------------------------------- the step
     def _forward_step(self, data_iterator, model):
@@ -291,57 +267,51 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- the loop
     def train(self) -> str:
-        """Train to --train-iters (or until a stop); returns why it stopped."""
-        t = self.cfg.training
-        pending_losses: list[tuple[int, torch.Tensor]] = []
-        log_window_start = time.monotonic()
-        window_iters = 0
-        last_grad_norm = None
-        stop_reason = "done"
-        while self.state.iteration < t.train_iters:
-            t0 = time.monotonic()
-            self.profiler.before(self.state.iteration + 1)
-            loss, grad_norm, ok = self.train_step()
-            self.profiler.after(self.state.iteration + 1)
-            self.state.iteration += 1
-            self.state.consumed_samples += self.env.layout.global_batch_size
-            self.state.skipped_iterations += 0 if ok else 1
-            last_grad_norm = grad_norm
-            if loss is not None:
-                pending_losses.append((self.state.iteration, loss))
-            self.checkpointer.finalize(blocking=False)
-            self.state.iteration_times_s.append(time.monotonic() - t0)
-            window_iters += 1
-            if self.first_iteration_age_s is None:
-                self.checkpointer.warm_writer_memory()
-                torch.cuda.synchronize()
-                self.first_iteration_age_s = time.monotonic() - self.t_start
-                self.mem_after_first_step = torch.cuda.memory_allocated()
-                if self.env.is_rank0:
-                    log.info("startup: process start -> first %siteration done: %.1f s",
-                             "resumed " if self.loaded else "", self.first_iteration_age_s)
-            if self.should_log():
-                elapsed = time.monotonic() - log_window_start
-                self.log_iterations(pending_losses, elapsed / window_iters, last_grad_norm)
-                pending_losses.clear()
-                log_window_start, window_iters = time.monotonic(), 0
-            stop_reason = self.should_stop() or stop_reason
-            if stop_reason != "done":
-                if self.env.is_rank0:
-                    log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
-                if self.cfg.checkpoint.save and self._final_save_fits(stop_reason):
-                    self.checkpointer.save(self.state.iteration, self.state.consumed_samples, blocking=True)
-                break
-            if self.should_save():
-                blocked = self.checkpointer.save(self.state.iteration, self.state.consumed_samples).blocked_s
-                self.metrics.set("checkpoint_save_blocked_seconds", blocked)
-        else:
-            if self.cfg.checkpoint.save and self.checkpointer.stats.last_published != self.state.iteration and \
-                    (self.checkpointer.in_flight is None or self.checkpointer.in_flight.iteration != self.state.iteration):
-                self.checkpointer.save(self.state.iteration, self.state.consumed_samples, blocking=True)
-        self.checkpointer.finalize(blocking=True)
+        """Train to --train-iters or until a stop (step -> log -> save -> stop); returns why it stopped."""
+        window = _LogWindow()
+        stop_reason = None
+        with self.profiler.session(self.state.iteration) as profiler:
+            while self.state.iteration < self.cfg.training.train_iters:
+                t0 = time.monotonic()
+                loss, grad_norm, ok = self.train_step()
+                self._advance(loss, ok, window)
+                self.state.iteration_times_s.append(time.monotonic() - t0)
+                profiler.step(self.state.iteration)
+                if self.first_iteration_age_s is None:
+                    self._after_first_iteration()
+                if self.should_log():
+                    self.log_iterations(window.losses, window.seconds_per_iteration(), grad_norm)
+                    window.reset()
+                if saved := self.checkpointer.maybe_save(self.state.iteration, self.state.consumed_samples):
+                    self.metrics.set("checkpoint_save_blocked_seconds", saved.blocked_s)
+                if stop_reason := self.should_stop():
+                    if self.env.is_rank0:
+                        log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
+                    break
+        signal_at = self.stop_signal.received_at if stop_reason == "signal" else None
+        self.checkpointer.save_final(
+            self.state.iteration, self.state.consumed_samples,
+            signal_age_s=None if signal_at is None else time.monotonic() - signal_at,
+            grace_s=self.runtime.shutdown_grace_s)
         self._write_progress(force=True)
-        return stop_reason
+        return stop_reason or "done"
+
+    def _advance(self, loss: torch.Tensor | None, update_ok: bool, window: _LogWindow) -> None:
+        """Count the step just taken; let async saves whose writers are done publish."""
+        self.state.iteration += 1
+        self.state.consumed_samples += self.env.layout.global_batch_size
+        self.state.skipped_iterations += 0 if update_ok else 1
+        window.add(self.state.iteration, loss)
+        self.checkpointer.finalize(blocking=False)
+
+    def _after_first_iteration(self) -> None:
+        self.checkpointer.warm_writer_memory()
+        torch.cuda.synchronize()
+        self.first_iteration_age_s = time.monotonic() - self.t_start
+        self.mem_after_first_step = torch.cuda.memory_allocated()
+        if self.env.is_rank0:
+            log.info("startup: process start -> first %siteration done: %.1f s",
+                     "resumed " if self.loaded else "", self.first_iteration_age_s)
 
     # ------------------------------------------------------------------------- observability
     def log_iterations(self, pending: list[tuple[int, torch.Tensor]], seconds_per_iteration: float,
@@ -403,7 +373,7 @@ class Trainer:
                "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
                "after_model_gib": self.mem_after_model / GIB,
                "after_optimizer_init_gib": self.mem_after_optimizer / GIB,
-               "after_first_step_gib": getattr(self, "mem_after_first_step", 0) / GIB,
+               "after_first_step_gib": self.mem_after_first_step / GIB,
                "params_on_rank": self.num_params_rank}
         gathered = [None] * self.env.world_size
         torch.distributed.all_gather_object(gathered, mem, group=self.env.cpu_group)
@@ -426,7 +396,7 @@ class Trainer:
     def release_cuda_graph(self) -> None:
         """Destroy the captured graph before the process groups. With the graph alive (it holds the
         NCCL kernels it captured), `destroy_process_group` hung at exit on 2 x H200 (torch 2.11)."""
-        reset = getattr(getattr(self, "forward_backward", None), "reset_cuda_graph", None)
+        reset = getattr(self.forward_backward, "reset_cuda_graph", None)
         if reset is not None:
             torch.cuda.synchronize()
             reset()
@@ -439,22 +409,43 @@ class Trainer:
             if not abort:
                 raise
             log.warning("could not release the CUDA graph: %s", e)
-        for it in getattr(self, "data_iterators", None) or []:
+        for it in self.data_iterators:
             if it is not None:
                 it.close()
         self.checkpointer.close(abort=abort)
-        if getattr(self, "progress", None) is not None:
+        if self.progress is not None:
             self.progress.close()
-        if getattr(self, "stop_signal", None) is not None:
+        if self.stop_signal is not None:
             self.stop_signal.restore()
+
+
+@dataclass
+class _LogWindow:
+    """The iterations since the last log line: their losses (still on the GPU) and wall time."""
+
+    losses: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    iterations: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, iteration: int, loss: torch.Tensor | None) -> None:
+        self.iterations += 1
+        if loss is not None:
+            self.losses.append((iteration, loss))
+
+    def seconds_per_iteration(self) -> float:
+        return (time.monotonic() - self.started) / max(1, self.iterations)
+
+    def reset(self) -> None:
+        self.losses, self.iterations, self.started = [], 0, time.monotonic()
 
 
 class IterationProfiler:
     """torch.profiler over iterations FIRST..LAST on chosen ranks (MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR).
 
-    Writes DIR/rank<r>.json.gz (a Chrome/Perfetto trace) and DIR/rank<r>.txt (operators by CUDA
-    time). A diagnostics knob for benchmarks, off by default; a malformed value is ignored with a
-    warning, never fatal.
+    Like torch.profiler's own schedule, an iteration spans from one `step()` to the next (the step,
+    then its logging and saving). Writes DIR/rank<r>.json.gz (a Chrome/Perfetto trace) and
+    DIR/rank<r>.txt (operators by CUDA time). A diagnostics knob for benchmarks, off by default; a
+    malformed value is ignored with a warning, never fatal.
     """
 
     def __init__(self, first: int = 0, last: int = -1, directory: str = "", rank: int = 0):
@@ -462,7 +453,7 @@ class IterationProfiler:
         self.prof = None
 
     @classmethod
-    def from_env(cls, value: str | None, rank: int, ranks: set[int]) -> IterationProfiler:
+    def from_spec(cls, value: str | None, rank: int, ranks: set[int]) -> IterationProfiler:
         if not value or rank not in ranks:
             return cls()
         try:
@@ -474,17 +465,29 @@ class IterationProfiler:
             return cls()
         return cls(int(first), int(last), directory, rank)
 
-    def before(self, iteration: int) -> None:
-        if iteration == self.first:
+    @contextmanager
+    def session(self, iteration: int) -> Iterator[IterationProfiler]:
+        """Profile while the loop runs from `iteration` on; a trace still open at the end is dropped."""
+        self.step(iteration)
+        try:
+            yield self
+        finally:
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+                self.prof = None
+
+    def step(self, done: int) -> None:
+        """Iteration `done` finished: export after LAST, start before FIRST."""
+        if self.prof is not None and done >= self.last:
+            self._stop_and_export()
+        if self.prof is None and done + 1 == self.first:
             from torch.profiler import ProfilerActivity, profile
 
             torch.cuda.synchronize()
             self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
 
-    def after(self, iteration: int) -> None:
-        if self.prof is None or iteration != self.last:
-            return
+    def _stop_and_export(self) -> None:
         torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
         os.makedirs(self.directory, exist_ok=True)
