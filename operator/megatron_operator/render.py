@@ -188,7 +188,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("save-interval", spec.checkpoint.interval)
         flag("ckpt-format", "torch_dist")
         if spec.checkpoint.async_:
-            # Megatron-LM silently drops --async-save without the persistent worker (ARGS:1740-1746).
+            # Megatron-LM silently drops --async-save without the persistent worker (arguments.validate_args).
             flag("async-save")
             flag("use-persistent-ckpt-worker")
         flag("exit-signal-handler")
@@ -254,7 +254,7 @@ def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[d
         {"name": "HOME", "value": "/tmp"},
     ]
     if layout["tensor"] > 1 or layout["context"] > 1:
-        # Megatron-LM asserts this with TP or CP > 1 on Hopper and earlier (ARGS:1413-1439): it keeps
+        # Megatron-LM asserts this with TP or CP > 1 on Hopper and earlier (arguments.validate_args): it keeps
         # the communication kernels ordered before the compute they overlap with.
         env.append({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"})
     if spec.resources.efa_per_node > 0:

@@ -200,126 +200,122 @@ class Problem:
         return {"field": self.field, "message": self.message, "rule": self.rule}
 
 
-def _msg(*parts: Any) -> Expr:
-    return fmt(*parts)
-
-
 SPEC_RULES: list[Rule] = [
     Rule("model-complete", "model",
          model_complete,
-         _msg("spec.model: missing", cond(layers > 0, "", " numLayers"), cond(hidden > 0, "", " hiddenSize"),
+         fmt("spec.model: missing", cond(layers > 0, "", " numLayers"), cond(hidden > 0, "", " hiddenSize"),
               cond(heads > 0, "", " numAttentionHeads"), cond(seq > 0, "", " seqLength"),
               cond(vocab > 0, "", " vocabSize"),
               "; set them, or choose spec.model.preset (e.g. gpt-7.5b or llama3-8b)")),
-    # parallel_state.py:812-826; ARGS:429-431
+    # parallel_state.initialize_model_parallel; arguments.validate_args
     Rule("world-divisible", "numNodes",
          layout_ok,
-         _msg("spec.numNodes x spec.gpusPerNode: ", world.str(), " GPUs are not divisible by tensor x pipeline x "
+         fmt("spec.numNodes x spec.gpusPerNode: ", world.str(), " GPUs are not divisible by tensor x pipeline x "
               "context = ", tp.str(), " x ", pp.str(), " x ", cp.str(), " = ", model_parallel.str(),
               "; use a multiple of ", model_parallel.str(), " GPUs", multiple_hint(world, model_parallel),
               ", or smaller parallel sizes")),
-    # parallel_state.py:872-884 (expert grid; "MoE parallel folding")
+    # parallel_state.initialize_model_parallel (expert grid; "MoE parallel folding")
     # (for a dense model this is implied by world-divisible, so it is only checked with experts)
     Rule("expert-grid", "parallelism.expert",
          (world % (etp * ep * pp)).eq(0), when=(ep > 1) | has("parallelism.expertTensor"),
-         message=_msg("spec.parallelism.expert: expert x expertTensor x pipeline = ", ep.str(), " x ", etp.str(), " x ",
+         message=fmt("spec.parallelism.expert: expert x expertTensor x pipeline = ", ep.str(), " x ", etp.str(), " x ",
               pp.str(), " = ", (etp * ep * pp).str(), " does not divide the ", world.str(),
               " GPUs; choose expert and expertTensor so that their product divides GPUs / pipeline = ",
               (world // pp).str())),
     # ours: a tensor-parallel group must fit on one host (TP groups are consecutive ranks)
     Rule("tensor-placement", "parallelism.tensor",
          (gpn % tp).eq(0) | (tp % gpn).eq(0),
-         _msg("spec.parallelism.tensor: ", tp.str(), " must divide spec.gpusPerNode ", gpn.str(),
+         fmt("spec.parallelism.tensor: ", tp.str(), " must divide spec.gpusPerNode ", gpn.str(),
               " or be a multiple of it, so that each tensor-parallel group sits on whole nodes; use a tensor "
               "size such as ", cond((gpn % 2).eq(0), (gpn // 2).str(), gpn.str()), " or ", gpn.str())),
-    # transformer_config.py:1323
+    # TransformerConfig.__post_init__
     Rule("heads-divisible-by-tensor", "model.numAttentionHeads",
          (heads % tp).eq(0), when=model_complete,
-         message=_msg("spec.model.numAttentionHeads: ", heads.str(), " heads are not divisible by "
+         message=fmt("spec.model.numAttentionHeads: ", heads.str(), " heads are not divisible by "
                       "spec.parallelism.tensor ", tp.str(), "; use a tensor size that divides ", heads.str())),
-    # ARGS:1292 (kv_channels = hidden / heads)
+    # arguments.validate_args (kv_channels = hidden / heads)
     Rule("hidden-divisible-by-heads", "model.hiddenSize",
          (hidden % heads).eq(0), when=model_complete,
-         message=_msg("spec.model.hiddenSize: ", hidden.str(), " is not divisible by numAttentionHeads ",
+         message=fmt("spec.model.hiddenSize: ", hidden.str(), " is not divisible by numAttentionHeads ",
                       heads.str(), "; use a multiple of ", heads.str(), multiple_hint(hidden, heads))),
     # attention.py (heads per query group)
     Rule("heads-divisible-by-groups", "model.numQueryGroups",
          (heads % groups).eq(0), when=model_complete,
-         message=_msg("spec.model.numQueryGroups: ", groups.str(), " does not divide numAttentionHeads ",
+         message=fmt("spec.model.numQueryGroups: ", groups.str(), " does not divide numAttentionHeads ",
                       heads.str(), "; use a divisor of ", heads.str())),
-    # transformer_config.py:1338-1345
+    # TransformerConfig.__post_init__
     Rule("groups-vs-tensor", "model.numQueryGroups",
          (groups % tp).eq(0) | (tp % groups).eq(0), when=model_complete,
-         message=_msg("spec.model.numQueryGroups: ", groups.str(), " query groups must be a multiple or a "
+         message=fmt("spec.model.numQueryGroups: ", groups.str(), " query groups must be a multiple or a "
                       "divisor of spec.parallelism.tensor ", tp.str(), "; change one of them")),
-    # transformer_block.py:150-152; ARGS:963-964
+    # transformer_block.get_num_layers_to_build; arguments.validate_args
     Rule("layers-divisible-by-pipeline", "model.numLayers",
          (layers % pp).eq(0), when=model_complete,
-         message=_msg("spec.model.numLayers: ", layers.str(), " layers do not split evenly over "
+         message=fmt("spec.model.numLayers: ", layers.str(), " layers do not split evenly over "
                       "spec.parallelism.pipeline ", pp.str(), " stages; use a pipeline size that divides ",
                       layers.str(), ", or a multiple of ", pp.str(), " layers", multiple_hint(layers, pp))),
-    # parallel_state.py:828-831; ARGS:966-975 (overlap-p2p on, Megatron-LM's default)
+    # parallel_state.initialize_model_parallel; arguments.validate_args (overlap-p2p on, Megatron-LM's default)
     Rule("virtual-needs-pipeline", "parallelism.virtualPipeline",
          pp > 1, when=has("parallelism.virtualPipeline"),
-         message=_msg("spec.parallelism.virtualPipeline: the interleaved schedule needs "
+         message=fmt("spec.parallelism.virtualPipeline: the interleaved schedule needs "
                       "spec.parallelism.pipeline > 1 (it is ", pp.str(), "); omit virtualPipeline or raise "
                       "pipeline")),
-    # transformer_block.py:170-172; ARGS:938-939
+    # transformer_block.get_num_layers_to_build; arguments.validate_args
     Rule("layers-divisible-by-virtual", "parallelism.virtualPipeline",
          ((layers // pp) % f("parallelism.virtualPipeline")).eq(0),
          when=has("parallelism.virtualPipeline") & model_complete & (pp > 1) & (layers % pp).eq(0),
-         message=_msg("spec.parallelism.virtualPipeline: ", layers.str(), " layers / ", pp.str(),
+         message=fmt("spec.parallelism.virtualPipeline: ", layers.str(), " layers / ", pp.str(),
                       " pipeline stages = ", (layers // pp).str(), " layers per stage are not divisible by ",
                       f("parallelism.virtualPipeline").str(), " virtual stages; use a divisor of ",
                       (layers // pp).str())),
-    # num_microbatches_calculator.py:381-387
+    # ConstantNumMicroBatchesCalculator.__init__
     Rule("global-batch-divisible", "training.globalBatchSize",
          (gbs % (mbs * dp)).eq(0), when=layout_ok,
-         message=_msg("spec.training.globalBatchSize: ", gbs.str(), " is not divisible by microBatchSize ",
+         message=fmt("spec.training.globalBatchSize: ", gbs.str(), " is not divisible by microBatchSize ",
                       mbs.str(), " x data parallel ", dp.str(), " = ", (mbs * dp).str(), "; use a multiple of ",
                       (mbs * dp).str(), multiple_hint(gbs, mbs * dp))),
-    # schedules.py:1133-1153 (interleaved schedule, microbatch_group_size_per_vp_stage = PP)
+    # schedules.forward_backward_pipelining_with_interleaving (microbatch_group_size_per_vp_stage = PP)
     Rule("virtual-microbatches", "training.globalBatchSize",
          (microbatches % pp).eq(0),
          when=has("parallelism.virtualPipeline") & layout_ok & (gbs % (mbs * dp)).eq(0),
-         message=_msg("spec.training.globalBatchSize: the interleaved schedule needs the number of "
+         message=fmt("spec.training.globalBatchSize: the interleaved schedule needs the number of "
                       "micro-batches (", gbs.str(), " / (", mbs.str(), " x ", dp.str(), ") = ",
                       microbatches.str(), ") to be a multiple of spec.parallelism.pipeline ", pp.str(),
                       "; use a global batch size that is a multiple of ", (mbs * dp * pp).str(),
                       multiple_hint(gbs, mbs * dp * pp))),
-    # ARGS:1295-1298 (load-balanced causal split)
+    # arguments.validate_args (load-balanced causal split)
     Rule("context-divides-sequence", "model.seqLength",
          (seq % (cp * 2)).eq(0), when=(cp > 1) & model_complete,
-         message=_msg("spec.model.seqLength: ", seq.str(), " is not divisible by 2 x spec.parallelism.context = ",
+         message=fmt("spec.model.seqLength: ", seq.str(), " is not divisible by 2 x spec.parallelism.context = ",
                       (cp * 2).str(), "; use a multiple of ", (cp * 2).str(), multiple_hint(seq, cp * 2))),
-    # ARGS:1313-1316
+    # arguments.validate_args
     Rule("positions-cover-sequence", "model.maxPositionEmbeddings",
          max_positions >= seq, when=model_complete,
-         message=_msg("spec.model.maxPositionEmbeddings: ", max_positions.str(), " is smaller than seqLength ",
+         message=fmt("spec.model.maxPositionEmbeddings: ", max_positions.str(), " is smaller than seqLength ",
                       seq.str(), "; set it to at least ", seq.str(), " (or omit it: it defaults to seqLength)")),
-    # transformer_config.py:1468-1469; moe_layer.py:185; ARGS:1600-1603
+    # TransformerConfig.__post_init__; BaseMoELayer.__init__; arguments.validate_args
     Rule("experts-for-expert-parallel", "model.numExperts",
          experts > 0, when=ep > 1,
-         message=_msg("spec.model.numExperts: spec.parallelism.expert is ", ep.str(), " but the model has no "
+         message=fmt("spec.model.numExperts: spec.parallelism.expert is ", ep.str(), " but the model has no "
                       "experts; set numExperts (a multiple of ", ep.str(), ") or expert: 1")),
     Rule("experts-divisible", "model.numExperts",
          (experts % ep).eq(0), when=experts > 0,
-         message=_msg("spec.model.numExperts: ", experts.str(), " experts are not divisible by "
+         message=fmt("spec.model.numExperts: ", experts.str(), " experts are not divisible by "
                       "spec.parallelism.expert ", ep.str(), "; use a multiple of ", ep.str(),
                       multiple_hint(experts, ep))),
     Rule("topk-within-experts", "model.moeRouterTopk",
          (topk <= experts) & (experts > 0), when=has("model.moeRouterTopk"),
-         message=_msg("spec.model.moeRouterTopk: ", topk.str(), " needs a mixture-of-experts model with at least ",
+         message=fmt("spec.model.moeRouterTopk: ", topk.str(), " needs a mixture-of-experts model with at least ",
                       topk.str(), " experts (numExperts is ", experts.str(), ")")),
-    # model_parallel_config.py:503-504
+    # ModelParallelConfig.__post_init__
     Rule("sequence-parallel-needs-tensor", "parallelism.sequenceParallel",
          tp > 1, when=sequence_parallel,
          message=lit("spec.parallelism.sequenceParallel: sequence parallelism needs spec.parallelism.tensor > 1; "
                      "set sequenceParallel: false or raise tensor")),
-    # dot_product_attention.py:57-59 (local attention asserts CP == 1)
+    # DotProductAttention.__init__ (local attention asserts CP == 1)
     Rule("local-no-context-parallel", "parallelism.context",
          cp.eq(1), when=~uses_te,
-         message=_msg("spec.parallelism.context: ", cp.str(), " needs Transformer Engine attention; use "
+         message=fmt("spec.parallelism.context: ", cp.str(), " needs Transformer Engine attention; use "
                       "transformerImpl transformer_engine or context: 1")),
     Rule("local-no-fp8", "training.precision",
          precision.ne("fp8"), when=~uses_te,
@@ -332,24 +328,24 @@ SPEC_RULES: list[Rule] = [
     # OptimizerParamScheduler: lr_warmup_steps < lr_decay_steps
     Rule("warmup-before-decay", "training.lrSchedule.warmupIters",
          f("training.lrSchedule.warmupIters") < opt("training.lrSchedule.decayIters", f("training.trainIters")),
-         message=_msg("spec.training.lrSchedule.warmupIters: ", f("training.lrSchedule.warmupIters").str(),
+         message=fmt("spec.training.lrSchedule.warmupIters: ", f("training.lrSchedule.warmupIters").str(),
                       " must be smaller than the decay iterations ",
                       opt("training.lrSchedule.decayIters", f("training.trainIters")).str(),
                       " (lrSchedule.decayIters, default trainIters)")),
     Rule("extra-args-not-managed", "training.extraArgs",
          All(f("training.extraArgs"), "a", ~Matches(Var("a"), MANAGED_FLAG_RE)),
-         message=_msg("spec.training.extraArgs: ",
+         message=fmt("spec.training.extraArgs: ",
                       Index(Filter(f("training.extraArgs"), "a", Matches(Var("a"), MANAGED_FLAG_RE)), 0),
                       " is set by the operator from the spec (parallel sizes, model shape, batch, precision, "
                       "data, checkpoint); set the spec field instead")),
     Rule("env-not-reserved", "env",
          All(f("env"), "e", ~Matches(Field("name", "e"), RESERVED_ENV_RE)),
-         message=_msg("spec.env: ",
+         message=fmt("spec.env: ",
                       Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), RESERVED_ENV_RE)), 0), "name"),
                       " is set by the operator (rendezvous, progress reporting, NCCL); use another name")),
     Rule("pod-labels-not-reserved", "podMetadata.labels",
          All(f("podMetadata.labels"), "k", ~Matches(Var("k"), RESERVED_LABEL_RE)),
-         message=_msg("spec.podMetadata.labels: ",
+         message=fmt("spec.podMetadata.labels: ",
                       Index(Filter(f("podMetadata.labels"), "k", Matches(Var("k"), RESERVED_LABEL_RE)), 0),
                       " is a label the operator or JobSet sets; use another key")),
     Rule("data-exactly-one", "data",

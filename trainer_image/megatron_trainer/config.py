@@ -249,8 +249,9 @@ class CheckpointConfig:
         "--async-strategy", choices=("auto", "nvrx", "mcore"),
         help="Async writer: nvidia-resiliency-ext or Megatron-Core's; 'auto' = nvrx when importable."))
     ckpt_assume_constant_structure: bool = field(default=True, metadata=flag(
-        "--ckpt-assume-constant-structure", action="store_true",
-        help="Reuse the save plan across checkpoints (always on in this trainer)."))
+        "--ckpt-assume-constant-structure", action=argparse.BooleanOptionalAction,
+        help="Reuse the save plan across checkpoints (Megatron-LM's flag; on by default here, "
+             "--no-ckpt-assume-constant-structure turns it off)."))
     dist_ckpt_workers: int = field(default=1, metadata=flag(
         "--dist-ckpt-workers", type=int, help="Writer threads (and files) per rank for torch_dist saves."))
     dist_ckpt_optim_fully_reshardable: bool = field(default=False, metadata=flag(
@@ -316,13 +317,10 @@ _SECTIONS: tuple[tuple[str, type], ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with Megatron-LM's spelling: no prefix abbreviations (an unknown flag is an error)."""
-
-
 def build_parser(prog: str = "python -m megatron_trainer") -> argparse.ArgumentParser:
     """The argparse parser, generated from the dataclass fields' metadata."""
-    parser = _Parser(prog=prog, allow_abbrev=False,
+    # Megatron-LM's spelling: no prefix abbreviations (an unknown or shortened flag is an error).
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                      description="Megatron-Core GPT pretraining (Megatron-LM flag names).")
     for section, cls in _SECTIONS:
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip())
@@ -474,7 +472,7 @@ def validate(cfg: TrainerConfig) -> None:
     if c.async_save and not c.save:
         raise ValueError("--async-save needs --save DIR")
     if c.async_save and not c.use_persistent_ckpt_worker:
-        # Megatron-LM silently drops async without it (arguments.py:1740); we refuse instead.
+        # Megatron-LM silently drops async without it (arguments.py, validate_args); we refuse instead.
         raise ValueError("--async-save needs --use-persistent-ckpt-worker")
     if c.exit_on_missing_checkpoint and not c.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load DIR")

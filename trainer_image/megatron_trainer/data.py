@@ -20,7 +20,7 @@ _SAMPLE_SURPLUS = 1.005
 
 def dataset_cache_path(cfg: TrainerConfig, shared: bool, num_nodes: int) -> str | None:
     """Megatron builds the index cache on global rank 0 and other ranks read it after a barrier
-    (gpt_dataset.py:500), so a cache that other nodes cannot see breaks them: then each rank
+    (gpt_dataset.py, _build_document_sample_shuffle_indices), so a cache that other nodes cannot see breaks them: then each rank
     computes the (deterministic) indices in memory instead."""
     path = cfg.data.data_cache_path
     if not path or cfg.data.mock_data:
@@ -55,7 +55,7 @@ def build_dataset(cfg: TrainerConfig, env: DistEnv, tokenizer, num_samples: int,
     if dcfg.split_matrix:
         # Only the train split is used (no evaluation). Keep its book-ends exactly as --split puts
         # them, but do not build valid/test: an empty split with a sample count makes
-        # GPTDataset._get_num_epochs loop forever (gpt_dataset.py:690), and it is wasted work anyway.
+        # GPTDataset._get_num_epochs loop forever, and it is wasted work anyway.
         dcfg.split_matrix = [dcfg.split_matrix[0], None, None]
     cls = MockGPTDataset if d.mock_data else GPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, dcfg).build()

@@ -39,7 +39,7 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if cfg.parallel.tensor > 1 or cfg.parallel.context > 1:
-        # Megatron-LM asserts this on Hopper (arguments.py:1413): kernel order for comm/compute overlap.
+        # Megatron-LM asserts this on Hopper (arguments.py, validate_args): kernel order for comm/compute overlap.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     torch.cuda.set_device(local_rank)

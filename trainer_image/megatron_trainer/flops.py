@@ -2,7 +2,7 @@
 
 Two formulas, both for a dense GPT:
 - `megatron_flops_per_iteration`: Megatron-LM 0.19's `num_floating_point_operations`
-  (megatron/training/training.py:390) for dense MHA/GQA, (Swi)GLU and causal attention (the s^2
+  (megatron/training/training.py, num_floating_point_operations) for dense MHA/GQA, (Swi)GLU and causal attention (the s^2
   term halved). This is what the trainer reports as TFLOP/s and MFU.
 - `classic_flops_per_iteration`: 72*B*s*L*h^2*(1 + s/(6h) + V/(12hL)) (Narayanan et al. 2021), the
   formula of ../shared/bench/mcore_peer.py: benchmarks against the peer use it for both sides.

@@ -85,8 +85,8 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         num_moe_experts=m.num_experts,
         moe_router_topk=m.moe_router_topk if m.num_experts else 2,
         # Fusions: torch-only ones are on (Megatron-LM defaults); TE/apex-only ones off on the local path.
-        bias_activation_fusion=t_fusion(cfg, "bias_activation") and (m.swiglu or gelu_fusable),
-        bias_dropout_fusion=t_fusion(cfg, "bias_dropout"),
+        bias_activation_fusion=not t.no_bias_activation_fusion and (m.swiglu or gelu_fusable),
+        bias_dropout_fusion=not t.no_bias_dropout_fusion,
         masked_softmax_fusion=not local,
         apply_rope_fusion=not local and m.position_embedding_type == "rope",
         gradient_accumulation_fusion=not local,
@@ -100,10 +100,6 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
     if t.fp8_format:
         kwargs.update(fp8=t.fp8_format)
     return TransformerConfig(**kwargs)
-
-
-def t_fusion(cfg: TrainerConfig, name: str) -> bool:
-    return not getattr(cfg.training, f"no_{name}_fusion", False)
 
 
 def layer_spec(cfg: TrainerConfig, path: ModelPath):

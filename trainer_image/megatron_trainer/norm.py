@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm for the local (Transformer-Engine-less) path, with sequence parallelism.
 
-Megatron-Core's `WrappedTorchNorm` (torch_norm.py:50) refuses `sequence_parallel`, yet nothing in a
+Megatron-Core's `WrappedTorchNorm.__new__` refuses `sequence_parallel`, yet nothing in a
 norm depends on it: under sequence parallelism each TP rank normalises its own slice of the sequence
 with a replicated weight, and the weight's gradient is a partial sum that
 `finalize_model_grads._allreduce_non_tensor_model_parallel_grads` all-reduces over the TP group for
