@@ -360,9 +360,16 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
 def validate(cfg: TrainerConfig) -> None:
     """Checks that need no world size. Raises ValueError saying what to change.
 
-    Mirrors Megatron-LM's `validate_args` (megatron/training/arguments.py) where it applies.
+    Mirrors Megatron-LM's `validate_args` (megatron/training/arguments.py) where it applies; the
+    operator's admission rules (megatron_operator/rules.py) refuse the same specs earlier, and
+    tests/test_contract_refusals.py holds the two together.
     """
-    p, m, t, d, c = cfg.parallel, cfg.model, cfg.training, cfg.data, cfg.checkpoint
+    for check in (_validate_parallel_and_model, _validate_training, _validate_data, _validate_checkpoint):
+        check(cfg)
+
+
+def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.training
     for name, value in (("--tensor-model-parallel-size", p.tensor), ("--pipeline-model-parallel-size", p.pipeline),
                         ("--context-parallel-size", p.context), ("--expert-model-parallel-size", p.expert),
                         ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
@@ -410,10 +417,23 @@ def validate(cfg: TrainerConfig) -> None:
             raise ValueError("--moe-router-topk must be between 1 and --num-experts")
     elif p.expert > 1:
         raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+
+
+def _validate_training(cfg: TrainerConfig) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.training
     if t.bf16 and t.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
     if t.fp8_format and not (t.bf16 or t.fp16):
         raise ValueError("--fp8-format needs --bf16 (or --fp16)")
+    if t.transformer_impl == "local" and t.fp8_format:
+        raise ValueError("--fp8-format needs --transformer-impl transformer_engine (the local implementation has "
+                         "no FP8 kernels)")
+    if t.transformer_impl == "local" and p.context > 1:
+        # Megatron-Core's DotProductAttention.__init__ asserts CP == 1
+        raise ValueError("--context-parallel-size > 1 needs --transformer-impl transformer_engine")
+    if p.context > 1 and t.attention_backend in ("unfused", "local"):
+        raise ValueError(f"--context-parallel-size > 1 needs a fused attention backend (flash, fused or auto), "
+                         f"not --attention-backend {t.attention_backend}")
     if t.use_distributed_optimizer is False and t.overlap_param_gather:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     if t.overlap_param_gather and not t.overlap_grad_reduce:
@@ -443,12 +463,15 @@ def validate(cfg: TrainerConfig) -> None:
     if t.lr_warmup_iters < 0 or t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ValueError("need 0 <= --min-lr <= --lr and --lr-warmup-iters >= 0")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
-    if t.lr_warmup_iters > decay:
-        raise ValueError(f"--lr-warmup-iters ({t.lr_warmup_iters}) exceeds --lr-decay-iters ({decay})")
+    if t.lr_warmup_iters >= decay:  # OptimizerParamScheduler asserts warmup < decay steps
+        raise ValueError(f"--lr-warmup-iters ({t.lr_warmup_iters}) must be below --lr-decay-iters ({decay})")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         raise ValueError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
                          f"--micro-batch-size ({t.micro_batch_size})")
-    # Data.
+
+
+def _validate_data(cfg: TrainerConfig) -> None:
+    d, m = cfg.data, cfg.model
     if d.mock_data == bool(d.data_path):
         raise ValueError("give exactly one of --mock-data and --data-path")
     parse_blend(d.data_path)
@@ -462,7 +485,10 @@ def validate(cfg: TrainerConfig) -> None:
             raise ValueError
     except ValueError:
         raise ValueError(f"--split {d.split!r}: expected comma-separated weights with train > 0") from None
-    # Checkpoints.
+
+
+def _validate_checkpoint(cfg: TrainerConfig) -> None:
+    c = cfg.checkpoint
     if c.dist_ckpt_workers < 1:
         raise ValueError("--dist-ckpt-workers must be >= 1")
     if c.save_interval is not None and c.save_interval < 1:
@@ -554,5 +580,10 @@ def world_layout(cfg: TrainerConfig, world_size: int) -> WorldLayout:
     if gbs % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size ({gbs}) must be divisible by micro batch x DP "
                          f"({t.micro_batch_size} x {dp})")
-    return WorldLayout(world_size=world_size, data_parallel=dp, global_batch_size=gbs,
-                       num_microbatches=gbs // (t.micro_batch_size * dp))
+    microbatches = gbs // (t.micro_batch_size * dp)
+    if p.virtual_pipeline is not None and microbatches % p.pipeline:
+        # the interleaved schedule runs micro-batches in groups of PP
+        # (schedules.forward_backward_pipelining_with_interleaving)
+        raise ValueError(f"with --num-virtual-stages-per-pipeline-rank, the micro-batches per step ({microbatches}) "
+                         f"must be a multiple of --pipeline-model-parallel-size ({p.pipeline})")
+    return WorldLayout(world_size=world_size, data_parallel=dp, global_batch_size=gbs, num_microbatches=microbatches)

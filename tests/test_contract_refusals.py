@@ -1,0 +1,57 @@
+"""The operator/trainer contract for refusals: every spec the operator refuses for a Megatron
+start-up rule (tests/unit/spec_table.py) is refused by the trainer too, when its rendered command
+line reaches it anyway (an operator older than the trainer, a hand-written command). The two rule
+sets are written separately (rules.py compiles to CEL; the trainer mirrors Megatron-LM's
+validate_args); this is what links them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from megatron_operator import rules
+from megatron_operator.render import megatron_args
+from megatron_operator.validation import SpecError, parse_job
+from megatron_trainer.config import parse_args, world_layout
+
+sys.path.insert(0, str(Path(__file__).parent / "unit"))
+from spec_table import CASES
+
+# Rules about Kubernetes objects or the spec's own shape, not about what Megatron accepts: the
+# rendered command line cannot violate them, or they are outside the trainer's view.
+OPERATOR_ONLY = {
+    "tensor-placement": "a tensor-parallel group on one host is a pod placement rule",
+    "extra-args-not-managed": "extraArgs that repeat a rendered flag: argparse takes the last one",
+    "env-not-reserved": "pod environment",
+    "pod-labels-not-reserved": "pod labels",
+    "data-exactly-one": "the spec's data section shape (rendered as one of --mock-data and --data-path)",
+    "topk-within-experts": "without experts the router's top-k is not rendered",
+    "data-paths-with-pvc": "the spec's data section shape (nothing to render)",
+    "data-tokenizer-with-pvc": "the spec's data section shape (nothing to render)",
+    "tokenizer-path": "the spec's data section shape (nothing to render)",
+    "model-complete": "an incomplete model cannot be rendered",
+}
+
+
+def _refused_megatron_cases():
+    for case_id, manifest, rule in CASES:
+        if rule is None:
+            continue
+        marks = [pytest.mark.skip(reason=OPERATOR_ONLY[rule])] if rule in OPERATOR_ONLY else []
+        yield pytest.param(manifest, rule, id=case_id, marks=marks)
+
+
+@pytest.mark.parametrize("manifest, rule", list(_refused_megatron_cases()))
+def test_the_trainer_refuses_what_the_operator_refuses(manifest, rule, monkeypatch, capsys):
+    with pytest.raises(SpecError) as operator_refused:
+        parse_job(manifest)
+    assert rule in {p.rule for p in operator_refused.value.problems}
+    monkeypatch.setattr(rules, "evaluate_spec_rules", lambda spec: [])  # render it anyway
+    job = parse_job(manifest)
+    argv = megatron_args(job)
+    world = job.spec.num_nodes * job.spec.gpus_per_node
+    with pytest.raises((SystemExit, ValueError)) as refused:
+        world_layout(parse_args(argv), world)
+    if refused.type is SystemExit:
+        assert refused.value.code == 2 and "error:" in capsys.readouterr().err
