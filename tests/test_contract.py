@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from megatron_operator.render import launch_command, megatron_args, render, replicated_job_plan
-from megatron_operator.rules import derived_layout, resolved_model
+from megatron_operator.rules import RENDERED_FLAGS, derived_layout, resolved_model
 from megatron_operator.settings import Settings
 from megatron_operator.validation import parse_job
 from megatron_trainer.config import parse_args, runtime_from_env, world_layout
@@ -133,3 +133,14 @@ def test_extra_args_reach_the_trainer_and_unknown_ones_are_refused_clearly(capsy
         parse_args(trainer_argv(job) + ["--log-throughput"])
     assert exc.value.code == 2
     assert "--log-throughput" in capsys.readouterr().err
+
+
+def test_rendered_flags_list_is_what_the_renderer_emits():
+    """rules.RENDERED_FLAGS (which extraArgs may not repeat) is exactly the set of flags rendered
+    over the examples and the contract cases, extraArgs aside."""
+    rendered = set()
+    for param in jobs():
+        job = param.values[0]
+        extra = set(job.spec.training.extra_args or [])
+        rendered |= {a[2:] for a in megatron_args(job) if a.startswith("--") and a not in extra}
+    assert rendered == set(RENDERED_FLAGS)

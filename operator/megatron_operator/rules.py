@@ -124,10 +124,10 @@ layout_ok = (world % model_parallel).eq(0)
 gbs = opt("training.globalBatchSize", mbs * dp)
 microbatches = gbs // (mbs * dp)
 
-# Flags the operator renders from the spec; extraArgs must not contradict them.
-MANAGED_FLAGS: tuple[str, ...] = (
+# Flags the operator renders from the spec (tests/test_contract.py checks this list against the
+# rendering of every example and contract case); extraArgs must not contradict them.
+RENDERED_FLAGS: tuple[str, ...] = (
     "tensor-model-parallel-size", "pipeline-model-parallel-size", "num-virtual-stages-per-pipeline-rank",
-    "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size",
     "context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size", "sequence-parallel",
     "num-layers", "hidden-size", "num-attention-heads", "group-query-attention", "num-query-groups",
     "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
@@ -139,8 +139,14 @@ MANAGED_FLAGS: tuple[str, ...] = (
     "fp16", "fp8-format", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
     "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
-    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "world-size", "rank", "local-rank",
+    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler",
 )
+# Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
+ALIAS_FLAGS: tuple[str, ...] = (
+    "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size", "world-size", "rank",
+    "local-rank",
+)
+MANAGED_FLAGS: tuple[str, ...] = RENDERED_FLAGS + ALIAS_FLAGS
 MANAGED_FLAG_RE = r"^--(" + "|".join(fl.replace(".", r"\.") for fl in MANAGED_FLAGS) + r")(=.*)?$"
 
 # Environment the operator sets in the trainer container; spec.env may not override it.
