@@ -194,6 +194,37 @@ class Cluster:
         msg.append(self.diagnostics(namespace, kinds))
         raise WaitTimeout("\n".join(msg))
 
+    def hold(
+        self,
+        invariant: Callable[[], Any],
+        seconds: float,
+        what: str,
+        *,
+        namespace: str | None = None,
+        kinds: Iterable[str] = DEFAULT_DUMP_KINDS,
+        interval: float = 0.25,
+    ) -> None:
+        """A bounded negative wait: `invariant` must stay truthy for `seconds`, checked every
+        `interval`. Fails at the first violation (AssertionError with the same dump as wait_for),
+        not at the end of the window; an exception from the invariant is a violation too."""
+        deadline = time.monotonic() + seconds
+        checks = 0
+        while True:
+            try:
+                value = invariant()
+                error = None
+            except Exception as e:
+                value, error = None, e
+            checks += 1
+            if not value:
+                detail = f"error: {type(error).__name__}: {_short(error)}" if error else f"value: {_short(value)}"
+                raise AssertionError(f"{what}: violated after {seconds - max(0.0, deadline - time.monotonic()):.1f} s "
+                                     f"of {seconds:g} s ({checks} checks); {detail}\n"
+                                     + self.diagnostics(namespace, kinds))
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
     def diagnostics(
         self, namespace: str | None = None, kinds: Iterable[str] = DEFAULT_DUMP_KINDS, log_lines: int = 40
     ) -> str:

@@ -189,10 +189,9 @@ def test_jobset_deleted_by_hand_is_recreated_unless_finished(cluster, operator, 
     jobs.wait_phase("finished", "Succeeded")
     jobs.custom.delete_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "finished")
     wait_gone(cluster, lambda: jobs.jobset("finished"), "JobSet finished deleted", jobs.ns)
-    import time
-    time.sleep(5)  # several resync ticks (1 s): a bug would recreate it within this window
-    assert jobs.jobset("finished") is None
-    assert jobs.phase("finished") == "Succeeded"
+    # several resync ticks (1 s): a bug would recreate it, or change the phase, within this window
+    cluster.hold(lambda: jobs.jobset("finished") is None and jobs.phase("finished") == "Succeeded", 5,
+                 "a finished job's deleted JobSet stays deleted and the job stays Succeeded", namespace=jobs.ns)
 
 
 def test_suspend_and_resume(cluster, operator, jobs):
@@ -213,9 +212,9 @@ def test_kueue_queue_is_never_unsuspended_by_the_operator(cluster, operator, job
                      namespace=jobs.ns)
     js = jobs.jobset("queued")
     assert js["spec"]["suspend"] is True and js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-    import time
-    time.sleep(3)
-    assert jobs.jobset("queued")["spec"]["suspend"] is True  # still suspended: admission is Kueue's call
+    # still suspended over several resync ticks: admission is Kueue's call
+    cluster.hold(lambda: jobs.jobset("queued")["spec"]["suspend"] is True, 3,
+                 "the operator never un-suspends a queued JobSet", namespace=jobs.ns)
     # Kueue admits: it un-suspends the JobSet; the operator does not fight it
     jobs.custom.patch_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "queued",
                                                {"spec": {"suspend": False}})

@@ -1,6 +1,6 @@
 """The operator against a control plane that goes away: an API server (and etcd) restart, and a
-cluster without the JobSet CRD. Runs last in a session (file name), because it stops the API server
-and removes and restores the JobSet CRD."""
+cluster without the JobSet CRD. Each test leaves the cluster as it found it and proves so (a job runs
+end to end afterwards), so these tests may run in any order among the others."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_operator_survives_an_api_server_restart(cluster, operator, jobs):
     assert operator.healthy()
 
 
-def test_operator_refuses_to_start_without_the_jobset_crd(cluster, crd, tmp_path):
+def test_operator_refuses_to_start_without_the_jobset_crd(cluster, operator, jobs, tmp_path):
     saved = json.loads(cluster.kubectl("get", "crd", JOBSET_CRD, "-o", "json").stdout)
     for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
         saved["metadata"].pop(key, None)
@@ -76,6 +76,12 @@ def test_operator_refuses_to_start_without_the_jobset_crd(cluster, crd, tmp_path
         cluster.wait_for(lambda: cluster.kubectl("get", "--raw=/apis/jobset.x-k8s.io/v1alpha2",
                                                  check=False).returncode != 0,
                          60, "jobset.x-k8s.io/v1alpha2 no longer served")
+        # the running operator's JobSet watch ends with a 404: it exits with the reason (a
+        # Deployment restarts it) instead of running on half-blind
+        cluster.wait_for(lambda: operator.proc.poll() is not None, 90,
+                         "the running operator to exit when the JobSet API goes away")
+        assert operator.proc.returncode == 1
+        assert "jobset.x-k8s.io" in operator.log_path.read_text().rsplit("===== operator start", 1)[-1]
         proc = subprocess.run([sys.executable, "-m", "megatron_operator", "run", "--kubeconfig",
                                str(cluster.kubeconfig), "--metrics-port", "0"],
                               env={**cluster.env(), "PYTHONPATH": str(ROOT / "operator")},
@@ -92,3 +98,9 @@ def test_operator_refuses_to_start_without_the_jobset_crd(cluster, crd, tmp_path
             return cluster.kubectl("get", "--raw=/apis/jobset.x-k8s.io/v1alpha2", check=False).returncode == 0
 
         cluster.wait_for(served, 60, "the JobSet CRD served again")
+    # the cluster is whole again: the operator, restarted as its Deployment would, and the JobSet
+    # controller carry on
+    operator.start()
+    jobs.create(small_job("crd-back", podMetadata=run_for(2)))
+    jobs.wait_phase("crd-back", "Succeeded", timeout=180)
+    assert operator.healthy()

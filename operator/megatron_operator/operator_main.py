@@ -51,11 +51,30 @@ def run_operator(args: argparse.Namespace) -> int:
     memo = kopf.Memo(controller=Controller(kube, settings, Metrics()), metrics_port=settings.metrics_port,
                      metrics_host=settings.metrics_host)
     namespaces = settings.watched_namespaces()
-    kopf.run(
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        memo=memo,
-    )
+    try:
+        kopf.run(
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            memo=memo,
+        )
+    except Exception:
+        # A watched API that goes away (JobSet uninstalled, its CRD deleted and re-created) ends
+        # kopf's watch with a 404. Exit with the reason, so that the Deployment restarts the
+        # operator; at start-up it refuses to run until the API is back (above).
+        gone = _missing_apis(kube)
+        if not gone:
+            raise
+        for m in gone:
+            print(f"megatron-operator: {m} went away while the operator ran; exiting (restarted by its "
+                  f"Deployment, it waits for the API to come back)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _missing_apis(kube) -> list[str]:
+    try:
+        return kube.missing_apis()
+    except Exception:  # the API server itself is unreachable: not this case
+        return []
