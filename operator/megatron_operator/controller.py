@@ -144,19 +144,19 @@ class Controller:
         if written is not None and written.get("_uid") != meta.get("uid"):
             written = None  # a new object with the same name
         previous = {**(body.get("status") or {}), **{k: v for k, v in (written or {}).items() if k != "_uid"}}
-        spec = body.get("spec") or {}
         job = parsed.job
+        spec = job.spec if job is not None else None  # None: the models refuse it (status says why)
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
         obs = st.Observation(
             name=name, generation=int(meta.get("generation") or 0),
-            num_nodes=int(spec.get("numNodes") or 0),
-            world_size=int(spec.get("numNodes") or 0) * int(spec.get("gpusPerNode") or 0),
-            layout=derived_layout(job.spec.wire()) if job else _fallback_layout(spec),
-            suspend=bool(spec.get("suspend")), queue_name=spec.get("queueName"),
+            num_nodes=spec.num_nodes if spec else 0,
+            world_size=spec.num_nodes * spec.gpus_per_node if spec else None,
+            layout=derived_layout(spec.wire()) if spec else None,
+            suspend=spec.suspend if spec else False, queue_name=spec.queue_name if spec else None,
             previous=previous, problems=parsed.problems, jobset=js_view,
             pods=list(pods),
             fit=parsed.fit,
-            deadline_s=spec.get("activeDeadlineSeconds"),
+            deadline_s=spec.active_deadline_seconds if spec else None,
             stall_timeout_s=self.settings.stall_timeout_s,
         )
         desired, events = st.derive(obs)
@@ -170,7 +170,7 @@ class Controller:
                 if phase == "Failed" and desired["reason"] == "DeadlineExceeded":
                     self.kube.delete_jobset(ns, js_view.name)
                 elif phase not in st.TERMINAL:
-                    self.sync_suspend(ns, js_view, bool(spec.get("suspend")), bool(spec.get("queueName")))
+                    self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name))
 
         # Event-driven passes trust what we wrote; the periodic resync compares with the stored status
         # itself, so a status changed behind our back (or a lost write) converges within one interval.
@@ -196,12 +196,3 @@ class Controller:
         self._parsed.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)
-
-
-def _fallback_layout(spec: dict[str, Any]) -> dict[str, Any]:
-    """Best-effort layout for a spec the models refuse (for the status columns only)."""
-    par = spec.get("parallelism") or {}
-    tp, pp, cp = (int(par.get(k) or 1) for k in ("tensor", "pipeline", "context"))
-    world = int(spec.get("numNodes") or 0) * int(spec.get("gpusPerNode") or 0)
-    return {"tensor": tp, "pipeline": pp, "context": cp, "expert": int(par.get("expert") or 1),
-            "data": max(1, world // max(1, tp * pp * cp))}

@@ -164,8 +164,8 @@ class Observation:
     name: str
     generation: int
     num_nodes: int
-    world_size: int
-    layout: dict[str, Any]
+    world_size: int | None  # None (and no layout) for a spec the models refuse
+    layout: dict[str, Any] | None
     suspend: bool
     queue_name: str | None
     previous: dict[str, Any]  # the current status (operator-owned fields and the trainer's progress)
@@ -317,12 +317,13 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                 events.append(Event("Warning", Reason.PREDICTED_OUT_OF_MEMORY, est.summary()))
 
     optional = dict(job_set_name=jobset_name, start_time=start, completion_time=completion, memory=memory,
-                    last_progress_iteration=last_it, last_progress_time=last_t if last_it is not None else None)
+                    last_progress_iteration=last_it, last_progress_time=last_t if last_it is not None else None,
+                    world_size=o.world_size,
+                    parallelism={k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")} if lay else None,
+                    layout=f"{lay['tensor']}/{lay['pipeline']}/{lay['data']}" if lay else None)
     status = MegatronJobStatus(
         **{k: v for k, v in optional.items() if v not in (None, "")},
-        phase=phase, reason=reason, message=message, observed_generation=o.generation, world_size=o.world_size,
-        parallelism={k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")},
-        layout=f"{lay['tensor']}/{lay['pipeline']}/{lay['data']}",
+        phase=phase, reason=reason, message=message, observed_generation=o.generation,
         restarts=o.jobset.restarts if o.jobset else int(prev.get("restarts") or 0),
         conditions=conditions.items,
     )

@@ -114,6 +114,18 @@ def test_invalid_spec_writes_failed_status_once_and_creates_nothing(ctl, kube):
     assert kube.of("status") == [("status", "Failed", "InvalidSpec")]
 
 
+@pytest.mark.parametrize("overrides", [dict(numNodes=0), dict(numNodes="two"), dict(gpusPerNode=None),
+                                       dict(parallelism={"tensor": "x"})])
+def test_status_of_a_spec_the_models_refuse_has_no_layout(ctl, kube, overrides):
+    """Nothing is derived from a refused spec: no layout columns, and no crash on a zero world size."""
+    written = []
+    kube.apply_status = lambda ns, name, status: written.append(status)
+    observe(ctl, body(**overrides), None)
+    assert [(s["phase"], s["reason"]) for s in written] == [("Failed", "InvalidSpec")]
+    assert not {"worldSize", "layout", "parallelism"} & set(written[0])
+    assert kube.of("create") == []
+
+
 # ---- observe: act on the difference ------------------------------------------------------------
 
 @pytest.mark.parametrize(("status", "expect_create", "expect_event"), [
