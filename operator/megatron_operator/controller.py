@@ -128,7 +128,7 @@ class Controller:
                 self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
                 recreated = bool((body.get("status") or {}).get("jobSetName"))
                 emit(st.Event("Normal" if not recreated else "Warning",
-                              "JobSetRecreated" if recreated else "JobSetCreated",
+                              st.Reason.JOBSET_RECREATED if recreated else st.Reason.JOBSET_CREATED,
                               (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
                                f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
 
@@ -167,7 +167,7 @@ class Controller:
             if js_view is None and phase not in st.TERMINAL:
                 self.ensure_children(job, body, emit)
             elif js_view is not None:
-                if phase == "Failed" and desired["reason"] == "DeadlineExceeded":
+                if phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
                     self.kube.delete_jobset(ns, js_view.name)
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name))
