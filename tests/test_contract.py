@@ -13,6 +13,7 @@ from megatron_operator.rules import RENDERED_FLAGS, derived_layout, resolved_mod
 from megatron_operator.settings import Settings
 from megatron_operator.validation import parse_job
 from megatron_trainer.config import parse_args, runtime_from_env, world_layout
+from megatron_trainer.launch import parse_launch_args, worker_env
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
 EXTRA_CASES = {
@@ -46,9 +47,32 @@ def jobs():
 
 
 def trainer_argv(job):
-    """What `torchrun ... -m megatron_trainer` hands the trainer: everything after the module name."""
+    """What `python -m megatron_trainer.launch ... -m megatron_trainer` hands the trainer: everything
+    after the module name."""
     cmd = launch_command(job, Settings(), replicated_job_plan(job.spec)[0][0])
     return cmd[cmd.index("megatron_trainer") + 1:]
+
+
+@pytest.mark.parametrize("job", jobs())
+def test_launcher_parses_the_rendered_command_and_numbers_ranks_like_megatron(job):
+    """The launcher's own parser takes the rendered command (with $(NODE_RANK) resolved as the kubelet
+    does) and gives every pod's workers the world the trainer expects; its grace period is the pod's
+    less a margin."""
+    js = render(job, Settings())[-1]
+    pods = [(rj["replicas"], rj["template"]["spec"]["template"]["spec"]) for rj in js["spec"]["replicatedJobs"]]
+    ranks, node_rank = [], 0
+    for replicas, pod in pods:
+        cmd = pod["containers"][0]["command"]
+        assert cmd[:3] == ["python", "-m", "megatron_trainer.launch"]
+        for _ in range(replicas):
+            lc = parse_launch_args([a.replace("$(NODE_RANK)", str(node_rank)) for a in cmd[3:]])
+            assert lc.module == "megatron_trainer" and lc.args == megatron_args(job)
+            assert (lc.nnodes, lc.nproc_per_node, lc.node_rank) == (job.spec.num_nodes, job.spec.gpus_per_node,
+                                                                    node_rank)
+            assert 0 < lc.grace_period_s < pod["terminationGracePeriodSeconds"]
+            ranks += [int(worker_env(lc, i, {})["RANK"]) for i in range(lc.nproc_per_node)]
+            node_rank += 1
+    assert ranks == list(range(job.spec.num_nodes * job.spec.gpus_per_node))
 
 
 @pytest.mark.parametrize("job", jobs())

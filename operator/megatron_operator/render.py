@@ -1,9 +1,10 @@
 """MegatronJob -> the objects the operator applies (a pure function; no API calls).
 
 ``render()`` returns, in apply order: the job's ServiceAccount, a Role that lets that identity
-patch only its own MegatronJob's status, the RoleBinding, and the JobSet that runs torchrun in one
-pod per node. The command line uses Megatron-LM flag names (docs/trainer-contract.md), so a
-Megatron-LM image could run the same job.
+patch only its own MegatronJob's status, the RoleBinding, and the JobSet that runs the trainer's
+launcher (`python -m megatron_trainer.launch`, one worker per GPU) in one pod per node. The
+command line uses Megatron-LM flag names (docs/trainer-contract.md), so a Megatron-LM image could
+run the same job.
 """
 
 from __future__ import annotations
@@ -195,22 +196,40 @@ def megatron_args(job: MegatronJob) -> list[str]:
     return a + list(tr.extra_args)
 
 
+#: Seconds of terminationGracePeriodSeconds the launcher keeps back: after its own SIGKILL of the
+#: workers it still has to exit before the kubelet's.
+LAUNCH_GRACE_MARGIN_S = 10
+
+
+def termination_grace_s(spec: MegatronJobSpec, settings: Settings) -> int:
+    return spec.termination_grace_period_seconds or settings.termination_grace_period_s
+
+
+def launcher_grace_s(spec: MegatronJobSpec, settings: Settings) -> int:
+    """The launcher's SIGTERM -> SIGKILL budget: the pod's grace period less the margin (at most a third)."""
+    grace = termination_grace_s(spec, settings)
+    return max(1, grace - min(LAUNCH_GRACE_MARGIN_S, grace // 3))
+
+
 def launch_command(job: MegatronJob, settings: Settings, first_replicated_job: str) -> list[str]:
-    """torchrun with a static rendezvous on pod 0 (node rank = JobSet's global job index)."""
+    """The trainer's launcher with a static rendezvous on pod 0 (node rank = JobSet's global job index).
+
+    `megatron_trainer.launch`, not torchrun: torchrun SIGKILLs its workers 30 s after SIGTERM
+    whatever the pod's grace period; the launcher waits the grace period less a margin."""
     name = job.metadata.name
     spec = job.spec
     # JobSet pod host names are <jobset>-<replicated job>-<job index>-<pod index>, in the JobSet's
     # headless-service subdomain (the JobSet's name).
     master = f"{name}-{first_replicated_job}-0-0.{name}"
     return [
-        "torchrun",
+        "python", "-m", "megatron_trainer.launch",
         f"--nnodes={spec.num_nodes}",
         f"--nproc-per-node={spec.gpus_per_node}",
         "--node-rank=$(NODE_RANK)",
         f"--master-addr={master}",
         f"--master-port={settings.rendezvous_port}",
-        "--max-restarts=0",  # restarts are the JobSet's: the whole gang, from the checkpoint
-        "-m", "megatron_trainer",
+        f"--grace-period-s={launcher_grace_s(spec, settings)}",
+        "-m", "megatron_trainer",  # restarts are the JobSet's: the whole gang, from the checkpoint
         *megatron_args(job),
     ]
 
@@ -324,8 +343,7 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
         # Never: a failed rank fails its Job, and the JobSet restarts the whole gang (a lone restarted
         # rank would only hang in NCCL waiting for peers that moved on).
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": (spec.termination_grace_period_seconds
-                                          or settings.termination_grace_period_s),
+        "terminationGracePeriodSeconds": termination_grace_s(spec, settings),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": settings.run_as_user,

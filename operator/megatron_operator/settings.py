@@ -28,7 +28,7 @@ class Settings:
     progress_interval_s: int = 30
     #: Port of the trainer's Prometheus endpoint.
     trainer_metrics_port: int = 9400
-    #: torchrun rendezvous port on pod 0.
+    #: the trainer launcher's rendezvous port (TCP store) on pod 0.
     rendezvous_port: int = 29500
     #: A Running job whose ``status.progress.iteration`` has not moved for this long is ``Stalled``.
     stall_timeout_s: int = 1800

@@ -131,6 +131,15 @@ def test_runtime_from_env():
         runtime_from_env({"MEGATRON_CHECKPOINT_KEEP": "two"})
 
 
+def test_shutdown_grace_from_the_launcher_else_torchrun():
+    assert runtime_from_env({}).shutdown_grace_s == 30.0  # torchrun's fixed SIGKILL delay (torch 2.11)
+    assert runtime_from_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}).shutdown_grace_s == 45.0
+    assert runtime_from_env({"MEGATRON_SHUTDOWN_GRACE_S": "590.0",
+                             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}).shutdown_grace_s == 590.0
+    with pytest.raises(ValueError, match="MEGATRON_SHUTDOWN_GRACE_S"):
+        runtime_from_env({"MEGATRON_SHUTDOWN_GRACE_S": "-1"})
+
+
 def test_world_layout(mock_argv):
     cfg = parse_args(without(mock_argv, "--tensor-model-parallel-size", "--global-batch-size")
                      + ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"])

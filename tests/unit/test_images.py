@@ -172,7 +172,8 @@ def test_trainer_image_matches_what_the_operator_renders():
     uid, gid = final["USER"][-1].split(":")
     assert int(uid) == pod["securityContext"]["runAsUser"] == Settings().run_as_user
     assert int(gid) == pod["securityContext"]["runAsGroup"]
-    assert exec_form(final["ENTRYPOINT"][-1]) == container["command"][:1] == ["torchrun"]
+    assert exec_form(final["ENTRYPOINT"][-1]) == container["command"][:3] == ["python", "-m",
+                                                                             "megatron_trainer.launch"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert "HOME=/tmp" in " ".join(final["ENV"]) and env["HOME"] == "/tmp"
     assert any("useradd --uid 1000" in r for r in final["RUN"])

@@ -38,12 +38,12 @@ def test_apply_order_and_kinds():
     assert [o["kind"] for o in objs] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
 
 
-def test_torchrun_nnodes_nproc_node_rank_and_rendezvous():
+def test_launcher_nnodes_nproc_node_rank_rendezvous_and_grace():
     js = objects(make_job(numNodes=4, gpusPerNode=8))["JobSet"]
     cmd = container(js)["command"]
-    assert cmd[:8] == ["torchrun", "--nnodes=4", "--nproc-per-node=8", "--node-rank=$(NODE_RANK)",
-                       "--master-addr=job-worker-0-0.job", "--master-port=29500", "--max-restarts=0", "-m"]
-    assert cmd[8] == "megatron_trainer"
+    assert cmd[:11] == ["python", "-m", "megatron_trainer.launch", "--nnodes=4", "--nproc-per-node=8",
+                        "--node-rank=$(NODE_RANK)", "--master-addr=job-worker-0-0.job", "--master-port=29500",
+                        "--grace-period-s=590", "-m", "megatron_trainer"]  # default grace 600 s less 10 s
     # node rank from JobSet's global job index; pod 0's DNS name via the JobSet's headless service
     assert env_of(container(js))["NODE_RANK"] == {
         "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-global-index']"}}
@@ -195,6 +195,16 @@ def test_failure_policy_gang_restart_and_grace_period():
     default = objects(make_job(), Settings(max_restarts=5, termination_grace_period_s=777))["JobSet"]
     assert default["spec"]["failurePolicy"]["maxRestarts"] == 5
     assert pod_spec(default)["terminationGracePeriodSeconds"] == 777
+
+
+@pytest.mark.parametrize("grace, launcher", [(30, 20), (1200, 1190), (None, 590)])
+def test_launcher_waits_the_pod_grace_period_less_a_margin(grace, launcher):
+    job = make_job(terminationGracePeriodSeconds=grace) if grace else make_job()
+    cmd = container(objects(job)["JobSet"])["command"]
+    assert f"--grace-period-s={launcher}" in cmd[:cmd.index("megatron_trainer")]
+    # an operator default below the spec's minimum still leaves the launcher a positive budget
+    small = container(objects(make_job(), Settings(termination_grace_period_s=6))["JobSet"])["command"]
+    assert "--grace-period-s=4" in small
 
 
 def test_owner_references_and_labels_on_every_object():

@@ -296,11 +296,12 @@ class RuntimeConfig:
     """MEGATRON_METRICS_PORT: Prometheus port on rank 0 and the last stage's first rank (0 disables)."""
     checkpoint_keep: int = 0
     """MEGATRON_CHECKPOINT_KEEP: complete checkpoints to keep (0 = all)."""
+    shutdown_grace_s: float = 30.0
+    """MEGATRON_SHUTDOWN_GRACE_S (set by `megatron_trainer.launch`): seconds from SIGTERM to the
+    launcher's SIGKILL; a save after SIGTERM must end within it. Under torchrun:
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's 30 s."""
     data_cache_shared: bool = False
     """MEGATRON_DATA_CACHE_SHARED: the --data-cache-path is on storage every pod sees."""
-    shutdown_grace_s: float = 30.0
-    """TORCH_ELASTIC_SHUTDOWN_TIMEOUT: seconds the launcher waits after forwarding SIGTERM before it
-    SIGKILLs the workers (torchrun's default is 30); a save after SIGTERM must end within it."""
     # diagnostics knobs for benchmarks (docs/trainer.md, "Diagnostics"); not rendered by the operator
     foreach_ops: bool = True
     """MEGATRON_TRAINER_FOREACH_OPS: 0 keeps Megatron's multi-tensor fallbacks (for A/B runs)."""
@@ -549,8 +550,8 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         progress_interval_s=num("MEGATRON_PROGRESS_INTERVAL_S", 30.0, float),
         metrics_port=num("MEGATRON_METRICS_PORT", 9400, int),
         checkpoint_keep=num("MEGATRON_CHECKPOINT_KEEP", 0, int),
+        shutdown_grace_s=num("MEGATRON_SHUTDOWN_GRACE_S", num("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0, float), float),
         data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
-        shutdown_grace_s=num("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0, float),
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
     )
