@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build cluster-up cluster-down demo run lint constraints clean
+.PHONY: help venv test unit e2e cluster-build helm cluster-up cluster-down demo run lint constraints clean
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run"
@@ -17,17 +17,23 @@ help:
 $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
 	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[operator,test]'
+	@# setuptools' "Editable installation" notice is informational (our two source roots make it
+	@# use an import finder); everything else it or pip says still shows.
+	PYTHONWARNINGS='ignore:Editable installation:UserWarning' \
+	  $(PY) -m pip install -q -c constraints.txt -e '.[operator,test]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
-unit: cluster-build  # the chart tests need the pinned helm it builds
+unit: helm  # the chart tests need the pinned helm, and nothing else from Go
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
 	$(PY) -m pytest tests -q
 
 cluster-build: $(STAMP)
 	$(PY) e2e/cluster/cluster.py build
+
+helm: $(STAMP)
+	$(PY) e2e/cluster/cluster.py build helm
 
 e2e: cluster-build
 	$(PY) -m pytest e2e -q -m e2e

@@ -2,7 +2,8 @@
 # Build the local test control plane from Go modules (Go module proxy only, no git, no Docker):
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, kwokctl, jobset, helm.
 # Binaries land in $CACHE/bin/<component>-<version>/ and are skipped when already built.
-# Prints how long each step took.
+# Prints how long each step took. `build.sh helm` (or any subset of: etcd kubernetes kwok jobset helm)
+# builds only those components: the unit tests need helm alone.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
@@ -97,11 +98,16 @@ build_helm() {
 
 total0=$SECONDS
 echo "[build] cache: $CACHE ($GOVER)"
-BIN_DIR=$CACHE/bin/etcd-$ETCD_VERSION;        step etcd "$BIN_DIR" etcd -- build_etcd
-BIN_DIR=$CACHE/bin/kubernetes-$KUBE_VERSION;  step kubernetes "$BIN_DIR" kube-apiserver kube-controller-manager kube-scheduler kubectl -- build_kube
-BIN_DIR=$CACHE/bin/kwok-$KWOK_VERSION;        step kwok "$BIN_DIR" kwok kwokctl -- build_install "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@v$KWOK_VERSION"
-BIN_DIR=$CACHE/bin/jobset-$JOBSET_VERSION;    step jobset "$BIN_DIR" jobset -- build_jobset
-if [ "${BUILD_HELM:-1}" = 1 ]; then   # BUILD_HELM=0 skips helm (needed by e2e/test_helm.py)
-  BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;      step helm "$BIN_DIR" helm -- build_helm
-fi
-echo "[build] all components ready in $((SECONDS - total0)) s"
+wanted=${*:-etcd kubernetes kwok jobset helm}
+[ "${BUILD_HELM:-1}" = 1 ] || wanted=${wanted//helm/}   # BUILD_HELM=0 skips helm (needed by e2e/test_helm.py)
+for c in $wanted; do
+  case $c in
+    etcd)       BIN_DIR=$CACHE/bin/etcd-$ETCD_VERSION;       step etcd "$BIN_DIR" etcd -- build_etcd ;;
+    kubernetes) BIN_DIR=$CACHE/bin/kubernetes-$KUBE_VERSION; step kubernetes "$BIN_DIR" kube-apiserver kube-controller-manager kube-scheduler kubectl -- build_kube ;;
+    kwok)       BIN_DIR=$CACHE/bin/kwok-$KWOK_VERSION;       step kwok "$BIN_DIR" kwok kwokctl -- build_install "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@v$KWOK_VERSION" ;;
+    jobset)     BIN_DIR=$CACHE/bin/jobset-$JOBSET_VERSION;   step jobset "$BIN_DIR" jobset -- build_jobset ;;
+    helm)       BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;       step helm "$BIN_DIR" helm -- build_helm ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset helm)" >&2; exit 2 ;;
+  esac
+done
+echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"
