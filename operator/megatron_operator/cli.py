@@ -40,6 +40,17 @@ def _documents(path: str) -> Iterator[tuple[int, Any]]:
             yield i, doc
 
 
+def _items(path: str, docs: list[tuple[int, Any]], multi: bool) -> Iterator[tuple[str, Any]]:
+    """(where, object) for each document, with the items of a ``kind: List`` (``kubectl get -o yaml``)."""
+    for num, doc in docs:
+        where = f"{path}[{num}]" if multi else path
+        if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+            for i, item in enumerate(doc["items"]):
+                yield f"{where}.items[{i}]", item
+        else:
+            yield where, doc
+
+
 def _describe(doc: Any) -> str:
     if isinstance(doc, dict):
         name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
@@ -64,11 +75,11 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
             print(f"{path}: no documents", file=err)
             failures += 1
         multi = len(docs) > 1
-        for num, doc in docs:
-            where = f"{path}[{num}]" if multi else path
+        for where, doc in _items(path, docs, multi):
             if not is_megatronjob(doc):
                 print(f"{where}: skipped: {_describe(doc)} is not a MegatronJob", file=err)
                 continue
+            doc = {k: v for k, v in doc.items() if k != "status"}  # `kubectl get` output: the spec is checked
             try:
                 jobs.append((where, parse_job(doc)))
             except SpecError as exc:
@@ -104,11 +115,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     from .render import render
     from .settings import Settings
 
-    jobs, failures = _jobs([args.file], sys.stderr)
+    jobs, failures = _jobs(args.files, sys.stderr)
     if failures:
         return 1
     if not jobs:
-        print(f"{args.file}: no MegatronJob found", file=sys.stderr)
+        print("no MegatronJob found", file=sys.stderr)
         return 1
     try:
         settings = Settings.from_env()
@@ -137,8 +148,11 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .memory import fit_report
 
-    jobs, failures = _jobs([args.file], sys.stderr)
+    jobs, failures = _jobs(args.files, sys.stderr)
     if failures:
+        return 1
+    if not jobs:
+        print("no MegatronJob found", file=sys.stderr)
         return 1
     results = []
     for where, job in jobs:
@@ -168,11 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     v = sub.add_parser("validate", help="check MegatronJob manifests (exit 1 on any problem)")
-    v.add_argument("files", nargs="+", metavar="FILE", help="YAML files ('-' for stdin); multi-document ok")
+    v.add_argument("files", nargs="+", metavar="FILE", help="YAML files ('-' for stdin); multi-document "
+                   "and kind: List ok")
     v.set_defaults(func=cmd_validate)
 
     r = sub.add_parser("render", help="print every object the operator would create")
-    r.add_argument("file", metavar="FILE")
+    r.add_argument("files", nargs="+", metavar="FILE", help="YAML files ('-' for stdin); multi-document "
+                   "and kind: List ok")
     r.add_argument("-n", "--namespace", default="default",
                    help="namespace for manifests that name none (default: default)")
     r.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
@@ -182,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_crd)
 
     e = sub.add_parser("estimate", help="predict peak GPU memory per GPU and whether it fits")
-    e.add_argument("file", metavar="FILE")
+    e.add_argument("files", nargs="+", metavar="FILE", help="YAML files ('-' for stdin); multi-document "
+                   "and kind: List ok")
     e.add_argument("-o", "--output", choices=["table", "json"], default="table")
     e.set_defaults(func=cmd_estimate)
 
@@ -192,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "MEGATRON_OPERATOR_NAMESPACES")
     o.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then ~/.kube/config)")
     o.add_argument("--metrics-port", type=int, default=None, help="port of /metrics and /healthz")
-    o.add_argument("--peering", default=None, help="kopf peering name (one active operator); default: none")
     o.set_defaults(func=cmd_run)
     return p
 

@@ -55,8 +55,7 @@ def run_operator(args: argparse.Namespace) -> int:
         kopf.run(
             clusterwide=not namespaces,
             namespaces=namespaces,
-            standalone=args.peering is None,
-            peering_name=args.peering,
+            standalone=True,  # one active operator, no peering objects (docs/operations.md)
             memo=memo,
         )
     except Exception:

@@ -179,7 +179,7 @@ def test_container_command_is_the_cli_run_command(default_objs):
     assert c["command"] == ["megatron-operator"]
     args = build_parser().parse_args(c["args"])  # the real CLI accepts exactly these arguments
     assert args.command == "run"
-    assert args.namespace is None and args.peering is None and args.kubeconfig is None
+    assert args.namespace is None and args.kubeconfig is None
 
 
 def test_every_operator_setting_is_set_from_values(default_objs):

@@ -140,3 +140,57 @@ def test_rendered_yaml_keeps_numeric_looking_strings_strings():
     text = to_yaml({"command": ["--min-lr", "1e-05", "--lr", "0.0001", "--x", "true", "10", "plain"]})
     assert "'1e-05'" in text and "'true'" in text and "'10'" in text and "plain\n" in text
     assert yaml.safe_load(text)["command"][1] == "1e-05"
+
+
+def _as_kubectl_get(doc: dict, name: str) -> dict:
+    """A MegatronJob as `kubectl get -o yaml` prints it: server metadata and a status the CLI ignores."""
+    out = json.loads(json.dumps(doc))
+    out["metadata"].update(name=name, uid="0e7c-uid", resourceVersion="42", generation=1,
+                           managedFields=[{"manager": "kubectl", "operation": "Apply"}])
+    out["status"] = {"phase": "Running", "conditions": [{"type": "Running", "status": "True"}]}
+    return out
+
+
+def test_kind_list_is_accepted_by_validate_render_and_estimate(tmp_path):
+    items = [_as_kubectl_get(make_job(), "a"), _as_kubectl_get(make_job(), "b")]
+    f = write(tmp_path, "list.yaml", [{"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items}])
+    r = cli("validate", f)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"{f}.items[0]: a: valid", f"{f}.items[1]: b: valid"]
+    r = cli("render", f)
+    assert r.returncode == 0, r.stderr
+    jobsets = [d["metadata"]["name"] for d in yaml.safe_load_all(r.stdout) if d["kind"] == "JobSet"]
+    assert jobsets == ["a", "b"]
+    r = cli("estimate", "-o", "json", f)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)) == 2
+
+
+def test_a_bad_item_of_a_list_is_named(tmp_path):
+    bad = make_job(training__globalBatchSize=100)
+    f = write(tmp_path, "list.yaml", [{"apiVersion": "v1", "kind": "List", "items": [make_job(), bad]}])
+    r = cli("validate", f)
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"{f}.items[1]: spec.training.globalBatchSize: 100 is not divisible")
+
+
+def test_render_and_estimate_take_many_files(tmp_path):
+    a, b = (write(tmp_path, f"{n}.yaml", [make_job(metadata__name=n)]) for n in ("one", "two"))
+    r = cli("render", a, b)
+    assert r.returncode == 0, r.stderr
+    assert [d["metadata"]["name"] for d in yaml.safe_load_all(r.stdout) if d["kind"] == "JobSet"] == ["one", "two"]
+    r = cli("estimate", a, b)
+    assert r.returncode == 0, r.stderr
+    assert f"{a}: one" in r.stdout and f"{b}: two" in r.stdout
+
+
+def test_estimate_without_a_megatronjob_says_so(tmp_path):
+    r = cli("estimate", write(tmp_path, "cm.yaml", [{"apiVersion": "v1", "kind": "ConfigMap"}]))
+    assert r.returncode == 1 and "no MegatronJob found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_offers_no_peering():
+    """docs/operations.md: one active operator, kopf standalone; a --peering flag would contradict it."""
+    r = cli("run", "--help")
+    assert r.returncode == 0 and "--namespace" in r.stdout
+    assert "peering" not in r.stdout
