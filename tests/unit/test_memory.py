@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from factory import make_job
-from megatron_operator.memory import GIB, estimate, fit_report, padded_vocab
+from megatron_operator.memory import GIB, RESERVED_OVERHEAD_GIB, estimate, fit_report, padded_vocab
 from megatron_operator.validation import parse_job
 
 ROOT = Path(__file__).parents[2]
@@ -124,3 +124,22 @@ def test_total_is_sum_of_breakdown():
     e = est()
     assert e.total == pytest.approx(e.weights + e.gradients + e.optimizer + e.activations + e.other)
     assert e.total / GIB < 80
+
+
+def test_moe_example_states_what_estimate_predicts():
+    """examples/moe-expert-parallel.yaml quotes estimate's figures for 4 and 2 nodes; they must match."""
+    import re
+
+    import yaml
+    from megatron_operator.validation import parse_job
+
+    path = Path(__file__).parents[2] / "examples" / "moe-expert-parallel.yaml"
+    text = path.read_text()
+    quoted = [(float(a), float(b)) for a, b in re.findall(r"(\d+\.\d) of (\d+\.\d) GiB", text)]
+    doc = yaml.safe_load(text)
+    predicted = []
+    for nodes in (4, 2):
+        doc["spec"]["numNodes"] = nodes
+        r = fit_report(parse_job(doc), always=True)
+        predicted.append((round(r.per_gpu_gib + RESERVED_OVERHEAD_GIB, 1), r.capacity_gib))
+    assert quoted == predicted
