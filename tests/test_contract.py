@@ -154,9 +154,11 @@ def test_extra_args_reach_the_trainer_and_unknown_ones_are_refused_clearly(capsy
     # Megatron-LM flags the project trainer does not implement fail at start-up with exit code 2 and the
     # flag's name (a Megatron-LM image would accept them): never silently ignored.
     with pytest.raises(SystemExit) as exc:
-        parse_args(trainer_argv(job) + ["--log-throughput"])
+        parse_args(trainer_argv(job) + ["--record-memory-history"])
     assert exc.value.code == 2
-    assert "--log-throughput" in capsys.readouterr().err
+    assert "--record-memory-history" in capsys.readouterr().err
+    # The common logging flags of Megatron-LM launch scripts are accepted (trainer-contract.md, extraArgs).
+    assert parse_args(trainer_argv(job) + ["--log-throughput", "--manual-gc"]).training.manual_gc
 
 
 def test_rendered_flags_list_is_what_the_renderer_emits():

@@ -90,6 +90,9 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size 1 only"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--num-experts", "2"], "does not support MoE"),
+    (lambda a: a + ["--manual-gc-interval", "10"], "--manual-gc-interval needs --manual-gc"),
+    (lambda a: a + ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be >= 1"),
+    (lambda a: a + ["--timing-log-level", "5"], "invalid choice"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"], "must be >= 1"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--use-distributed-optimizer", "--overlap-grad-reduce",
                     "--overlap-param-gather"], "drop --overlap-param-gather"),
@@ -168,3 +171,44 @@ def test_cuda_graph_flags(mock_argv):
     cfg = parse_args(mock_argv + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"])
     assert (cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps) == ("full_iteration", 2)
     assert parse_args(mock_argv).training.cuda_graph_impl == "none"
+
+
+# Megatron-LM flags users pass in spec.training.extraArgs (docs/trainer-contract.md, "extraArgs"): the
+# logging ones are accepted and named at start-up; --manual-gc, the timeout and the fusion switches act.
+COMPAT_ARGV = ["--manual-gc", "--manual-gc-interval", "100", "--distributed-timeout-minutes", "30",
+               "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-progress",
+               "--timing-log-level", "2", "--timing-log-option", "all",
+               "--tensorboard-dir", "/checkpoints/tb", "--tensorboard-log-interval", "1",
+               "--tensorboard-queue-size", "5", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+               "--log-validation-ppl-to-tensorboard", "--wandb-project", "p", "--wandb-exp-name", "e",
+               "--wandb-entity", "t", "--wandb-save-dir", "/tmp/w", "--use-mcore-models",
+               "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+               "--no-persist-layer-norm", "--eval-interval", "1000"]
+
+
+def test_common_megatron_lm_flags_are_accepted(mock_argv):
+    from megatron_trainer.config import ignored_flags
+
+    cfg = parse_args(mock_argv + COMPAT_ARGV)
+    t = cfg.training
+    assert t.manual_gc and t.manual_gc_interval == 100 and t.distributed_timeout_minutes == 30
+    assert t.no_masked_softmax_fusion and t.no_rope_fusion and t.no_gradient_accumulation_fusion
+    assert cfg.logging.tensorboard_dir == "/checkpoints/tb" and cfg.logging.wandb_project == "p"
+    ignored = ignored_flags(cfg)
+    assert "--tensorboard-dir" in ignored and "--wandb-project" in ignored and "--eval-interval" in ignored
+    assert "--log-timers-to-tensorboard" in ignored and "--timing-log-level" in ignored
+    assert "--manual-gc" not in ignored and "--no-rope-fusion" not in ignored  # these act
+    assert ignored_flags(parse_args(mock_argv)) == []
+
+
+def test_every_accepted_compat_flag_is_documented():
+    """docs/trainer-contract.md lists the extraArgs the trainer accepts; the list and the parser agree."""
+    text = CONTRACT.read_text()
+    section = text[text.index("## extraArgs"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    documented = set(re.findall(r"`(--[a-z0-9-]+)", "\n".join(rows)))
+    given = {a for a in COMPAT_ARGV if a.startswith("--")}
+    assert given <= documented, given - documented
+    known = set(build_parser()._option_string_actions)
+    assert documented - known == set()

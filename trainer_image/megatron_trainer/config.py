@@ -9,6 +9,7 @@ Public surface:
   message on an unknown flag or an invalid combination.
 - `runtime_from_env(env) -> RuntimeConfig`: the environment the operator renders.
 - `world_layout(cfg, world_size) -> WorldLayout`: the checks that need the world size (DP, micro-batches).
+- `ignored_flags(cfg) -> list[str]`: Megatron-LM flags given that this trainer accepts but does not use.
 """
 
 from __future__ import annotations
@@ -177,6 +178,31 @@ class TrainingConfig:
         help="Do not fuse bias + GeLU/SwiGLU (torch.compile'd kernels)."))
     no_bias_dropout_fusion: bool = field(default=False, metadata=flag(
         "--no-bias-dropout-fusion", action="store_true", help="Do not fuse bias + dropout + residual add."))
+    no_masked_softmax_fusion: bool = field(default=False, metadata=flag(
+        "--no-masked-softmax-fusion", action="store_true",
+        help="Do not fuse scale + mask + softmax (Transformer Engine path; the local path never fuses it)."))
+    no_rope_fusion: bool = field(default=False, metadata=flag(
+        "--no-rope-fusion", action="store_true",
+        help="Do not fuse rotary embeddings (Transformer Engine path; the local path never fuses them)."))
+    no_gradient_accumulation_fusion: bool = field(default=False, metadata=flag(
+        "--no-gradient-accumulation-fusion", action="store_true",
+        help="Do not fuse weight-gradient accumulation into the GEMM (Transformer Engine path)."))
+    no_persist_layer_norm: bool = field(default=True, metadata=flag(
+        "--no-persist-layer-norm", action="store_true",
+        help="Accepted: this trainer never uses apex's persistent layer norm."))
+    manual_gc: bool = field(default=False, metadata=flag(
+        "--manual-gc", action="store_true",
+        help="Disable Python's automatic garbage collector (its pauses desynchronise ranks); collect "
+             "every --manual-gc-interval iterations instead."))
+    manual_gc_interval: int = field(default=0, metadata=flag(
+        "--manual-gc-interval", type=int,
+        help="Iterations between gc.collect() with --manual-gc (0: only at start-up)."))
+    distributed_timeout_minutes: int | None = field(default=None, metadata=flag(
+        "--distributed-timeout-minutes", type=int,
+        help="Timeout of collective operations in every process group, minutes (default: torch's 10 for "
+             "the world group, Megatron-Core's 30 for the parallel groups)."))
+    eval_interval: int | None = field(default=None, metadata=flag(
+        "--eval-interval", type=int, help="Accepted: the trainer does no evaluation (--eval-iters 0)."))
     recompute_granularity: str | None = field(default=None, metadata=flag(
         "--recompute-granularity", choices=("full", "selective"),
         help="Activation recomputation: 'selective' = core attention, 'full' = whole layers."))
@@ -270,6 +296,49 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """Megatron-LM logging flags, accepted so that existing launch scripts run; this trainer writes no
+    TensorBoard or Weights & Biases files (its metrics: the log line, Prometheus, status.progress).
+    Each one given is named once at start-up (`ignored_flags`)."""
+
+    log_throughput: bool = field(default=False, metadata=flag(
+        "--log-throughput", action="store_true", help="Accepted: throughput is always in the log line."))
+    log_params_norm: bool = field(default=False, metadata=flag(
+        "--log-params-norm", action="store_true", help="Accepted, not logged."))
+    log_num_zeros_in_grad: bool = field(default=False, metadata=flag(
+        "--log-num-zeros-in-grad", action="store_true", help="Accepted, not logged."))
+    log_progress: bool = field(default=False, metadata=flag(
+        "--log-progress", action="store_true", help="Accepted: progress goes to status.progress."))
+    timing_log_level: int = field(default=0, metadata=flag(
+        "--timing-log-level", type=int, choices=(0, 1, 2), help="Accepted, no timers are logged."))
+    timing_log_option: str = field(default="minmax", metadata=flag(
+        "--timing-log-option", choices=("max", "minmax", "all"), help="Accepted, no timers are logged."))
+    tensorboard_dir: str | None = field(default=None, metadata=flag(
+        "--tensorboard-dir", help="Accepted, no TensorBoard events are written."))
+    tensorboard_log_interval: int = field(default=1, metadata=flag(
+        "--tensorboard-log-interval", type=int, help="Accepted, no TensorBoard events are written."))
+    tensorboard_queue_size: int = field(default=1000, metadata=flag(
+        "--tensorboard-queue-size", type=int, help="Accepted, no TensorBoard events are written."))
+    log_timers_to_tensorboard: bool = field(default=False, metadata=flag(
+        "--log-timers-to-tensorboard", action="store_true", help="Accepted, no TensorBoard events are written."))
+    log_memory_to_tensorboard: bool = field(default=False, metadata=flag(
+        "--log-memory-to-tensorboard", action="store_true", help="Accepted, no TensorBoard events are written."))
+    log_validation_ppl_to_tensorboard: bool = field(default=False, metadata=flag(
+        "--log-validation-ppl-to-tensorboard", action="store_true",
+        help="Accepted, no TensorBoard events are written."))
+    wandb_project: str = field(default="", metadata=flag(
+        "--wandb-project", help="Accepted, nothing is sent to Weights & Biases."))
+    wandb_exp_name: str = field(default="", metadata=flag(
+        "--wandb-exp-name", help="Accepted, nothing is sent to Weights & Biases."))
+    wandb_entity: str = field(default="", metadata=flag(
+        "--wandb-entity", help="Accepted, nothing is sent to Weights & Biases."))
+    wandb_save_dir: str = field(default="", metadata=flag(
+        "--wandb-save-dir", help="Accepted, nothing is sent to Weights & Biases."))
+    use_mcore_models: bool = field(default=False, metadata=flag(
+        "--use-mcore-models", action="store_true", help="Accepted: Megatron-Core models are the only ones."))
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """Everything the command line says. Environment knobs live in `RuntimeConfig`."""
 
@@ -278,6 +347,7 @@ class TrainerConfig:
     training: TrainingConfig
     data: DataConfig
     checkpoint: CheckpointConfig
+    logging: LoggingConfig = LoggingConfig()
 
 
 @dataclass(frozen=True)
@@ -315,6 +385,7 @@ _SECTIONS: tuple[tuple[str, type], ...] = (
     ("training", TrainingConfig),
     ("data", DataConfig),
     ("checkpoint", CheckpointConfig),
+    ("logging", LoggingConfig),
 )
 
 
@@ -459,6 +530,12 @@ def _validate_training(cfg: TrainerConfig) -> None:
                              "for inside it; drop --overlap-param-gather (--overlap-grad-reduce is fine)")
         if t.cuda_graph_warmup_steps < 1:
             raise ValueError("--cuda-graph-warmup-steps must be >= 1 (the graph is captured after eager steps)")
+    if t.manual_gc_interval < 0:
+        raise ValueError("--manual-gc-interval must be >= 0")
+    if t.manual_gc_interval and not t.manual_gc:
+        raise ValueError("--manual-gc-interval needs --manual-gc")
+    if t.distributed_timeout_minutes is not None and t.distributed_timeout_minutes < 1:
+        raise ValueError("--distributed-timeout-minutes must be >= 1")
     if t.eval_iters != 0:
         raise ValueError("the trainer does no evaluation: --eval-iters must be 0")
     if t.lr_warmup_iters < 0 or t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
@@ -503,6 +580,19 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
         raise ValueError("--async-save needs --use-persistent-ckpt-worker")
     if c.exit_on_missing_checkpoint and not c.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
+
+
+def ignored_flags(cfg: TrainerConfig) -> list[str]:
+    """The accepted-but-unused flags the command line set (off their defaults), for one start-up note."""
+    out = []
+    for section, cls in (("logging", LoggingConfig),):
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            if getattr(values, f.name) != f.default:
+                out.append(f.metadata["flags"][0])
+    if cfg.training.eval_interval is not None:
+        out.append("--eval-interval")
+    return out
 
 
 def parse_args(argv: Sequence[str]) -> TrainerConfig:

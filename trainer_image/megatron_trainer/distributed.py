@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
@@ -51,10 +52,13 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
         from megatron.core.full_cuda_graph import get_shared_capture_stream
 
         torch.cuda.set_stream(get_shared_capture_stream())
+    minutes = cfg.training.distributed_timeout_minutes
+    timeout = {} if minutes is None else {"timeout": datetime.timedelta(minutes=minutes)}
     torch.distributed.init_process_group(backend="nccl", rank=rank, world_size=world_size,
-                                         device_id=torch.device("cuda", local_rank))
-    cpu_group = torch.distributed.new_group(backend="gloo")
-    parallel_state.initialize_model_parallel(**cfg.parallel.megatron_sizes())
+                                         device_id=torch.device("cuda", local_rank), **timeout)
+    cpu_group = torch.distributed.new_group(backend="gloo", **timeout)
+    parallel_state.initialize_model_parallel(
+        **cfg.parallel.megatron_sizes(), **({} if minutes is None else {"distributed_timeout_minutes": minutes}))
     set_random_seed(cfg.training.seed, graph_safe=cfg.training.cuda_graph_impl != "none")
     return DistEnv(rank, local_rank, world_size, layout, cpu_group)
 

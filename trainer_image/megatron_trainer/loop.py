@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import torch
 
 from . import flops as flops_mod
 from .checkpoint import Checkpointer
-from .config import RuntimeConfig, TrainerConfig
+from .config import RuntimeConfig, TrainerConfig, ignored_flags
 from .distributed import DistEnv, StopSignal, any_rank, init_distributed
 from .metrics import Metrics
 from .model import (
@@ -197,11 +198,22 @@ class Trainer:
                      self.checkpointer.async_strategy or "off")
             if self.patched_ops:
                 log.info("multi-tensor fallbacks replaced by foreach kernels: %s", ", ".join(self.patched_ops))
+            ignored = ignored_flags(self.cfg)
+            if ignored:
+                log.info("accepted for Megatron-LM compatibility, not used by this trainer: %s "
+                         "(metrics: the log line, Prometheus, status.progress)", " ".join(ignored))
+            if t.manual_gc:
+                log.info("manual gc: automatic collection off, gc.collect() every %s iterations",
+                         t.manual_gc_interval or "0 (start-up only)")
 
     # ----------------------------------------------------------------------- cadence predicates
     def should_log(self) -> bool:
         return self.state.iteration % self.cfg.training.log_interval == 0 or \
             self.state.iteration == self.cfg.training.train_iters
+
+    def should_collect_garbage(self) -> bool:
+        t = self.cfg.training
+        return t.manual_gc and t.manual_gc_interval > 0 and self.state.iteration % t.manual_gc_interval == 0
 
     def should_stop(self) -> str | None:
         """Why every rank stops now (None: keep going). One gloo all-reduce, so all ranks agree."""
@@ -270,6 +282,9 @@ class Trainer:
         """Train to --train-iters or until a stop (step -> log -> save -> stop); returns why it stopped."""
         window = _LogWindow()
         stop_reason = None
+        if self.cfg.training.manual_gc:  # Megatron-LM's --manual-gc: no collector pause on one rank at a time
+            gc.disable()
+            gc.collect()
         with self.profiler.session(self.state.iteration) as profiler:
             while self.state.iteration < self.cfg.training.train_iters:
                 t0 = time.monotonic()
@@ -282,6 +297,8 @@ class Trainer:
                 if self.should_log():
                     self.log_iterations(window.losses, window.seconds_per_iteration(), grad_norm)
                     window.reset()
+                if self.should_collect_garbage():
+                    gc.collect()
                 if saved := self.checkpointer.maybe_save(self.state.iteration, self.state.consumed_samples):
                     self.metrics.set("checkpoint_save_blocked_seconds", saved.blocked_s)
                 if stop_reason := self.should_stop():

@@ -87,9 +87,9 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         # Fusions: torch-only ones are on (Megatron-LM defaults); TE/apex-only ones off on the local path.
         bias_activation_fusion=not t.no_bias_activation_fusion and (m.swiglu or gelu_fusable),
         bias_dropout_fusion=not t.no_bias_dropout_fusion,
-        masked_softmax_fusion=not local,
-        apply_rope_fusion=not local and m.position_embedding_type == "rope",
-        gradient_accumulation_fusion=not local,
+        masked_softmax_fusion=not local and not t.no_masked_softmax_fusion,
+        apply_rope_fusion=not local and m.position_embedding_type == "rope" and not t.no_rope_fusion,
+        gradient_accumulation_fusion=not local and not t.no_gradient_accumulation_fusion,
         persist_layer_norm=False,
         # Loss: sum over tokens, divided by the global token count (finalize_model_grads).
         calculate_per_token_loss=True,
