@@ -8,10 +8,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build helm cluster-up cluster-down demo run lint constraints clean
+.PHONY: help venv test unit e2e cluster-build helm cluster-up cluster-down demo run lint constraints clean images images-full
 
 help:
-	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run"
+	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
 
 # A Python 3.12 virtualenv with the operator and test extras, pinned by constraints.txt.
 $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
@@ -53,6 +53,15 @@ demo: cluster-build
 # The operator against the cluster of the current kubeconfig.
 run: $(STAMP)
 	$(VENV)/bin/megatron-operator run
+
+# The operator image with buildah on a stand-in base, pip offline from a wheelhouse (no Docker, no
+# daemon; installs buildah/podman/runc/mmdebstrap when missing). docs/install.md.
+images:
+	scripts/images.sh operator
+
+# The trainer image too (torch from the wheelhouse: several GB, not in CI; docs/benchmarks.md).
+images-full: images
+	scripts/images.sh trainer
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts

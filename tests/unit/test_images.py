@@ -107,8 +107,18 @@ def _installs(dockerfile: str) -> list[str]:
     found = []
     for cmd in runs(ROOT / dockerfile):
         for pip in re.finditer(r"pip install[^&|;]*", cmd):
-            found += [a for a in shlex.split(pip.group(0))[2:] if not a.startswith("-")]
+            # options, and the optional offline form ${WHEELHOUSE:+--no-index --find-links=...}
+            found += [a for a in shlex.split(pip.group(0))[2:] if not a.startswith(("-", "$"))]
     return found
+
+
+def test_operator_image_installs_offline_from_a_wheelhouse_when_given_one():
+    """scripts/images.sh passes WHEELHOUSE: pip must then never contact an index."""
+    cmds = " ".join(runs(ROOT / "Dockerfile.operator"))
+    assert "${WHEELHOUSE:+--no-index --find-links=$WHEELHOUSE}" in cmds
+    _, instrs = parse(ROOT / "Dockerfile.operator")
+    assert any(i.op == "ARG" and i.args == "WHEELHOUSE=" and i.stage == 0 for i in instrs), \
+        "WHEELHOUSE must default to empty (PyPI) in the build stage"
 
 
 def test_operator_image_installs_only_the_operator_extra_pinned():

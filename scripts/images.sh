@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Build the operator and trainer images without Docker: buildah (chroot isolation, no daemon) on
+# locally assembled stand-in bases, with Python packages from a wheelhouse that pip prepares on
+# the host. The image builds themselves need no network. docs/install.md says how the stand-in
+# base differs from python:3.12-slim; docs/benchmarks.md has the measured times and sizes.
+#
+#   scripts/images.sh tools                 install buildah, podman, runc, mmdebstrap (root) or say which
+#   scripts/images.sh base                  the stand-in base image (cached tarball)
+#   scripts/images.sh operator              megatron-operator:dev  (wheelhouse of the operator extra)
+#   scripts/images.sh trainer               megatron-trainer:dev   (wheelhouse of the trainer extra, torch)
+#
+# Caches live outside the repository, keyed by version: $CACHE/images/base-<suite>-py<version>-<key>.tar
+# and $CACHE/wheelhouse/<extra>-py<version>-<key>/ (key: a hash of what feeds them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE=${MEGATRON_OPERATOR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-operator}
+SUITE=bookworm                       # python:3.12-slim's Debian release
+TAG=${IMAGE_TAG:-dev}
+BASE_RECIPE=2                        # bump when cmd_base changes what goes into the base
+TOOLS_PACKAGES="buildah podman runc mmdebstrap"
+# Runtime libraries of CPython's extension modules, and what python:3.12-slim also carries.
+BASE_PACKAGES="ca-certificates,netbase,tzdata,libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libexpat1,libuuid1,libncursesw6,libreadline8,libnsl2,libtirpc3,libcrypt1"
+
+log() { echo "[images] $*" >&2; }
+die() { echo "images: $*" >&2; exit 1; }
+
+key_of() { cat "$@" | sha256sum | cut -c1-12; }
+
+cmd_tools() {
+  local missing=()
+  for tool in $TOOLS_PACKAGES; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ ${#missing[@]} = 0 ] && { log "tools: $TOOLS_PACKAGES present"; return; }
+  if [ "$(id -u)" != 0 ]; then
+    die "missing ${missing[*]}; install the Debian packages as root:
+  apt-get install --no-install-recommends $TOOLS_PACKAGES
+then run the command again."
+  fi
+  command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get here; install the packages $TOOLS_PACKAGES with your distribution's package manager"
+  log "tools: installing $TOOLS_PACKAGES (apt-get)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $TOOLS_PACKAGES >/dev/null
+}
+
+# The CPython that find-python.sh resolves (the same 3.12 CI and the virtualenvs use).
+host_python() { scripts/find-python.sh; }
+python_version() { "$1" -c 'import platform; print(platform.python_version())'; }
+
+# Stand-in for python:3.12-slim: Debian $SUITE minbase (mmdebstrap) + this machine's CPython 3.12
+# copied to /usr/local (Debian has no python3.12 package). Prints the image name.
+cmd_base() {
+  local py prefix version key tarball image root
+  py=$(host_python); version=$(python_version "$py")
+  prefix=$("$py" -c 'import sys; print(sys.base_prefix)')
+  [[ $version == 3.12.* ]] || die "the stand-in base needs CPython 3.12, found $version at $py"
+  key=$(key_of <(echo "$BASE_RECIPE $SUITE $BASE_PACKAGES $version") "$prefix/bin/python${version%.*}")
+  tarball=$CACHE/images/base-$SUITE-py$version-$key.tar
+  image=localhost/megatron-operator-base/python:$version-slim-$SUITE-standin
+  if [ ! -f "$tarball" ]; then
+    log "base: mmdebstrap $SUITE minbase + CPython $version from $prefix"
+    mkdir -p "$CACHE/images"
+    root=$(mktemp -d "$CACHE/images/rootfs.XXXXXX")
+    trap 'rm -rf "$root"' RETURN
+    # The path excludes are debian:bookworm-slim's (no man pages, docs or translations).
+    mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" \
+      --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+      --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/groff/*' \
+      --dpkgopt='path-exclude=/usr/share/lintian/*' \
+      --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
+      "$SUITE" "$root/rootfs" >&2
+    # The interpreter, its standard library and headers; no tests, no IDLE/tkinter, nothing from
+    # the host's site-packages. pip comes from the interpreter's own bundled wheel (ensurepip).
+    local minor=${version%.*}
+    tar -C "$prefix" -c \
+      --exclude="lib/python$minor/test" --exclude="lib/python$minor/idlelib" \
+      --exclude="lib/python$minor/tkinter" --exclude="lib/python$minor/turtledemo" \
+      --exclude="lib/python$minor/site-packages/*" --exclude='__pycache__' \
+      --exclude="lib/python$minor/config-$minor-*/*.a" --exclude='bin/pip*' --exclude='bin/idle*' \
+      bin include lib | tar -C "$root/rootfs/usr/local" -x
+    # Scripts keep the host prefix in their #! line; point them at /usr/local.
+    grep -lr "^#!$prefix" "$root/rootfs/usr/local/bin" | xargs -r sed -i "1s|^#!$prefix/bin/|#!/usr/local/bin/|"
+    # Without debug symbols, as in python:3.12-slim.
+    find "$root/rootfs/usr/local" -name '*.so*' -type f -exec strip --strip-unneeded {} +
+    strip --strip-unneeded "$root/rootfs/usr/local/bin/python$minor"
+    chroot "$root/rootfs" /sbin/ldconfig
+    chroot "$root/rootfs" /usr/local/bin/python3 -m ensurepip --default-pip >/dev/null
+    find "$root/rootfs/usr/local" -name __pycache__ -prune -exec rm -rf {} +
+    chroot "$root/rootfs" /usr/local/bin/python3 -c 'import ssl, sqlite3, ctypes, lzma, bz2, zlib, uuid, readline' \
+      || die "the stand-in base's CPython cannot load its extension modules"
+    tar -C "$root/rootfs" --numeric-owner -cf "$tarball.part" . && mv "$tarball.part" "$tarball"
+    find "$CACHE/images" -maxdepth 1 -name "base-$SUITE-py*.tar" ! -path "$tarball" -delete   # superseded keys
+  fi
+  if ! podman image exists "$image" || [ "$(podman image inspect -f '{{index .Labels "key"}}' "$image" 2>/dev/null)" != "$key" ]; then
+    log "base: importing $tarball as $image"
+    podman import --quiet \
+      --change 'ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin' \
+      --change 'ENV LANG=C.UTF-8' --change "ENV PYTHON_VERSION=$version" \
+      --change "LABEL key=$key" --change 'CMD ["python3"]' \
+      "$tarball" "$image" >/dev/null
+  fi
+  echo "$image"
+}
+
+# pip wheel of an extra's dependencies (and the build backend) into a cache keyed by the inputs.
+# Prints the directory.
+wheelhouse() {
+  local extra=$1 py version key dir
+  py=$(host_python); version=$(python_version "$py")
+  key=$(key_of constraints.txt pyproject.toml <(echo "$extra $version"))
+  dir=$CACHE/wheelhouse/$extra-py$version-$key
+  if [ ! -f "$dir/.complete" ]; then
+    log "wheelhouse: pip wheel '.[$extra]' (constraints.txt) into $dir"
+    rm -rf "$dir" && mkdir -p "$dir"
+    "$py" -m pip wheel --quiet --disable-pip-version-check --wheel-dir "$dir" \
+      --constraint constraints.txt ".[$extra]" 'setuptools>=68' wheel >&2
+    rm -f "$dir"/megatron_operator-*.whl   # the project itself is built inside the image
+    touch "$dir/.complete"
+  fi
+  echo "$dir"
+}
+
+# buildah bud of one Dockerfile on the stand-in base, pip offline from the wheelhouse.
+build() {
+  local name=$1 dockerfile=$2 base_arg=$3 extra=$4 base wheels start
+  base=$(cmd_base); wheels=$(wheelhouse "$extra")
+  log "build: $name:$TAG from $dockerfile (base $base, wheelhouse $wheels)"
+  start=$SECONDS
+  buildah bud --quiet --isolation chroot --layers \
+    --build-arg "$base_arg=$base" --build-arg WHEELHOUSE=/wheelhouse \
+    --volume "$wheels:/wheelhouse:ro" \
+    -f "$dockerfile" -t "localhost/$name:$TAG" . >&2
+  log "build: localhost/$name:$TAG in $((SECONDS - start)) s, $(podman image inspect -f '{{.Size}}' "localhost/$name:$TAG") bytes"
+}
+
+case ${1:-} in
+  tools) cmd_tools ;;
+  base) cmd_tools; cmd_base ;;
+  wheelhouse) wheelhouse "${2:?extra}" ;;
+  operator) cmd_tools; build megatron-operator Dockerfile.operator PYTHON_IMAGE operator ;;
+  trainer) cmd_tools; build megatron-trainer Dockerfile.trainer BASE_IMAGE trainer ;;
+  *) die "usage: scripts/images.sh tools | base | wheelhouse EXTRA | operator | trainer" ;;
+esac
