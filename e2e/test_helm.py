@@ -196,10 +196,10 @@ EXPECTED = {
     ("megatron-operator.io", "megatronjobs", "patch"),
     ("megatron-operator.io", "megatronjobs/status", "get"), ("megatron-operator.io", "megatronjobs/status", "patch"),
     ("megatron-operator.io", "megatronjobs/finalizers", "update"),
-    *(("jobset.x-k8s.io", "jobsets", v) for v in ("list", "watch", "create", "patch", "delete")),
+    *(("jobset.x-k8s.io", "jobsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")),
     ("", "pods", "list"), ("", "pods", "watch"),
-    ("", "serviceaccounts", "create"),
-    ("rbac.authorization.k8s.io", "roles", "create"), ("rbac.authorization.k8s.io", "rolebindings", "create"),
+    ("", "serviceaccounts", "get"), ("", "serviceaccounts", "create"),
+    *(("rbac.authorization.k8s.io", res, v) for res in ("roles", "rolebindings") for v in ("get", "create")),
     ("", "events", "create"),
 }
 
@@ -217,7 +217,7 @@ FORBIDDEN = [  # requests the operator never makes: all must be refused
     ("delete", "pods"), ("create", "serviceaccounts", "--subresource=token"), ("delete", "roles"),
     ("update", "rolebindings"), ("create", "pods", "--subresource=exec"), ("escalate", "roles"), ("bind", "roles"),
     ("impersonate", "serviceaccounts"), ("create", "jobs.batch"),
-    ("patch", "jobsets.jobset.x-k8s.io", "--subresource=status"), ("get", "jobsets.jobset.x-k8s.io"),
+    ("patch", "jobsets.jobset.x-k8s.io", "--subresource=status"), ("update", "jobsets.jobset.x-k8s.io"),
 ]
 FORBIDDEN_CLUSTER = [("create", "clusterroles"), ("create", "clusterrolebindings"), ("list", "nodes"),
                      ("list", "namespaces"), ("get", "customresourcedefinitions"), ("create", "namespaces")]

@@ -8,6 +8,7 @@ import json
 import signal
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +19,9 @@ from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL
 from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
+from megatron_operator.render import render_jobset
+from megatron_operator.settings import Settings
+from megatron_operator.validation import parse_job
 from megatron_trainer.progress import Progress, ProgressWriter
 
 pytestmark = pytest.mark.e2e
@@ -255,3 +259,47 @@ def test_metrics_and_healthz(cluster, operator, jobs):
     assert "megatron_operator_jobset_creation_seconds_count" in text
     assert 'megatron_operator_reconciles_total{kind="MegatronJob",result="success"}' in text
     assert operator.healthy()
+
+
+def test_a_name_taken_by_a_foreign_object_is_never_used(cluster, operator, jobs):
+    """A ServiceAccount (or JobSet) that already carries a child's name is not borrowed: the job
+    stays Pending with reason NotOwned, creates nothing after it, and leaves the object untouched."""
+    # someone else's identity, e.g. bound to a cloud IAM role
+    jobs.core.create_namespaced_service_account(jobs.ns, {"metadata": {
+        "name": "victim-trainer", "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/admin"}}})
+    jobs.create(small_job("victim", podMetadata=run_for(5)))
+    st = cluster.wait_for(lambda: (s := jobs.status("victim")).get("reason") == "NotOwned" and s, 60,
+                          "reason NotOwned", namespace=jobs.ns)
+    assert st["phase"] == "Pending"
+    assert f"ServiceAccount {jobs.ns}/victim-trainer already exists and is not controlled" in st["message"]
+    created = {c["type"]: c for c in st["conditions"]}["Created"]
+    assert created["status"] == "False" and created["reason"] == "NotOwned"
+    assert any(e.reason == "NotOwned" and e.type == "Warning" for e in jobs.events("victim"))
+    assert jobs.jobset("victim") is None  # nothing after the conflicting child
+    sa = jobs.core.read_namespaced_service_account("victim-trainer", jobs.ns)
+    assert not sa.metadata.owner_references  # untouched
+    for read in (lambda: jobs.rbac.read_namespaced_role("victim-trainer", jobs.ns),
+                 lambda: jobs.rbac.read_namespaced_role_binding("victim-trainer", jobs.ns)):
+        with pytest.raises(kubernetes.client.ApiException) as e:
+            read()
+        assert e.value.status == 404
+    # once the object is gone, the job creates its own identity and runs
+    jobs.core.delete_namespaced_service_account("victim-trainer", jobs.ns)
+    jobs.wait_phase("victim", "Succeeded")
+    (ref,) = jobs.core.read_namespaced_service_account("victim-trainer", jobs.ns).metadata.owner_references
+    assert ref.uid == jobs.get("victim")["metadata"]["uid"] and ref.controller
+
+    # a JobSet of the job's name that the job does not control, even with the operator's labels
+    foreign = render_jobset(parse_job({**small_job("taken"), "metadata": {"name": "taken", "namespace": jobs.ns}}),
+                            Settings())
+    foreign["spec"]["suspend"] = True
+    jobs.custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", foreign)
+    jobs.create(small_job("taken", activeDeadlineSeconds=1))
+    st = cluster.wait_for(lambda: (s := jobs.status("taken")).get("reason") == "NotOwned" and s, 60,
+                          "reason NotOwned for the JobSet", namespace=jobs.ns)
+    assert f"JobSet {jobs.ns}/taken already exists" in st["message"]
+    js = jobs.jobset("taken")
+    assert js["spec"]["suspend"] is True and not js["metadata"].get("ownerReferences")  # not resumed, not adopted
+    time.sleep(3)  # several resync ticks (1 s): a bug would delete it for the 1 s deadline, or un-suspend it
+    js = jobs.jobset("taken")
+    assert js is not None and js["spec"]["suspend"] is True

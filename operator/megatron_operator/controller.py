@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import status as st
-from .kube import Kube
+from .kube import Kube, NotOwned, controller_uid
 from .memory import FitReport, fit_report
 from .metrics import Metrics
 from .render import render
@@ -82,6 +82,8 @@ class Controller:
         # Validation and the memory estimate per (uid, generation): the spec of a generation never
         # changes, and observations run on every pod and JobSet event.
         self._parsed: dict[tuple[str, str], tuple[tuple[str, int], Parsed]] = {}
+        # Per job (by UID): the child whose name is taken by an object this job does not control.
+        self._not_owned: dict[tuple[str, str], tuple[str, str]] = {}
 
     def parse(self, body: dict[str, Any]) -> Parsed:
         meta = body.get("metadata") or {}
@@ -117,13 +119,27 @@ class Controller:
         assert parsed.job is not None
         if (body.get("status") or {}).get("phase") in st.TERMINAL:
             return  # a finished job is never restarted (resume after an operator restart)
-        self.ensure_children(parsed.job, body, emit)
+        if not self.ensure_children(parsed.job, body, emit):
+            meta = body["metadata"]
+            with self._lock((meta["namespace"], meta["name"])):
+                self.observe(body, None, [], emit, parsed=parsed)  # report the conflict now
 
-    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn) -> None:
-        """Create whatever child is missing."""
+    def not_owned(self, meta: dict[str, Any]) -> str | None:
+        """Why this job's children cannot be created (a name taken by an object it does not control)."""
+        found = self._not_owned.get((meta["namespace"], meta["name"]))
+        return found[1] if found and found[0] == meta.get("uid") else None
+
+    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn) -> bool:
+        """Create whatever child is missing; False when a child's name is taken by an object this job
+        does not control (nothing after it is created; retried on every observation)."""
         meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
         for obj in render(job, self.settings, owner_uid=meta["uid"]):
-            created = self.kube.create(obj)
+            try:
+                created = self.kube.create(obj)
+            except NotOwned as exc:
+                self._not_owned[key] = (meta["uid"], str(exc))
+                return False
             if obj["kind"] == "JobSet" and created:
                 self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
                 recreated = bool((body.get("status") or {}).get("jobSetName"))
@@ -131,6 +147,8 @@ class Controller:
                               st.Reason.JOBSET_RECREATED if recreated else st.Reason.JOBSET_CREATED,
                               (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
                                f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
+        self._not_owned.pop(key, None)
+        return True
 
     # ---- the level-based loop -------------------------------------------------------------------
 
@@ -146,6 +164,10 @@ class Controller:
         previous = {**(body.get("status") or {}), **{k: v for k, v in (written or {}).items() if k != "_uid"}}
         job = parsed.job
         spec = job.spec if job is not None else None  # None: the models refuse it (status says why)
+        if jobset is not None and controller_uid(jobset) != meta.get("uid"):
+            # A JobSet of this name that this job does not control (another MegatronJob's of the same
+            # name still being garbage-collected, or someone else's): never read or act on it.
+            jobset = None
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
         obs = st.Observation(
             name=name, generation=int(meta.get("generation") or 0),
@@ -158,6 +180,7 @@ class Controller:
             fit=parsed.fit,
             deadline_s=spec.active_deadline_seconds if spec else None,
             stall_timeout_s=self.settings.stall_timeout_s,
+            not_owned=self.not_owned(meta),
         )
         desired, events = st.derive(obs)
         phase = desired["phase"]
@@ -166,6 +189,9 @@ class Controller:
         if job is not None and not parsed.problems:
             if js_view is None and phase not in st.TERMINAL:
                 self.ensure_children(job, body, emit)
+                if obs.not_owned != self.not_owned(meta):  # a conflict found or gone: report it now
+                    obs.not_owned = self.not_owned(meta)
+                    desired, events = st.derive(obs)
             elif js_view is not None:
                 if phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
                     self.kube.delete_jobset(ns, js_view.name)
@@ -194,5 +220,6 @@ class Controller:
         self.metrics.forget(ns, name)
         self._written.pop((ns, name), None)
         self._parsed.pop((ns, name), None)
+        self._not_owned.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)

@@ -15,10 +15,11 @@ evaluation mirrors that: reading an absent field raises ``Missing``. Integers on
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import re2  # the API server's regex engine: Python's re lets "$" match before a trailing newline
 
 
 class Missing(LookupError):
@@ -271,7 +272,7 @@ class Matches(Expr):
         return f"{self.inner.cel()}.matches({json.dumps(self.pattern)})"
 
     def eval(self, env: dict[str, Any]) -> Any:
-        return re.search(self.pattern, self.inner.eval(env)) is not None
+        return re2.search(self.pattern, self.inner.eval(env)) is not None
 
 
 @dataclass(frozen=True, eq=False)

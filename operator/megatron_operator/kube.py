@@ -35,6 +35,32 @@ class TransientError(RuntimeError):
     """Worth retrying: API server unavailable, throttled, conflicts, timeouts."""
 
 
+class NotOwned(RuntimeError):
+    """A child's name is taken by an object this MegatronJob does not control (409 on create, and the
+    existing object's controller ownerReference is not this job's UID). It is never used or changed."""
+
+    def __init__(self, kind: str, namespace: str, name: str, owner: str):
+        self.kind, self.namespace, self.name, self.owner = kind, namespace, name, owner
+        super().__init__(f"{kind} {namespace}/{name} already exists and is not controlled by this MegatronJob "
+                         f"({owner}); the operator never uses an object it did not create: delete or rename it, "
+                         f"or rename the MegatronJob")
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    """The UID of the object's controller (the ownerReference with ``controller: true``), if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+def _describe_owner(obj: dict[str, Any]) -> str:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return f"its controller is {ref.get('kind')} {ref.get('name')} uid {ref.get('uid')}"
+    return "it has no controller"
+
+
 class PermanentApiError(RuntimeError):
     """A request the API server refuses for good (e.g. validation, forbidden, not found)."""
 
@@ -112,7 +138,9 @@ class Kube:
             raise TransientError(f"{method} {path}: {exc}") from None
 
     def create(self, obj: dict[str, Any]) -> bool:
-        """Create ``obj``; False when it already exists (409 is success: creation is idempotent)."""
+        """Create ``obj``; False when it already exists and is ours (409 is success: creation is
+        idempotent). ``NotOwned`` when the name is taken by an object whose controller is not the
+        owner ``obj`` names: a job must never run under, or act on, someone else's identity or JobSet."""
         meta = obj["metadata"]
         what = f"create {obj['kind']} {meta['namespace']}/{meta['name']}"
         try:
@@ -120,11 +148,18 @@ class Kube:
                           query=[("fieldManager", FIELD_MANAGER)])
             return True
         except ApiException as exc:
-            if exc.status == 409:
-                return False
-            _raise(exc, what)
+            if exc.status != 409:
+                _raise(exc, what)
         except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
             raise TransientError(f"{what}: {exc}") from None
+        try:
+            existing = self._call("GET", _path(obj["kind"], meta["namespace"], meta["name"]))
+        except PermanentApiError as exc:
+            if exc.status == 404:  # deleted between the create and the read: try again
+                raise TransientError(f"{what}: 409, then 404 on read") from None
+            raise
+        if controller_uid(existing) != controller_uid(obj):
+            raise NotOwned(obj["kind"], meta["namespace"], meta["name"], _describe_owner(existing))
         return False
 
     def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

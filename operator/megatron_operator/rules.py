@@ -150,12 +150,21 @@ MANAGED_FLAGS: tuple[str, ...] = RENDERED_FLAGS + ALIAS_FLAGS
 MANAGED_FLAG_RE = r"^--(" + "|".join(fl.replace(".", r"\.") for fl in MANAGED_FLAGS) + r")(=.*)?$"
 
 # Environment the operator sets in the trainer container; spec.env may not override it.
+# The device plugin decides which GPUs a container sees: NVIDIA_VISIBLE_DEVICES=all (the CUDA images'
+# default, if set by the user) would show a pod every GPU of its node. torchrun sets its own
+# rendezvous variables (PET_* are its flags as environment, TORCHELASTIC_* its agent's state).
 RESERVED_ENV: tuple[str, ...] = (
     "NODE_RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "HOME", "PYTHONUNBUFFERED", "FI_PROVIDER",
     "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
-    "WORLD_SIZE",
+    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "ROLE_NAME", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
 )
-RESERVED_ENV_RE = r"^(MEGATRON_.*|" + "|".join(RESERVED_ENV) + r")$"
+RESERVED_ENV_RE = r"^(MEGATRON_.*|PET_.*|TORCHELASTIC_.*|" + "|".join(RESERVED_ENV) + r")$"
+# Resources the spec sets through its own fields (GPUs, EFA, cpu, memory), and the kubernetes.io
+# namespace (unprefixed names such as ephemeral-storage and hugepages-2Mi are in it): an entry in
+# extendedResources would override them (nvidia.com/gpu: 0 with NVIDIA_VISIBLE_DEVICES=all).
+RESERVED_RESOURCE_RE = (r"^([^/]*|([^/]*\.)?kubernetes\.io/.*|nvidia\.com/(gpu|mig-).*|amd\.com/gpu|"
+                        r"vpc\.amazonaws\.com/efa)$")
 # Pod label keys the operator and JobSet set themselves.
 RESERVED_LABEL_RE = r"^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kubernetes\.io/|batch\.kubernetes\.io/)"
 
@@ -344,11 +353,28 @@ SPEC_RULES: list[Rule] = [
                       Index(Filter(f("training.extraArgs"), "a", Matches(Var("a"), MANAGED_FLAG_RE)), 0),
                       " is set by the operator from the spec (parallel sizes, model shape, batch, precision, "
                       "data, checkpoint); set the spec field instead")),
+    # One token per list item: "--seed 5" would reach the trainer as one unknown flag, and "--save\n"
+    # slips past the managed-flag pattern (RE2's "$" does not match before a newline).
+    Rule("extra-args-one-token", "training.extraArgs",
+         All(f("training.extraArgs"), "a", ~Matches(Var("a"), r"[\s\x00-\x1f\x7f]")),
+         # not echoed: the API server drops a messageExpression result that contains a line break
+         message=lit("spec.training.extraArgs: an item contains whitespace or a control character (space, tab, "
+                     "line break); give each flag and each value as its own list item, e.g. [\"--seed\", \"5\"]")),
     Rule("env-not-reserved", "env",
          All(f("env"), "e", ~Matches(Field("name", "e"), RESERVED_ENV_RE)),
          message=fmt("spec.env: ",
                       Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), RESERVED_ENV_RE)), 0), "name"),
-                      " is set by the operator (rendezvous, progress reporting, NCCL); use another name")),
+                      " is set by the operator, torchrun or the GPU device plugin (rendezvous, progress reporting, NCCL, "
+                      "which GPUs the pod sees); use another name")),
+    Rule("extended-resources-not-reserved", "resources.extendedResources",
+         All(f("resources.extendedResources"), "k", ~Matches(Var("k"), RESERVED_RESOURCE_RE)),
+         message=fmt("spec.resources.extendedResources: ",
+                      Index(Filter(f("resources.extendedResources"), "k", Matches(Var("k"), RESERVED_RESOURCE_RE)),
+                            0),
+                      " is not an extended resource this field may set: GPUs come from spec.gpusPerNode, EFA from "
+                      "spec.resources.efaPerNode, cpu and memory from spec.resources.cpu and memory, and other "
+                      "unprefixed or kubernetes.io names (ephemeral-storage, hugepages-*) are not allowed; use a "
+                      "domain-prefixed device resource such as rdma/hca_shared_devices_a")),
     Rule("pod-labels-not-reserved", "podMetadata.labels",
          All(f("podMetadata.labels"), "k", ~Matches(Var("k"), RESERVED_LABEL_RE)),
          message=fmt("spec.podMetadata.labels: ",

@@ -60,6 +60,7 @@ class Reason:
     UNSCHEDULABLE = "Unschedulable"
     WAITING = "Waiting"
     PODS_STARTING = "PodsStarting"
+    NOT_OWNED = "NotOwned"  # a child's name is taken by an object the job does not control
     # condition reasons
     JOBSET_CREATED = "JobSetCreated"
     NOT_CREATED = "NotCreated"
@@ -175,6 +176,7 @@ class Observation:
     fit: FitReport | None = None
     deadline_s: int | None = None
     stall_timeout_s: int = 1800
+    not_owned: str | None = None  # why the children cannot be created (kube.NotOwned's message)
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,8 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
         # or by the operator on a deadline).
         return prev_phase, o.previous.get("reason", ""), o.previous.get("message", "")
     js = o.jobset
+    if js is None and o.not_owned:
+        return Phase.PENDING, Reason.NOT_OWNED, o.not_owned
     if js is None:
         return Phase.PENDING, Reason.CREATING, "creating the JobSet"
     if c := js.condition_true("Completed"):
@@ -265,7 +269,8 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     message = message[:MAX_MESSAGE]
     events: list[Event] = []
     if phase != prev.get("phase") or reason != prev.get("reason"):
-        warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART)
+        warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART,
+                                                                      Reason.NOT_OWNED)
         events.append(Event("Warning" if warn else "Normal", reason if phase != Phase.RUNNING else Phase.RUNNING,
                             f"{phase}: {message}"))
 
@@ -279,8 +284,11 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
 
     if o.problems:
         conditions.set(ConditionType.INVALID_SPEC, True, Reason.INVALID_SPEC, message)
-    conditions.set(ConditionType.CREATED, bool(jobset_name),
-                   Reason.JOBSET_CREATED if jobset_name else Reason.NOT_CREATED, f"JobSet {jobset_name or ''}".strip())
+    if o.jobset is None and o.not_owned:
+        conditions.set(ConditionType.CREATED, False, Reason.NOT_OWNED, o.not_owned)
+    else:
+        conditions.set(ConditionType.CREATED, bool(jobset_name), Reason.JOBSET_CREATED if jobset_name
+                       else Reason.NOT_CREATED, f"JobSet {jobset_name or ''}".strip())
     for kind in (ConditionType.RUNNING, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED,
                  ConditionType.FAILED):
         on = phase == kind

@@ -263,10 +263,10 @@ EXPECTED_RULES = [
     (("megatron-operator.io",), ("megatronjobs",), ("list", "watch", "patch")),
     (("megatron-operator.io",), ("megatronjobs/status",), ("get", "patch")),
     (("megatron-operator.io",), ("megatronjobs/finalizers",), ("update",)),
-    (("jobset.x-k8s.io",), ("jobsets",), ("list", "watch", "create", "patch", "delete")),
+    (("jobset.x-k8s.io",), ("jobsets",), ("get", "list", "watch", "create", "patch", "delete")),
     (("",), ("pods",), ("list", "watch")),
-    (("",), ("serviceaccounts",), ("create",)),
-    (("rbac.authorization.k8s.io",), ("roles", "rolebindings"), ("create",)),
+    (("",), ("serviceaccounts",), ("get", "create")),
+    (("rbac.authorization.k8s.io",), ("roles", "rolebindings"), ("get", "create")),
     (("",), ("events",), ("create",)),
 ]
 

@@ -17,6 +17,7 @@ import pytest
 from factory import make_job
 from megatron_operator import status as st
 from megatron_operator.controller import Controller, InvalidSpec
+from megatron_operator.kube import NotOwned
 from megatron_operator.metrics import Metrics
 from megatron_operator.settings import Settings
 
@@ -28,11 +29,14 @@ class FakeKube:
     """The four calls the controller makes, recorded; ``existing`` holds (kind, name) already there."""
 
     existing: set[tuple[str, str]] = field(default_factory=set)
+    foreign: set[tuple[str, str]] = field(default_factory=set)  # taken by objects the job does not control
     calls: list[tuple[Any, ...]] = field(default_factory=list)
 
     def create(self, obj: dict[str, Any]) -> bool:
         key = (obj["kind"], obj["metadata"]["name"])
         self.calls.append(("create", *key))
+        if key in self.foreign:
+            raise NotOwned(key[0], "team-a", key[1], "it has no controller")
         if key in self.existing:
             return False
         self.existing.add(key)
@@ -59,9 +63,10 @@ def body(status: dict[str, Any] | None = None, **overrides: Any) -> dict[str, An
     return job
 
 
-def jobset(suspended: bool = False, restarts: int = 0, created: datetime | None = None,
+def jobset(suspended: bool = False, restarts: int = 0, created: datetime | None = None, owner: str = UID,
            **conditions: str) -> dict[str, Any]:
-    return {"metadata": {"name": "job", "creationTimestamp": st.iso(created or datetime.now(UTC))},
+    return {"metadata": {"name": "job", "creationTimestamp": st.iso(created or datetime.now(UTC)),
+                         "ownerReferences": [{"kind": "MegatronJob", "name": "job", "uid": owner, "controller": True}]},
             "spec": {"suspend": suspended},
             "status": {"restarts": restarts,
                        "conditions": [{"type": k, "status": "True", "reason": v, "message": v}
@@ -199,3 +204,38 @@ def test_completed_jobset_gives_succeeded_and_no_further_action(ctl, kube):
     observe(ctl, b, jobset(Completed="AllJobsCompleted"))
     assert kube.of("status")[-1][1] == "Succeeded"
     assert kube.of("suspend") == [] and kube.of("delete") == [] and kube.of("create") == []
+
+
+# ---- children whose names are taken by objects the job does not control -------------------------
+
+@pytest.mark.parametrize("kind", ["ServiceAccount", "Role", "RoleBinding", "JobSet"])
+def test_a_foreign_child_is_never_used_and_the_job_says_which(ctl, kube, kind):
+    name = "job" if kind == "JobSet" else "job-trainer"
+    kube.foreign.add((kind, name))
+    events: list[st.Event] = []
+    ctl.reconcile(body(), events.append)
+    kinds = [c[1] for c in kube.of("create")]
+    assert kinds[-1] == kind and "JobSet" not in [k for k in kinds if k != kind]  # nothing after it
+    phase, reason = kube.of("status")[-1][1:]
+    assert (phase, reason) == ("Pending", "NotOwned")
+    (warning,) = [e for e in events if e.reason == "NotOwned"]
+    assert warning.type == "Warning" and f"{kind} team-a/{name} already exists" in warning.message
+
+
+def test_not_owned_resolves_once_the_foreign_object_is_gone(ctl, kube):
+    kube.foreign.add(("ServiceAccount", "job-trainer"))
+    ctl.reconcile(body(), lambda e: None)
+    kube.foreign.clear()  # e.g. the previous same-named job's children were garbage-collected
+    observe(ctl, body(status={"phase": "Pending", "reason": "NotOwned"}), None)
+    assert [c[1] for c in kube.of("create")][-4:] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+    assert kube.of("status")[-1][1:] == ("Pending", "Creating")
+
+
+def test_a_jobset_of_the_same_name_controlled_by_another_object_is_ignored(ctl, kube):
+    kube.existing |= {("ServiceAccount", "job-trainer"), ("Role", "job-trainer"), ("RoleBinding", "job-trainer")}
+    kube.foreign.add(("JobSet", "job"))
+    b = body(status={"phase": "Running", "reason": "AllPodsRunning"}, activeDeadlineSeconds=1)
+    old = datetime.now(UTC) - timedelta(hours=1)
+    observe(ctl, b, jobset(suspended=True, created=old, owner="someone-else"), running_pods())
+    assert kube.of("delete") == [] and kube.of("suspend") == []  # never acts on another's JobSet
+    assert kube.of("status")[-1][1:] == ("Pending", "NotOwned")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kubernetes.client.exceptions import ApiException
-from megatron_operator.kube import Kube, PermanentApiError, TransientError
+from megatron_operator.kube import Kube, NotOwned, PermanentApiError, TransientError
 
 
 def kube_answering(status: int, body: str = '{"message": "m"}') -> Kube:
@@ -34,3 +34,51 @@ def test_retriable_statuses_are_transient(status):
     with pytest.raises(TransientError):
         kube_answering(status).set_jobset_suspend("ns", "job", True)
 
+
+
+def sa(owner_uid: str | None) -> dict:
+    meta = {"name": "job-trainer", "namespace": "ns"}
+    if owner_uid:
+        meta["ownerReferences"] = [{"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+                                    "name": "job", "uid": owner_uid, "controller": True}]
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+
+
+def kube_with_existing(existing: dict | None, get_status: int = 200) -> Kube:
+    """POST answers 409; GET answers ``existing`` (or ``get_status``)."""
+    kube = Kube(api=None)  # type: ignore[arg-type]
+
+    def request(method, path, *_a, **_kw):
+        status = 409 if method == "POST" else get_status
+        if status != 200:
+            exc = ApiException(status=status, reason="r")
+            exc.body = '{"message": "m"}'
+            raise exc
+        return existing
+
+    kube._request = request  # type: ignore[method-assign]
+    return kube
+
+
+def test_409_on_an_object_this_job_controls_is_success():
+    assert kube_with_existing(sa("u1")).create(sa("u1")) is False
+
+
+@pytest.mark.parametrize("existing_owner", [None, "u2"])
+def test_409_on_an_object_this_job_does_not_control_is_not_owned(existing_owner):
+    with pytest.raises(NotOwned) as err:
+        kube_with_existing(sa(existing_owner)).create(sa("u1"))
+    assert "ServiceAccount ns/job-trainer already exists and is not controlled by this MegatronJob" in str(err.value)
+    assert ("no controller" if existing_owner is None else "uid u2") in str(err.value)
+
+
+def test_an_owner_reference_that_is_not_the_controller_does_not_count():
+    existing = sa("u1")
+    existing["metadata"]["ownerReferences"][0]["controller"] = False
+    with pytest.raises(NotOwned):
+        kube_with_existing(existing).create(sa("u1"))
+
+
+def test_409_then_gone_is_retried():
+    with pytest.raises(TransientError):
+        kube_with_existing(None, get_status=404).create(sa("u1"))

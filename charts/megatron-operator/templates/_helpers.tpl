@@ -76,21 +76,23 @@ handlers.py; kopf's watching, patching and event posting); docs/install.md expla
   resources: ["megatronjobs/finalizers"]
   verbs: ["update"]
 # The JobSet of each job: created once, suspend patched, deleted on activeDeadlineSeconds;
-# a label-selected watch feeds the status.
+# a label-selected watch feeds the status. "get" reads an existing JobSet of the same name on a
+# create conflict (409): the operator uses it only if its controller is this MegatronJob.
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Read-only, label-selected pod watch (phase, scheduling and image-pull problems for the status).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
 # Each job's own identity: a ServiceAccount, a Role allowing get/patch on its own status, a RoleBinding.
+# "get" on a create conflict (409): an existing object of that name is used only if this job controls it.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 # Events on MegatronJobs (JobSetCreated, Running, Stalled, ...).
 - apiGroups: [""]
   resources: ["events"]
