@@ -2,16 +2,18 @@
 # Run the trainer's GPU suite on a lent device machine (or any host with GPUs, torch and triton).
 #   bash e2e/gpu/run_on_device.sh --only probe,layouts,resume [--gpus N] [suite options]
 # Needs in the repo root: .whl/megatron_core-0.19.2-*.whl and .run/mcore_peer.py (the peer, for bench);
-# carry both (`carry: [".whl", ".run"]`). Writes results to $OUT (default ./.device/out).
+# carry both (`carry: [".whl", ".run"]`). Writes results to $OUT (default ./.device/out). The wheels
+# go to /opt, not /tmp: the pods scenario mounts a /tmp of its own in each pod.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/.device/out}"
 mkdir -p "$OUT"
-if [ ! -d /tmp/site/megatron ]; then
-  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if [ ! -d /opt/megatron-site/megatron ]; then
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /opt/megatron-site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
+  chmod -R a+rX /opt/megatron-site  # the pods scenario runs the trainer as uid 1000
 fi
-export PYTHONPATH="/tmp/site:$PWD/trainer_image${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/opt/megatron-site:$PWD/trainer_image${PYTHONPATH:+:$PYTHONPATH}"
 # NVLink multicast stays off on shared hosts (device README / KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -18,6 +18,11 @@ Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` 
              during an async save -> the previous complete checkpoint is used, start -> first
              resumed iteration
   memory     peak memory of many configurations (calibration data for the memory estimator)
+  pods       issue 13: `megatron-operator render` on e2e/gpu/jobs (3 jobs); every pod's command and env
+             verbatim, as uid 1000 in its own mount namespace (e2e/gpu/pods.py); SIGTERM past the
+             checkpoint of 10 -> checkpoint, exit 0 -> restart resumes, trains to the end, exit 0
+  preempt    issue 13: a rendered pod whose final save takes > 30 s: SIGTERM -> the launcher waits the
+             pod's grace period -> complete checkpoint, exit 0 -> restart resumes from it
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -45,6 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "trainer_image"))  # megatron_trainer's torch-free helpers (flops, ckpt_layout, config)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # pods.py
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
                      r"lm loss: ([0-9.E+-]+).*?mem GiB \(alloc/peak\): ([0-9.]+)/([0-9.]+)")
 SCHEDULED_RE = re.compile(r"async save of iteration (\d+) scheduled \(loop blocked ([0-9.]+) s, of which ([0-9.]+) s")
@@ -880,9 +886,206 @@ def scenario_memory(ctx) -> dict:
                                                           "max_peak_reserved_gib")} for r in results]}
 
 
+# ---------------------------------------------------------------- rendered pods, verbatim (issue 13)
+POD_JOBS = ("kubeflow-tp2", "pp2-checkpoint", "real-data-2node")
+
+
+def _pod_setup(ctx) -> tuple:
+    """PVC directories, the image's environment and whether pods get their own mount namespaces."""
+    import pods as P
+
+    if "pod_setup" not in ctx:
+        ns_ok, ns_msg = P.can_namespace()
+        ckpt = P.PVC_ROOT / "checkpoints"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        os.chown(ckpt, 1000, 1000)  # the pod's fsGroup (1000) owns the volume
+        ctx["pod_setup"] = (P.image_env(), ns_ok, ns_msg)
+    return ctx["pod_setup"]
+
+
+def _pod_log(pods) -> dict:
+    return {"pod0_command": pods[0].command(), "pod0_env": pods[0].env(), "gpus": [p.gpus for p in pods]}
+
+
+def _no_pod_processes(uid: int, timeout: float = 15.0) -> list[int]:
+    """Processes of the pods' user still alive (the launcher must leave none)."""
+    import psutil
+
+    end = time.monotonic() + timeout
+    while True:
+        left = [p.pid for p in psutil.process_iter(["uids", "status"])
+                if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE]
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.2)
+
+
+def _start_pods(jobset, attempt: int, gpus: int, tag: str, image: dict, ns_ok: bool) -> list:
+    import pods as P
+
+    pods = P.pods_of(jobset, attempt, gpus)
+    for i, p in enumerate(pods):
+        p.start(LOGS / f"pods_{jobset['metadata']['name']}_{tag}_pod{i}.log", image, ns_ok)
+    return pods
+
+
+def pods_job(ctx, job_file: Path) -> dict:
+    """Start 1: train, SIGTERM every pod past the checkpoint of 10 -> checkpoint, exit 0. Start 2 (a
+    JobSet restart): resume from it, train to the end, exit 0. Loss falls over the whole run."""
+    import pods as P
+
+    image, ns_ok, _ = _pod_setup(ctx)
+    jobset = P.render(job_file)
+    name = jobset["metadata"]["name"]
+    P.map_host(P.master_address(jobset))
+    pod_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    grace = pod_spec["terminationGracePeriodSeconds"]
+    uid = pod_spec["securityContext"]["runAsUser"]
+    save = P.PVC_ROOT / "checkpoints" / name
+    shutil.rmtree(save, ignore_errors=True)
+    failures: list[str] = []
+    first = _start_pods(jobset, 0, ctx["gpus"], "start1", image, ns_ok)
+    out = {"pods": len(first), **_pod_log(first)}
+    hit = P.wait_log(first, re.compile(r"iteration\s+(1[2-9]|2\d)/"), bounded(300))
+    check(hit is not None, "start 1 never reached iteration 12", failures)
+    t0 = time.monotonic()
+    for p in first:
+        p.sigterm()
+    rcs1 = P.wait_all(first, bounded(grace + 30))
+    out["sigterm_to_exit_s"] = round(time.monotonic() - t0, 1)
+    for p in first:
+        p.kill_tree()
+    text1 = "".join(p.text() for p in first)
+    stop = STOPPING_RE.search(text1)
+    stopped_at = int(stop.group(1)) if stop else None
+    state1 = ckpt_state(save)
+    check(rcs1 == [0] * len(first), f"start 1 exit codes {rcs1}", failures)
+    check(stop is not None and stop.group(2) == "signal", "start 1: no 'stopping ... (signal)'", failures)
+    check(stopped_at is not None and state1["tracker"] == stopped_at and bool(state1["checkpoints"].get(stopped_at)),
+          f"start 1 checkpoint {state1}", failures)
+    left = _no_pod_processes(uid)
+    check(not left, f"start 1 left processes {left}", failures)
+    second = _start_pods(jobset, 1, ctx["gpus"], "start2", image, ns_ok)
+    rcs2 = P.wait_all(second, bounded(300))
+    for p in second:
+        p.kill_tree()
+    text2 = "".join(p.text() for p in second)
+    resumed = RESUMED_RE.search(text2)
+    state2 = ckpt_state(save)
+    losses = {**P.losses_of(first), **P.losses_of(second)}
+    train_iters = int(pods_arg(first[0].command(), "--train-iters"))
+    check(rcs2 == [0] * len(second), f"start 2 exit codes {rcs2}", failures)
+    check(resumed is not None and stopped_at is not None and int(resumed.group(2)) == stopped_at,
+          f"start 2 resumed from {resumed.group(2) if resumed else None}, expected {stopped_at}", failures)
+    check(sorted(losses) == list(range(1, train_iters + 1)), f"iterations logged {sorted(losses)}", failures)
+    check(loss_falls(losses), "loss did not fall", failures)
+    check(state2["tracker"] == train_iters, f"start 2 checkpoint {state2}", failures)
+    left = _no_pod_processes(uid)
+    check(not left, f"start 2 left processes {left}", failures)
+    out.update({"ok": not failures, "failures": failures, "exit_codes": [rcs1, rcs2], "stopped_at": stopped_at,
+                "resumed_from": resumed.group(2) if resumed else None, "checkpoints": state2,
+                "loss_first": losses.get(1), "loss_last": losses.get(train_iters)})
+    return out
+
+
+def pods_arg(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def scenario_pods(ctx) -> dict:
+    """`megatron-operator render` on the three test-only jobs (e2e/gpu/jobs); every pod run verbatim."""
+    import pods as P
+
+    if "data" not in ctx:
+        r = scenario_indexed(ctx)
+        if not r.get("ok"):
+            return {"ok": False, "failures": ["preprocessing failed"], "indexed": r}
+    corpus = P.PVC_ROOT / "corpus"
+    shutil.rmtree(corpus, ignore_errors=True)
+    (corpus / "text").mkdir(parents=True)
+    for prefix in ctx["data"]["blend"][1::2]:
+        for ext in (".bin", ".idx"):
+            shutil.copy(prefix + ext, corpus / "text" / (Path(prefix).name + ext))
+    shutil.copytree(ctx["data"]["tokenizer"], corpus / "tokenizers" / "bpe")
+    subprocess.run(["chmod", "-R", "a+rX,go-w", str(corpus)], check=True)  # read-only PVC, owned by root
+    _, ns_ok, ns_msg = _pod_setup(ctx)
+    out = {"mount_namespace_per_pod": ns_ok, "namespace_probe": ns_msg}
+    for job in POD_JOBS:
+        try:
+            out[job] = pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / f"{job}.yaml")
+        except Exception as e:
+            out[job] = {"ok": False, "failures": [f"{type(e).__name__}: {e}"], "trace": traceback.format_exc()[-1500:]}
+        flush_outputs(ctx["out_dir"], {**ctx.get("results", {}), "pods": out}, ctx)
+    return {"ok": all(out[j]["ok"] for j in POD_JOBS), **out}
+
+
+def scenario_preempt(ctx) -> dict:
+    """A rendered pod whose final save takes > 30 s: SIGTERM -> the launcher waits (torchrun would SIGKILL
+    after 30 s) -> a complete checkpoint, exit 0 -> a restart resumes from it."""
+    import pods as P
+
+    image, ns_ok, ns_msg = _pod_setup(ctx)
+    jobset = P.render(REPO / "e2e" / "gpu" / "jobs" / "slow-save-tp2.yaml")
+    name = jobset["metadata"]["name"]
+    P.map_host(P.master_address(jobset))
+    pod_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    grace, uid = pod_spec["terminationGracePeriodSeconds"], pod_spec["securityContext"]["runAsUser"]
+    save = P.PVC_ROOT / "checkpoints" / name
+    shutil.rmtree(save, ignore_errors=True)
+    failures: list[str] = []
+    first = _start_pods(jobset, 0, ctx["gpus"], "start1", image, ns_ok)
+    out = {"mount_namespace_per_pod": ns_ok, **_pod_log(first)}
+    hit = P.wait_log(first, re.compile(r"iteration\s+3/"), bounded(400))
+    check(hit is not None, "never reached iteration 3", failures)
+    t0 = time.monotonic()
+    for p in first:
+        p.sigterm()
+    rcs = P.wait_all(first, bounded(grace + 30))
+    exit_s = time.monotonic() - t0
+    for p in first:
+        p.kill_tree()
+    text = "".join(p.text() for p in first)
+    stop = STOPPING_RE.search(text)
+    stopped_at = int(stop.group(1)) if stop else None
+    published = {int(a): float(b) for a, b in P.PUBLISHED_RE.findall(text)}
+    state = ckpt_state(save)
+    size_gb = sum(f.stat().st_size for f in save.rglob("*") if f.is_file()) / 1e9 if save.exists() else 0.0
+    losses1 = P.losses_of(first)
+    check(rcs == [0], f"exit codes {rcs}", failures)
+    check("SIGTERM received: forwarding SIGTERM" in text, "launcher did not report forwarding SIGTERM", failures)
+    check(stop is not None and stop.group(2) == "signal", "no 'stopping ... (signal)'", failures)
+    check(stopped_at is not None and published.get(stopped_at, 0) > 30,
+          f"final save of {stopped_at} took {published.get(stopped_at)} s (needs > 30 s)", failures)
+    check(stopped_at is not None and state["tracker"] == stopped_at and bool(state["checkpoints"].get(stopped_at)),
+          f"checkpoint {state}", failures)
+    check(30 < exit_s < grace, f"SIGTERM -> exit {exit_s:.1f} s (grace {grace} s)", failures)
+    check(not _no_pod_processes(uid), "processes left after exit", failures)
+    second = _start_pods(jobset, 1, ctx["gpus"], "start2", image, ns_ok)
+    resumed = P.wait_log(second, RESUMED_RE, bounded(400))
+    more = P.wait_log(second, re.compile(rf"iteration\s+{(stopped_at or 0) + 2}/"), bounded(120))
+    for p in second:
+        p.kill_tree()
+    load = re.search(r"resumed from .* in ([0-9.]+) s", "".join(p.text() for p in second))
+    losses2 = P.losses_of(second)
+    first_after = losses2.get((stopped_at or 0) + 1)
+    last_before = losses1.get(stopped_at) if stopped_at else None
+    check(resumed is not None and stopped_at is not None and int(resumed.group(2)) == stopped_at,
+          f"resumed from {resumed.group(2) if resumed else None}, expected {stopped_at}", failures)
+    check(more is not None and first_after is not None and last_before is not None
+          and abs(first_after - last_before) < 0.1 * last_before,
+          f"loss after resume {first_after} vs before {last_before}", failures)
+    out.update({"ok": not failures, "failures": failures, "exit_code": rcs, "stopped_at": stopped_at,
+                "final_save_s": published.get(stopped_at), "checkpoint_gb": round(size_gb, 1),
+                "sigterm_to_exit_s": round(exit_s, 1), "grace_s": grace, "resumed_from": resumed.group(2) if resumed else None,
+                "load_s": float(load.group(1)) if load else None, "loss_before": last_before, "loss_after": first_after})
+    shutil.rmtree(save, ignore_errors=True)
+    return out
+
+
 SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": scenario_layouts,
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
-             "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf}
+             "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
+             "pods": scenario_pods, "preempt": scenario_preempt}
 
 
 def main() -> int:
@@ -932,7 +1135,7 @@ def main() -> int:
     ctx["out_dir"], ctx["results"] = out_dir, results
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
-                  "bench": 170, "memory": 60, "perf": 300}
+                  "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
