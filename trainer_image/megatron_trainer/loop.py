@@ -302,6 +302,8 @@ class Trainer:
                 if saved := self.checkpointer.maybe_save(self.state.iteration, self.state.consumed_samples):
                     self.metrics.set("checkpoint_save_blocked_seconds", saved.blocked_s)
                 if stop_reason := self.should_stop():
+                    if window.iterations:  # iterations since the last log line would go unreported (collective)
+                        self.log_iterations(window.losses, window.seconds_per_iteration(), grad_norm)
                     if self.env.is_rank0:
                         log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
                     break
