@@ -163,8 +163,11 @@ def test_local_path_allows_sequence_parallel_and_uses_the_local_norm(mock_argv):
 
     assert spec.submodules.input_layernorm is TorchNorm and spec.submodules.pre_mlp_layernorm is TorchNorm
     cp = parse_args(mock_argv[:i + 1] + ["2"] + mock_argv[i + 2:] + ["--context-parallel-size", "2"])
-    with pytest.raises(ValueError, match="context-parallel"):
+    from megatron_trainer.exitcodes import ExitCode, Fatal
+
+    with pytest.raises(Fatal, match="context-parallel") as exc:
         M.choose_path(cp, have_te=False)
+    assert exc.value.code == ExitCode.BAD_ARGUMENTS
 
 
 def test_local_gpt_model_uses_the_local_norm_everywhere(mock_argv, tmp_path):

@@ -24,6 +24,7 @@ import torch
 from . import ckpt_layout
 from .config import TrainerConfig
 from .distributed import DistEnv, any_rank, ignore_sigterm
+from .exitcodes import ExitCode, Fatal
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +394,8 @@ class Checkpointer:
         chosen = choice[0]
         if chosen is None:
             if self.cfg.checkpoint.exit_on_missing_checkpoint:
-                raise FileNotFoundError(f"no complete checkpoint under {self.load_dir}")
+                raise Fatal(ExitCode.BAD_CHECKPOINT, f"no complete checkpoint under {self.load_dir} "
+                            "(--exit-on-missing-checkpoint)")
             log.info("checkpoint: no complete checkpoint under %s: starting from scratch", self.load_dir)
             return None
         path = chosen.path
@@ -406,9 +408,11 @@ class Checkpointer:
         saved_sharding = content.get("distrib_optim_sharding_type")
         load_optim = not self.cfg.checkpoint.no_load_optim
         if load_optim and self.sharding_type and saved_sharding is None:
-            raise RuntimeError(f"{path} holds no distributed-optimizer state layout; resume with --no-load-optim")
+            raise Fatal(ExitCode.BAD_CHECKPOINT,
+                        f"{path} holds no distributed-optimizer state layout; resume with --no-load-optim")
         if load_optim and not same_model_grid and saved_sharding == "dp_reshardable":
-            raise RuntimeError(
+            raise Fatal(
+                ExitCode.BAD_CHECKPOINT,
                 f"{path} was saved under TP/PP/VPP/CP/EP {saved_layout} with a dp_reshardable optimizer; "
                 f"this run uses {mine}. Save it with --dist-ckpt-optim-fully-reshardable, or resume with "
                 "--no-load-optim")

@@ -18,6 +18,7 @@ from . import flops as flops_mod
 from .checkpoint import Checkpointer
 from .config import RuntimeConfig, TrainerConfig, ignored_flags
 from .distributed import DistEnv, StopSignal, any_rank, init_distributed
+from .exitcodes import ExitCode, Fatal, Lifecycle, data_errors_are_fatal
 from .metrics import Metrics
 from .model import (
     build_model,
@@ -56,12 +57,13 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, runtime: RuntimeConfig):
+    def __init__(self, cfg: TrainerConfig, runtime: RuntimeConfig, lifecycle: Lifecycle | None = None):
         from megatron.core import parallel_state
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.cfg, self.runtime = cfg, runtime
+        self.lifecycle = lifecycle or Lifecycle()  # the stage a fatal error is reported in
         t, m = cfg.training, cfg.model
         # set up below; here so that close() works whatever stage set-up reached
         self.forward_backward = None
@@ -73,7 +75,11 @@ class Trainer:
         self.t_start = time.monotonic() - self.started_age_s
 
         # --- distributed --------------------------------------------------------------------
-        self.env: DistEnv = init_distributed(cfg)
+        self.lifecycle.stage = "initialising"
+        try:
+            self.env: DistEnv = init_distributed(cfg)
+        except ValueError as exc:  # the layout does not divide the world size
+            raise Fatal(ExitCode.BAD_ARGUMENTS, str(exc)) from exc
         layout = self.env.layout
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.is_logging_rank = self.env.rank == self.env.world_size - 1  # last stage: holds the loss
@@ -84,8 +90,10 @@ class Trainer:
         self.path = choose_path(cfg, te_available())
         from .tokenizer import build_tokenizer
 
-        tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, m.vocab_size)
+        with data_errors_are_fatal("--tokenizer-model"):
+            tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, m.vocab_size)
         self.vocab_size = tokenizer.vocab_size
+        self.lifecycle.stage = "building the model"
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.num_params_rank = count_parameters(self.model)
@@ -142,6 +150,7 @@ class Trainer:
 
         t, m = cfg.training, cfg.model
         self.checkpointer.start_workers()
+        self.lifecycle.stage = "loading the checkpoint"
         self.loaded = self.checkpointer.load()
         if self.loaded is not None:
             self.state.iteration = self.loaded.iteration
@@ -150,8 +159,11 @@ class Trainer:
         # --- data (resumes from consumed samples) ---------------------------------------------
         from .data import build_data
 
-        _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
-                                            runtime.data_cache_shared)
+        self.lifecycle.stage = "building the data index"
+        with data_errors_are_fatal("--data-path"):
+            _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
+                                                runtime.data_cache_shared)
+        self.lifecycle.stage = "the first iteration"
 
         # --- throughput arithmetic -------------------------------------------------------------
         self.tokens_per_iteration = gbs * m.seq_length
@@ -327,6 +339,7 @@ class Trainer:
         self.checkpointer.warm_writer_memory()
         torch.cuda.synchronize()
         self.first_iteration_age_s = time.monotonic() - self.t_start
+        self.lifecycle.first_iteration_done, self.lifecycle.stage = True, "training"
         self.mem_after_first_step = torch.cuda.memory_allocated()
         if self.env.is_rank0:
             log.info("startup: process start -> first %siteration done: %.1f s",

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import TrainerConfig
+from .exitcodes import ExitCode, Fatal
 from .flops import padded_vocab_size
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,15 @@ def te_available() -> bool:
 
 
 def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
-    """The implementation for this run; ValueError when the job needs TE and TE is missing."""
+    """The implementation for this run; Fatal (exit 2) when the job needs TE and TE is missing."""
     t, p = cfg.training, cfg.parallel
     needs_te = [why for cond, why in ((p.context > 1, "--context-parallel-size > 1"),
                                       (t.fp8_format is not None, "--fp8-format")) if cond]
     if t.transformer_impl == "transformer_engine" and have_te:
         return ModelPath("transformer_engine", f"TE DotProductAttention ({t.attention_backend})")
     if needs_te:
-        raise ValueError(f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
+        raise Fatal(ExitCode.BAD_ARGUMENTS,
+                    f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
     if t.transformer_impl == "transformer_engine":
         log.warning("!!! --transformer-impl transformer_engine asked for, but Transformer Engine is not "
                     "importable: FALLING BACK to the local (Megatron-Core only) implementation !!!")

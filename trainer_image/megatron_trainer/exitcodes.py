@@ -1,0 +1,126 @@
+"""The trainer's exit codes and its fatal-error message (pure: no torch).
+
+A restart of the whole gang costs minutes of every GPU of the job; for some failures it can never
+help. Those exit with a code of their own, which the operator renders into the pods' Job
+``podFailurePolicy`` (``onExitCodes`` -> ``FailJob``) and a JobSet failure-policy rule
+(``FailJobSet``): the job fails at once, with the reason in its status. Every other failure exits 1
+(or 128 + N when killed by signal N) and is retried. docs/trainer-contract.md, "Exit codes".
+
+The first fatal error of a pod is written to its termination log (``/dev/termination-log``,
+``terminationMessagePath``), which the kubelet copies into the container's terminated state: the
+operator shows it in ``status.lastFailure`` and an Event. When nothing was written there, the
+kubelet falls back to the log's last lines (``terminationMessagePolicy: FallbackToLogsOnError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import os
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+#: Where the kubelet reads the container's termination message (the pod's default path).
+TERMINATION_LOG = "/dev/termination-log"
+#: The kubelet keeps at most 4096 bytes of a termination message; leave room for the others' lines.
+MAX_MESSAGE_BYTES = 3800
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    #: Anything not classified below (NCCL errors, a lost peer, storage hiccups, ...): retried.
+    ERROR = 1
+    #: The command line or the environment is wrong (argparse's code): a restart runs the same one.
+    BAD_ARGUMENTS = 2
+    #: Training data or tokenizer missing or malformed (--data-path prefixes, .idx, --tokenizer-model).
+    BAD_DATA = 3
+    #: CUDA out of memory before the first iteration finished: the same layout runs out again.
+    OOM_AT_STARTUP = 4
+    #: The checkpoint cannot be resumed by this job (--exit-on-missing-checkpoint with none there, a
+    #: layout the saved optimizer state cannot be loaded into).
+    BAD_CHECKPOINT = 5
+
+
+#: Codes that fail the job at once (the operator renders the same list; tests/test_contract.py).
+NON_RETRIABLE = (ExitCode.BAD_ARGUMENTS, ExitCode.BAD_DATA, ExitCode.OOM_AT_STARTUP, ExitCode.BAD_CHECKPOINT)
+
+
+class Fatal(Exception):
+    """An error with a known exit code; the message says what to change."""
+
+    def __init__(self, code: ExitCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Lifecycle:
+    """How far the worker got: the stage a fatal error is reported in, and whether an OOM is at start-up."""
+
+    stage: str = "start-up"
+    first_iteration_done: bool = False
+
+
+#: Errors that mean the data or tokenizer files are missing or malformed (not a storage hiccup).
+DATA_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, ValueError)
+
+
+@contextlib.contextmanager
+def data_errors_are_fatal(flag: str) -> Iterator[None]:
+    """Turn a missing or malformed file under ``flag`` into exit code BAD_DATA."""
+    try:
+        yield
+    except DATA_ERRORS as exc:
+        raise Fatal(ExitCode.BAD_DATA, f"{flag}: {type(exc).__name__}: {exc}") from exc
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (torch.cuda.OutOfMemoryError), without importing torch."""
+    return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+
+
+def classify(exc: BaseException, first_iteration_done: bool) -> ExitCode:
+    """The exit code for an exception that ends a worker."""
+    if isinstance(exc, Fatal):
+        return exc.code
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return ExitCode(code) if code in ExitCode.__members__.values() else ExitCode.ERROR
+    if is_out_of_memory(exc) and not first_iteration_done:
+        return ExitCode.OOM_AT_STARTUP
+    return ExitCode.ERROR
+
+
+def fatal_message(exc: BaseException, code: ExitCode, rank: int, stage: str) -> str:
+    """One short paragraph: who, which code and why, the error, and the innermost frames."""
+    what = {ExitCode.BAD_ARGUMENTS: "bad command line or environment", ExitCode.BAD_DATA: "bad training data",
+            ExitCode.OOM_AT_STARTUP: "CUDA out of memory before the first iteration",
+            ExitCode.BAD_CHECKPOINT: "checkpoint cannot be resumed",
+            ExitCode.ERROR: "error"}.get(code, "error")
+    retry = "not retried" if code in NON_RETRIABLE else "retried"
+    head = f"rank {rank}: exit {int(code)} ({what}; {retry}) during {stage}: {type(exc).__name__}: {exc}"
+    frames = traceback.format_tb(exc.__traceback__)[-3:] if exc.__traceback__ else []
+    text = head + ("\n" + "".join(frames).rstrip() if frames else "")
+    data = text.encode()
+    return text if len(data) <= MAX_MESSAGE_BYTES else data[:MAX_MESSAGE_BYTES].decode(errors="ignore") + " ..."
+
+
+def write_termination_message(text: str, path: str = TERMINATION_LOG) -> bool:
+    """Write ``text`` unless another worker of the pod wrote first (the first failure is the cause).
+    Returns whether it was written; never raises (a missing or read-only file is no reason to crash)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_size > 0:
+            return False
+        os.write(fd, text.encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
