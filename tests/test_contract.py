@@ -170,3 +170,11 @@ def test_rendered_flags_list_is_what_the_renderer_emits():
         extra = set(job.spec.training.extra_args or [])
         rendered |= {a[2:] for a in megatron_args(job) if a.startswith("--") and a not in extra}
     assert rendered == set(RENDERED_FLAGS)
+
+
+def test_operator_renders_the_trainers_non_retriable_exit_codes():
+    """failures.NON_RETRIABLE_EXIT_CODES (rendered into podFailurePolicy) is the trainer's table."""
+    from megatron_operator.failures import NON_RETRIABLE_EXIT_CODES
+    from megatron_trainer.exitcodes import NON_RETRIABLE
+
+    assert sorted(NON_RETRIABLE_EXIT_CODES) == sorted(int(c) for c in NON_RETRIABLE)

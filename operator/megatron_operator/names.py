@@ -29,6 +29,7 @@ MANAGED_LABELS = {LABEL_MANAGED_BY: MANAGED_BY}
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 LABEL_JOB_NAME = f"{GROUP}/job-name"
 LABEL_TP_GROUP = f"{GROUP}/tp-group"
+TRAINER_CONTAINER = "trainer"
 
 # Other controllers' names
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

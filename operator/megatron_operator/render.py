@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .failures import FAIL_MESSAGE_PATTERN, FAIL_RULE_NAME, NON_RETRIABLE_EXIT_CODES
 from .names import (
     API_VERSION,
     EFA_RESOURCE,
@@ -26,12 +27,13 @@ from .names import (
     LABEL_TP_GROUP,
     MANAGED_BY,
     PLURAL,
+    TRAINER_CONTAINER,
 )
 from .rules import derived_layout, resolved_model
 from .settings import Settings
 from .spec import MegatronJob, MegatronJobSpec
 
-CONTAINER_NAME = "trainer"
+CONTAINER_NAME = TRAINER_CONTAINER
 
 
 CHECKPOINT_MOUNT = "/checkpoints"
@@ -328,6 +330,8 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
             {"name": "metrics", "containerPort": settings.trainer_metrics_port, "protocol": "TCP"},
         ],
         "volumeMounts": mounts,
+        # The trainer writes its fatal error there; without one, the log's last lines are kept.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -416,6 +420,12 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
                     "podFailurePolicy": {"rules": [{
                         "action": "FailJob",
                         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    }, {
+                        # The trainer's non-retriable exit codes (failures.py): the JobSet rule
+                        # nonRetriableExitCode fails the whole job at once.
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": CONTAINER_NAME, "operator": "In",
+                                        "values": sorted(NON_RETRIABLE_EXIT_CODES)},
                     }]},
                     "template": {
                         "metadata": {"labels": pod_labels,
@@ -443,6 +453,11 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
                 # Old pods are gone before new ones start, so no rank talks to a stale peer.
                 "restartStrategy": "BlockingRecreate",
                 "rules": [{
+                    "name": FAIL_RULE_NAME,
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                    "onJobFailureMessagePatterns": [FAIL_MESSAGE_PATTERN],
+                }, {
                     "name": "disruptionDoesNotCount",
                     "action": "RestartJobSetAndIgnoreMaxRestarts",
                     "onJobFailureReasons": ["PodFailurePolicy"],

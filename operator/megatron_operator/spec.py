@@ -437,6 +437,22 @@ class MemoryEstimate(ApiModel):
     fits: bool | None = None
 
 
+class LastFailure(ApiModel):
+    """The latest trainer pod that failed; kept after the gang is recreated (docs/troubleshooting.md)."""
+
+    pod: str = Field(..., max_length=253)
+    node: str | None = Field(None, max_length=253)
+    exit_code: int | None = Field(None, description="The trainer container's exit code (docs/trainer-contract.md, "
+                                  "\"Exit codes\"; 128 + N: killed by signal N).")
+    reason: str | None = Field(None, max_length=1024, description="The container's terminated reason: Error, "
+                               "OOMKilled, ...")
+    retriable: bool = Field(True, description="False: the exit code ends the job without a restart.")
+    message: str | None = Field(None, max_length=4096, description="The trainer's fatal error, or the last lines "
+                                "it printed (terminationMessagePolicy FallbackToLogsOnError).")
+    time: datetime | None = None
+    restart_attempt: int | None = Field(None, ge=0, description="The gang restart the pod belonged to.")
+
+
 class MegatronJobStatus(ApiModel):
     """Observed state, derived from the JobSet and its pods."""
 
@@ -455,6 +471,7 @@ class MegatronJobStatus(ApiModel):
                                                 "advance (for the Stalled condition).")
     last_progress_time: datetime | None = Field(None, description="When the operator saw it advance.")
     memory: MemoryEstimate | None = None
+    last_failure: LastFailure | None = None
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

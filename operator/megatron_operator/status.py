@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from .failures import JOBSET_FAIL_ACTION_REASON, PodFailure
 from .memory import FitReport
-from .names import JOBSET_RESTART_ATTEMPT_LABEL
+from .names import JOBSET_RESTART_ATTEMPT_LABEL, TRAINER_CONTAINER
 from .rules import Problem
 from .spec import Condition, MegatronJobStatus
 
@@ -53,6 +54,7 @@ class Reason:
     RESTARTS_EXHAUSTED = "RestartsExhausted"
     FAILED = "Failed"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+    NON_RETRIABLE_EXIT_CODE = "NonRetriableExitCode"
     SUSPENDED = "Suspended"
     QUEUED = "Queued"
     GANG_RESTART = "GangRestart"
@@ -70,6 +72,7 @@ class Reason:
     PREDICTED_OUT_OF_MEMORY = "PredictedOutOfMemory"
     # event-only reasons
     JOBSET_RECREATED = "JobSetRecreated"
+    POD_FAILED = "PodFailed"
     STALLED = "Stalled"
 
     @staticmethod
@@ -108,6 +111,7 @@ class PodView:
     waiting_reason: str | None = None  # e.g. ImagePullBackOff
     waiting_message: str | None = None
     terminating: bool = False
+    failure: PodFailure | None = None  # a Failed pod: its node, exit code, reason and last lines
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -130,6 +134,7 @@ class PodView:
             waiting_reason=(waiting or {}).get("reason"),
             waiting_message=(waiting or {}).get("message"),
             terminating=bool(meta.get("deletionTimestamp")),
+            failure=PodFailure.from_pod(pod, TRAINER_CONTAINER, int(attempt) if attempt and attempt.isdigit() else None),
         )
 
 
@@ -259,6 +264,52 @@ class _Conditions:
                                     last_transition_time=changed_at, observed_generation=self.generation))
 
 
+def _last_failure(o: Observation) -> tuple[dict[str, Any] | None, PodFailure | None]:
+    """(``status.lastFailure``, the failure if it is new). The cause is the first failure of the latest
+    attempt: pods stopped because the gang is torn down (deleted, SIGTERM) come after the ones that
+    failed by themselves, and within an attempt the failure recorded first stays unless one finished
+    strictly earlier. The previous one is kept once the failed pods are gone (the gang was recreated)."""
+    previous = o.previous.get("lastFailure")
+    failed = [p for p in o.pods if p.failure is not None]
+    if not failed:
+        return previous, None
+    latest = max(p.failure.restart_attempt or 0 for p in failed)  # type: ignore[union-attr]
+    cause = min((p for p in failed if (p.failure.restart_attempt or 0) == latest),  # type: ignore[union-attr]
+                key=lambda p: (p.terminating, p.failure.finished_at or "9999", p.failure.retriable, p.name))
+    found = cause.failure
+    assert found is not None
+    if previous:
+        before = (previous.get("restartAttempt") or 0, previous.get("time") or "")
+        if (previous.get("pod"), previous.get("time")) == (found.pod, found.finished_at) or \
+                before[0] > (found.restart_attempt or 0) or \
+                (before[0] == (found.restart_attempt or 0) and before[1] <= (found.finished_at or "")):
+            return previous, None  # the same failure, an older attempt's pod seen late, or a follower
+    return found.wire(), found
+
+
+_LAST_FAILURE = "; last failure: "
+
+
+def _explain(phase: str, reason: str, message: str, failure: dict[str, Any] | None,
+             new_failure: PodFailure | None) -> tuple[str, str, str]:
+    """Name the failed pod in a failure's phase message (JobSet's own says only which Job failed)."""
+    if phase == Phase.FAILED and reason == JOBSET_FAIL_ACTION_REASON:
+        reason = Reason.NON_RETRIABLE_EXIT_CODE
+        if failure is None:
+            return phase, reason, message
+    if failure is None or phase not in (Phase.FAILED, Phase.RESTARTING) or reason in (
+            Reason.INVALID_SPEC, Reason.DEADLINE_EXCEEDED) or _LAST_FAILURE in message:
+        return phase, reason, message  # (a finished job keeps its message, which has it already)
+    text = new_failure.describe() if new_failure else _describe_wire(failure)
+    return phase, reason, f"{message}{_LAST_FAILURE}{text}"
+
+
+def _describe_wire(failure: dict[str, Any]) -> str:
+    return PodFailure(pod=failure.get("pod", ""), node=failure.get("node"), exit_code=failure.get("exitCode"),
+                      reason=failure.get("reason"), message=failure.get("message"),
+                      finished_at=failure.get("time"), restart_attempt=failure.get("restartAttempt")).describe()
+
+
 def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
     """The operator-owned status fields (wire form, built through ``MegatronJobStatus``) and the events
     for this observation."""
@@ -266,8 +317,12 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     prev = o.previous
     conditions = _Conditions(prev, now, o.generation)
     phase, reason, message = _phase(o, now)
-    message = message[:MAX_MESSAGE]
     events: list[Event] = []
+    failure, new_failure = _last_failure(o)
+    if new_failure:
+        events.append(Event("Warning", Reason.POD_FAILED, new_failure.describe()))
+    phase, reason, message = _explain(phase, reason, message, failure, new_failure)
+    message = message[:MAX_MESSAGE]
     if phase != prev.get("phase") or reason != prev.get("reason"):
         warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART,
                                                                       Reason.NOT_OWNED)
@@ -325,6 +380,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                 events.append(Event("Warning", Reason.PREDICTED_OUT_OF_MEMORY, est.summary()))
 
     optional = dict(job_set_name=jobset_name, start_time=start, completion_time=completion, memory=memory,
+                    last_failure=failure,
                     last_progress_iteration=last_it, last_progress_time=last_t if last_it is not None else None,
                     world_size=o.world_size,
                     parallelism={k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")} if lay else None,

@@ -187,7 +187,7 @@ def test_failure_policy_gang_restart_and_grace_period():
     js = objects(make_job(restart={"maxRestarts": 7}, terminationGracePeriodSeconds=1200))["JobSet"]
     fp = js["spec"]["failurePolicy"]
     assert fp["maxRestarts"] == 7 and fp["restartStrategy"] == "BlockingRecreate"
-    assert fp["rules"][0]["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    assert [r["action"] for r in fp["rules"]] == ["FailJobSet", "RestartJobSetAndIgnoreMaxRestarts"]
     tmpl = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert tmpl["backoffLimit"] == 0
     assert pod_spec(js)["restartPolicy"] == "Never"
@@ -274,3 +274,25 @@ def test_pod_metadata_reaches_the_pods_and_cannot_override_ours():
     meta = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]
     assert meta["labels"]["team"] == "nlp" and meta["labels"]["megatron-operator.io/job-name"] == "job"
     assert meta["annotations"] == {"sidecar/inject": "false"}
+
+
+def test_non_retriable_exit_codes_fail_the_jobset_at_once():
+    """Exit codes 2-5 (failures.py, the trainer's exitcodes.py) fail the pod's Job by podFailurePolicy;
+    a JobSet rule matching the Job controller's message for an exit-code rule (not the eviction rule's
+    "has condition DisruptionTarget") fails the JobSet before the eviction rule is looked at."""
+    import re
+
+    js = objects(make_job())["JobSet"]
+    pfp = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert pfp[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert pfp[1] == {"action": "FailJob",
+                      "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2, 3, 4, 5]}}
+    fail, disruption = js["spec"]["failurePolicy"]["rules"]
+    assert fail["name"] == "nonRetriableExitCode" and fail["onJobFailureReasons"] == ["PodFailurePolicy"]
+    (pattern,) = fail["onJobFailureMessagePatterns"]
+    # The messages of kubernetes pkg/controller/job/pod_failure_policy.go for each rule kind:
+    exit_msg = "Container trainer for pod ns/j-worker-0-0-abc failed with exit code 3 matching FailJob rule at index 1"
+    evicted_msg = "Pod ns/j-worker-0-0-abc has condition DisruptionTarget matching FailJob rule at index 0"
+    assert re.search(pattern, exit_msg) and not re.search(pattern, evicted_msg)
+    assert disruption["onJobFailureReasons"] == ["PodFailurePolicy"] and "onJobFailureMessagePatterns" not in disruption
+    assert container(js)["terminationMessagePolicy"] == "FallbackToLogsOnError"

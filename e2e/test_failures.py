@@ -1,0 +1,75 @@
+"""Failures that explain themselves, on the real control plane: kwok ends a trainer container with a
+chosen exit code, reason and termination message (its pod-container-running-failed stage); the real
+Job controller applies the rendered podFailurePolicy, the real JobSet controller its failure policy,
+and the operator reports the cause (docs/troubleshooting.md, "Why did my job fail?")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, POD_FAIL_REASON
+from mjob import crd, jobs, operator, run_for, small_job
+
+pytestmark = pytest.mark.e2e
+
+POD_FAIL_MESSAGE = "pod-container-running-failed.stage.kwok.x-k8s.io/message"
+FATAL = ("rank 0: exit 3 (bad training data; not retried) during building the data index: Fatal: "
+         "--data-path: FileNotFoundError: [Errno 2] No such file or directory: '/data/corpus_text_document.idx'")
+
+
+def fail_pod(jobs, pod: str, code: int, reason: str = "Error", message: str | None = None) -> None:
+    """Make kwok terminate the running trainer container of ``pod`` with this code, reason and message.
+    kwok writes the message into its YAML status template unquoted, so it is passed JSON-quoted."""
+    annotations = {POD_FAIL_EXIT_CODE: str(code), POD_FAIL_REASON: reason}
+    if message:
+        annotations[POD_FAIL_MESSAGE] = json.dumps(message)
+    jobs.core.patch_namespaced_pod(pod, jobs.ns, {"metadata": {"labels": {POD_FAIL_LABEL: "true"},
+                                                               "annotations": annotations}})
+
+
+def running(jobs, name: str, n: int):
+    pods = [p for p in jobs.pods(name) if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+    return pods if len(pods) >= n else None
+
+
+def test_non_retriable_exit_code_fails_the_job_at_once_with_the_cause(cluster, operator, jobs):
+    jobs.create(small_job("baddata", podMetadata=run_for(300), restart={"maxRestarts": 5}))
+    pods = cluster.wait_for(lambda: running(jobs, "baddata", 2), 90, "2 running pods", namespace=jobs.ns)
+    victim = pods[0]
+    fail_pod(jobs, victim.metadata.name, 3, message=FATAL)
+    st = jobs.wait_phase("baddata", "Failed", timeout=90)
+    print("status seen by the user:\n" + json.dumps(st, indent=2))
+    assert st["reason"] == "NonRetriableExitCode", st
+    assert st["restarts"] == 0  # none of the 5 restarts was spent
+    assert st["message"].count("last failure:") == 1
+    expected = {"pod": victim.metadata.name, "node": victim.spec.node_name, "exitCode": 3, "reason": "Error",
+                "retriable": False, "message": FATAL, "restartAttempt": 0}
+    assert {k: st["lastFailure"].get(k) for k in expected} == expected
+    assert f"pod {victim.metadata.name} on node {victim.spec.node_name} failed: exit code 3, Error " \
+           "(bad training data or tokenizer; not retried)" in st["message"]
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert failed["status"] == "True" and failed["reason"] == "NonRetriableExitCode" and FATAL in failed["message"]
+    js = jobs.jobset("baddata")
+    js_failed = {c["type"]: c for c in js["status"]["conditions"]}["Failed"]
+    assert js_failed["reason"] == "FailJobSetFailurePolicyAction"  # JobSet's own rule fired, not maxRestarts
+    events = cluster.wait_for(lambda: [e for e in jobs.events("baddata") if e.reason == "PodFailed"] or None, 30,
+                              "a PodFailed event", namespace=jobs.ns)
+    assert events[0].type == "Warning" and "exit code 3" in events[0].message and FATAL in events[0].message
+
+
+def test_retriable_failure_restarts_and_last_failure_outlives_the_pods(cluster, operator, jobs):
+    jobs.create(small_job("oomkill", podMetadata=run_for(300), restart={"maxRestarts": 2}))
+    pods = cluster.wait_for(lambda: running(jobs, "oomkill", 2), 90, "2 running pods", namespace=jobs.ns)
+    victim = pods[1]
+    fail_pod(jobs, victim.metadata.name, 137, reason="OOMKilled")
+    st = cluster.wait_for(lambda: (s := jobs.status("oomkill")).get("phase") == "Running" and s.get("restarts") == 1
+                          and s, 90, "Running again with restarts=1", namespace=jobs.ns)
+    print("status seen by the user:\n" + json.dumps(st, indent=2))
+    names_now = {p.metadata.name for p in jobs.pods("oomkill")}
+    assert victim.metadata.name not in names_now  # the gang was recreated ...
+    lf = st["lastFailure"]  # ... and the cause is still there
+    assert (lf["pod"], lf["node"], lf["exitCode"], lf["reason"], lf["retriable"], lf["restartAttempt"]) == (
+        victim.metadata.name, victim.spec.node_name, 137, "OOMKilled", True, 0)
+    (ev,) = [e for e in jobs.events("oomkill") if e.reason == "PodFailed"]
+    assert "exit code 137, OOMKilled (killed for exceeding its memory limit; retried)" in ev.message

@@ -1,0 +1,131 @@
+"""Why a pod failed (failures.py) and how status.derive reports it: lastFailure, the phase message, the
+PodFailed event, non-retriable exit codes (pure)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from megatron_operator.failures import PodFailure
+from megatron_operator.status import JobSetView, Observation, PodView, derive, iso
+
+NOW = datetime(2026, 11, 23, 5, 0, 0, tzinfo=UTC)
+LAYOUT = {"tensor": 1, "pipeline": 1, "context": 1, "expert": 1, "data": 2}
+FATAL = "rank 0: exit 3 (bad training data; not retried) during building the data index: Fatal: --data-path: ..."
+
+
+def pod(name, phase="Failed", code=3, reason="Error", message=FATAL, attempt=0, node="gpu-p5-3",
+        finished="2026-11-23T04:59:30Z"):
+    """A pod as the API server returns it (what the operator's pod index sees)."""
+    term = {"exitCode": code, "reason": reason, "message": message, "finishedAt": finished}
+    return {"metadata": {"name": name, "labels": {"jobset.sigs.k8s.io/restart-attempt": str(attempt)}},
+            "spec": {"nodeName": node},
+            "status": {"phase": phase, "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": term} if phase == "Failed" else {"running": {}}}]}}
+
+
+def js(restarts=0, **conds):
+    return JobSetView(name="job", suspended=False, restarts=restarts,
+                      conditions={k: {"status": "True", "reason": v[0], "message": v[1]} for k, v in conds.items()},
+                      created=iso(NOW - timedelta(minutes=5)))
+
+
+def obs(**kw):
+    base = dict(name="job", generation=1, num_nodes=2, world_size=2, layout=LAYOUT, suspend=False,
+                queue_name=None, previous={})
+    base.update(kw)
+    return Observation(**base)
+
+
+def test_pod_failure_reads_node_code_reason_and_message():
+    f = PodView.from_pod(pod("job-worker-0-0-x", attempt=2)).failure
+    assert f == PodFailure(pod="job-worker-0-0-x", node="gpu-p5-3", exit_code=3, reason="Error", message=FATAL,
+                           finished_at="2026-11-23T04:59:30Z", restart_attempt=2)
+    assert not f.retriable and f.summary() == ("pod job-worker-0-0-x on node gpu-p5-3 failed: exit code 3, Error "
+                                               "(bad training data or tokenizer; not retried)")
+    assert PodView.from_pod(pod("p", phase="Running")).failure is None
+
+
+@pytest.mark.parametrize("code, reason, meaning, retriable", [
+    (137, "OOMKilled", "killed for exceeding its memory limit", True),
+    (143, "Error", "killed by signal 15", True),
+    (1, "Error", "error", True),
+    (4, "Error", "CUDA out of memory before the first iteration", False),
+])
+def test_meaning_and_retry(code, reason, meaning, retriable):
+    f = PodView.from_pod(pod("p", code=code, reason=reason)).failure
+    assert f.meaning() == meaning and f.retriable is retriable
+
+
+def test_message_is_cut_to_its_last_characters():
+    f = PodView.from_pod(pod("p", message="x" * 5000 + "THE END")).failure
+    assert len(f.message) == 2000 and f.message.endswith("THE END")
+
+
+def test_non_retriable_exit_fails_the_job_naming_pod_node_code_and_lines():
+    failed_js = js(Failed=("FailJobSetFailurePolicyAction", "FailJobSet failure policy action: first failed "
+                                                            "job: job-worker-0"))
+    pods = [PodView.from_pod(pod("job-worker-0-0-x")), PodView.from_pod(pod("job-worker-1-0-y", phase="Running"))]
+    s, events = derive(obs(jobset=failed_js, pods=pods, previous={"phase": "Running"}), NOW)
+    assert (s["phase"], s["reason"]) == ("Failed", "NonRetriableExitCode")
+    assert "pod job-worker-0-0-x on node gpu-p5-3 failed: exit code 3, Error" in s["message"]
+    assert FATAL in s["message"]
+    assert s["lastFailure"] == {"pod": "job-worker-0-0-x", "node": "gpu-p5-3", "exitCode": 3, "reason": "Error",
+                                "retriable": False, "message": FATAL, "time": "2026-11-23T04:59:30Z",
+                                "restartAttempt": 0}
+    failed = next(c for c in s["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "NonRetriableExitCode" and "gpu-p5-3" in failed["message"]
+    (ev,) = [e for e in events if e.reason == "PodFailed"]
+    assert ev.type == "Warning" and "exit code 3" in ev.message and FATAL in ev.message
+    again, events = derive(obs(jobset=failed_js, pods=pods, previous=s), NOW + timedelta(seconds=10))
+    assert again["message"] == s["message"] and again["lastFailure"] == s["lastFailure"] and events == []
+
+
+def test_last_failure_survives_the_gang_recreation_and_the_event_is_not_repeated():
+    first, events = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(pod("a", code=1))],
+                               previous={"phase": "Running", "restarts": 0}), NOW)
+    assert first["phase"] == "Restarting" and "last failure: pod a on node gpu-p5-3 failed: exit code 1" in \
+        first["message"]
+    assert [e.reason for e in events].count("PodFailed") == 1
+    again, events = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(pod("a", code=1))], previous=first),
+                           NOW + timedelta(seconds=5))
+    assert "PodFailed" not in [e.reason for e in events]
+    new_pods = [PodView(f"b{i}", "Running", restart_attempt=1) for i in range(2)]
+    later, _ = derive(obs(jobset=js(restarts=1), pods=new_pods, previous=again), NOW + timedelta(seconds=30))
+    assert later["phase"] == "Running" and later["lastFailure"] == first["lastFailure"]
+
+
+def test_the_first_failure_of_the_latest_attempt_is_the_cause():
+    old = PodView.from_pod(pod("old", code=1, attempt=0, finished="2026-11-23T04:00:00Z"))
+    cause = PodView.from_pod(pod("cause", code=4, attempt=1, finished="2026-11-23T04:59:00Z"))
+    follower = PodView.from_pod(pod("follower", code=143, attempt=1, finished="2026-11-23T04:59:05Z"))
+    s, _ = derive(obs(jobset=js(restarts=1), pods=[old, follower, cause], previous={"phase": "Running",
+                                                                                     "restarts": 1}), NOW)
+    assert s["lastFailure"]["pod"] == "cause" and s["lastFailure"]["retriable"] is False
+
+
+def test_restarts_exhausted_names_the_last_failure():
+    s, _ = derive(obs(jobset=js(restarts=2, Failed=("ReachedMaxRestarts", "jobset failed")),
+                      pods=[PodView.from_pod(pod("c", code=137, reason="OOMKilled"))],
+                      previous={"phase": "Running", "restarts": 2}), NOW)
+    assert s["reason"] == "RestartsExhausted" and "exit code 137, OOMKilled (killed for exceeding its memory limit" \
+        in s["message"]
+
+
+
+def test_a_pod_stopped_by_the_teardown_does_not_replace_the_cause():
+    """kwok (like a kubelet) ends the other pods of the gang with 143 when JobSet deletes them, often
+    within the same second as the pod that failed."""
+    cause = PodView.from_pod(pod("cause", code=137, reason="OOMKilled"))
+    first, _ = derive(obs(jobset=js(), pods=[cause], previous={"phase": "Running"}), NOW)
+    assert first["lastFailure"]["pod"] == "cause"
+    torn = pod("a-follower", code=143, message="terminated on pod deletion (SIGTERM)")
+    torn["metadata"]["deletionTimestamp"] = "2026-11-23T04:59:31Z"
+    gone = pod("cause", code=137, reason="OOMKilled")
+    gone["metadata"]["deletionTimestamp"] = "2026-11-23T04:59:31Z"
+    s, events = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(torn), PodView.from_pod(gone)],
+                           previous=first), NOW + timedelta(seconds=2))
+    assert s["lastFailure"]["pod"] == "cause" and "PodFailed" not in [e.reason for e in events]
+    # seen together for the first time: the pod that was not being deleted is the cause
+    s, _ = derive(obs(jobset=js(), pods=[PodView.from_pod(torn), cause], previous={"phase": "Running"}), NOW)
+    assert s["lastFailure"]["pod"] == "cause"
