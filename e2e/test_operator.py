@@ -303,3 +303,32 @@ def test_a_name_taken_by_a_foreign_object_is_never_used(cluster, operator, jobs)
     time.sleep(3)  # several resync ticks (1 s): a bug would delete it for the 1 s deadline, or un-suspend it
     js = jobs.jobset("taken")
     assert js is not None and js["spec"]["suspend"] is True
+
+
+def test_a_trainer_token_cannot_defeat_the_deadline_by_writing_the_operators_fields(cluster, operator, jobs, tmp_path):
+    """The job's own token may patch its status. A forged phase and a far-future startTime written
+    with it are not believed (managedFields name the writer), also by an operator that restarted
+    and so has no memory of its own writes: activeDeadlineSeconds still ends the job."""
+    jobs.create(small_job("forger", podMetadata=run_for(300), activeDeadlineSeconds=20))
+    jobs.wait_phase("forger", "Running")
+    token = jobs.core.create_namespaced_service_account_token(
+        "forger-trainer", jobs.ns, {"spec": {"expirationSeconds": 600}}).status.token
+    cfg = kubernetes.client.Configuration.get_default_copy()
+    kubernetes.config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=cfg)
+    # phase Failed alone would make an operator that believed it stop acting on the job (JobSet kept)
+    forged = {"status": {"phase": "Failed", "reason": "Forged", "startTime": "2999-01-01T00:00:00Z",
+                         "lastProgressTime": "2999-01-01T00:00:00.5Z"}}
+    req = urllib.request.Request(
+        f"{cfg.host}/apis/megatron-operator.io/v1alpha1/namespaces/{jobs.ns}/megatronjobs/forger/status"
+        "?fieldManager=megatron-trainer", data=json.dumps(forged).encode(), method="PATCH",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    operator.kill(signal.SIGKILL)  # no cache of its own writes after the restart
+    try:
+        with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=cfg.ssl_ca_cert), timeout=10) as r:
+            assert json.load(r)["status"]["startTime"] == "2999-01-01T00:00:00Z"  # the write itself is allowed
+    finally:
+        operator.start()
+    st = cluster.wait_for(lambda: (s := jobs.status("forger")).get("reason") == "DeadlineExceeded" and s, 90,
+                          "Failed with reason DeadlineExceeded", namespace=jobs.ns)
+    assert st["phase"] == "Failed" and not st["startTime"].startswith("2999")
+    wait_gone(cluster, lambda: jobs.jobset("forger"), "the JobSet deleted on the deadline", jobs.ns)

@@ -161,7 +161,11 @@ class Controller:
         written = self._written.get(key)
         if written is not None and written.get("_uid") != meta.get("uid"):
             written = None  # a new object with the same name
-        previous = {**(body.get("status") or {}), **{k: v for k, v in (written or {}).items() if k != "_uid"}}
+        # The operator's fields as some other writer left them (a trainer token may patch its job's
+        # status: a phase, a future startTime) are not believed; they are derived afresh and rewritten.
+        foreign = st.foreign_fields(meta.get("managedFields"))
+        stored = {k: v for k, v in (body.get("status") or {}).items() if k not in foreign}
+        previous = {**stored, **{k: v for k, v in (written or {}).items() if k != "_uid"}}
         job = parsed.job
         spec = job.spec if job is not None else None  # None: the models refuse it (status says why)
         if jobset is not None and controller_uid(jobset) != meta.get("uid"):
@@ -182,7 +186,12 @@ class Controller:
             stall_timeout_s=self.settings.stall_timeout_s,
             not_owned=self.not_owned(meta),
         )
-        desired, events = st.derive(obs)
+        try:
+            desired, events = st.derive(obs)
+        except Exception as exc:  # any writer's bad status must not stop the work on this job
+            log.warning(f"{ns}/{name}: the stored status cannot be read ({exc}); deriving it afresh")
+            obs.previous = {"progress": previous["progress"]} if isinstance(previous.get("progress"), dict) else {}
+            desired, events = st.derive(obs)
         phase = desired["phase"]
 
         # act on the difference
@@ -201,7 +210,7 @@ class Controller:
         # Event-driven passes trust what we wrote; the periodic resync compares with the stored status
         # itself, so a status changed behind our back (or a lost write) converges within one interval.
         stored = body.get("status") or {}
-        if st.changed(stored if resync else previous, desired):
+        if (foreign & desired.keys()) or st.changed(stored if resync else previous, desired):
             self.kube.apply_status(ns, name, desired)
             self.metrics.status_writes.inc()
             self._written[key] = {**desired, "_uid": meta.get("uid")}

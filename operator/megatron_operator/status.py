@@ -8,13 +8,14 @@ restarted at any point derives the same status from the same world.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 from .failures import JOBSET_FAIL_ACTION_REASON, PodFailure
 from .memory import FitReport
-from .names import JOBSET_RESTART_ATTEMPT_LABEL, TRAINER_CONTAINER
+from .names import FIELD_MANAGER, JOBSET_RESTART_ATTEMPT_LABEL, TRAINER_CONTAINER
 from .rules import Problem
 from .spec import Condition, MegatronJobStatus
 
@@ -93,10 +94,34 @@ def iso(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_time(s: str | None) -> datetime | None:
-    if not s:
+# RFC 3339 date-time (what the API server accepts for format: date-time): fractional seconds of any
+# length, Z or a numeric offset, T/t or a space between date and time.
+_RFC3339 = re.compile(r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?([Zz]|[+-]\d{2}:\d{2})")
+# Clocks of the API server, the nodes and the operator differ a little; later than this is "in the future".
+CLOCK_SKEW_S = 60
+
+
+def parse_time(s: Any) -> datetime | None:
+    """An RFC 3339 time as an aware datetime; None for anything else (never raises: a status that
+    some writer filled badly must not stop the operator's work on the job)."""
+    if not isinstance(s, str) or not (m := _RFC3339.fullmatch(s)):
         return None
-    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+    micros = int((m.group(7) or "0")[:6].ljust(6, "0"))
+    zone = m.group(8)
+    tz = UTC if zone in ("Z", "z") else timezone(
+        (1 if zone[0] == "+" else -1) * timedelta(hours=int(zone[1:3]), minutes=int(zone[4:6])))
+    try:
+        return datetime(year, month, day, hour, minute, min(second, 59), micros, tzinfo=tz).astimezone(UTC)
+    except ValueError:  # e.g. month 13
+        return None
+
+
+def past_time(s: Any, now: datetime) -> datetime | None:
+    """``parse_time``, but None for a time in the future: such a startTime would stop
+    activeDeadlineSeconds from ever firing, a future lastProgressTime the Stalled check."""
+    t = parse_time(s)
+    return t if t is not None and (t - now).total_seconds() <= CLOCK_SKEW_S else None
 
 
 @dataclass(frozen=True)
@@ -213,7 +238,7 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
         return Phase.FAILED, reason, c.get("message") or "the JobSet failed"
     if o.deadline_s is not None:
         # counted from the first start, or from the JobSet's creation if the job never ran
-        start = parse_time(o.previous.get("startTime")) or parse_time(js.created)
+        start = past_time(o.previous.get("startTime"), now) or past_time(js.created, now)
         if start and (now - start).total_seconds() > o.deadline_s:
             return Phase.FAILED, Reason.DEADLINE_EXCEEDED, f"the job ran longer than spec.activeDeadlineSeconds={o.deadline_s}"
     if js.suspended:
@@ -259,7 +284,8 @@ class _Conditions:
     def set(self, kind: str, status: bool, reason: str, message: str = "") -> None:
         value = "True" if status else "False"
         old = self.previous.get(kind)
-        changed_at = old["lastTransitionTime"] if old and old.get("status") == value else iso(self.now)
+        kept = old and old.get("status") == value and past_time(old.get("lastTransitionTime"), self.now)
+        changed_at = old["lastTransitionTime"] if kept else iso(self.now)
         self.items.append(Condition(type=kind, status=value, reason=reason, message=message[:MAX_MESSAGE],
                                     last_transition_time=changed_at, observed_generation=self.generation))
 
@@ -332,10 +358,11 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     lay = o.layout
     jobset_name = o.jobset.name if o.jobset is not None else prev.get("jobSetName")
     # start / completion times: set once
-    start = prev.get("startTime")
+    start = prev.get("startTime") if past_time(prev.get("startTime"), now) else None
     if not start and phase in (Phase.RUNNING, Phase.RESTARTING, Phase.SUCCEEDED):
         start = iso(now)
-    completion = (prev.get("completionTime") or iso(now)) if phase in TERMINAL else None
+    completion = (prev.get("completionTime") if past_time(prev.get("completionTime"), now) else iso(now)) \
+        if phase in TERMINAL else None
 
     if o.problems:
         conditions.set(ConditionType.INVALID_SPEC, True, Reason.INVALID_SPEC, message)
@@ -353,10 +380,10 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     progress = prev.get("progress") or {}
     it = progress.get("iteration")
     last_it, last_t = prev.get("lastProgressIteration"), prev.get("lastProgressTime")
-    if it is not None and it != last_it:
+    if (it is not None and it != last_it) or (last_it is not None and past_time(last_t, now) is None):
         last_it, last_t = it, iso(now)
     if phase == Phase.RUNNING:
-        since = parse_time(last_t) or parse_time(start) or now
+        since = past_time(last_t, now) or past_time(start, now) or now
         idle = (now - since).total_seconds()
         if idle > o.stall_timeout_s:
             msg = (f"no new iteration for {int(idle)} s (last reported: {last_it if last_it is not None else 'none'}); "
@@ -392,6 +419,18 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
         conditions=conditions.items,
     )
     return status.model_dump(by_alias=True, exclude_none=True, mode="json"), events
+
+
+def foreign_fields(managed_fields: Any) -> set[str]:
+    """The operator's status fields that another field manager has written (from
+    ``metadata.managedFields``): a non-apply update that changes a field takes its ownership."""
+    out: set[str] = set()
+    for entry in managed_fields if isinstance(managed_fields, list) else []:
+        if not isinstance(entry, dict) or entry.get("manager") == FIELD_MANAGER:
+            continue
+        fields = ((entry.get("fieldsV1") or {}).get("f:status") or {}) if isinstance(entry.get("fieldsV1"), dict) else {}
+        out |= {k[2:] for k in fields if isinstance(k, str) and k.startswith("f:")} & set(OPERATOR_FIELDS)
+    return out
 
 
 def changed(previous: dict[str, Any], desired: dict[str, Any]) -> bool:

@@ -239,3 +239,35 @@ def test_a_jobset_of_the_same_name_controlled_by_another_object_is_ignored(ctl, 
     observe(ctl, b, jobset(suspended=True, created=old, owner="someone-else"), running_pods())
     assert kube.of("delete") == [] and kube.of("suspend") == []  # never acts on another's JobSet
     assert kube.of("status")[-1][1:] == ("Pending", "NotOwned")
+
+
+def test_a_status_that_cannot_be_read_is_derived_afresh_not_frozen(ctl, kube):
+    # e.g. a writer put a string where the operator keeps a count
+    b = body(status={"phase": "Running", "reason": "AllPodsRunning", "restarts": "many",
+                     "progress": {"iteration": 7}})
+    observe(ctl, b, jobset(), running_pods())
+    assert kube.of("status") == [("status", "Running", "AllPodsRunning")]
+
+
+def test_operator_fields_another_writer_changed_are_not_believed(ctl, kube):
+    """A trainer token may patch its own status: a terminal phase and a far-future startTime written
+    by it (managedFields say so) neither stop the job nor defeat activeDeadlineSeconds."""
+    start = datetime.now(UTC) - timedelta(hours=2)
+    b = body(status={"phase": "Failed", "reason": "Whatever", "startTime": "2999-01-01T00:00:00Z",
+                     "jobSetName": "job"}, activeDeadlineSeconds=60)
+    b["metadata"]["managedFields"] = [
+        {"manager": "megatron-operator", "operation": "Apply", "subresource": "status",
+         "fieldsV1": {"f:status": {"f:phase": {}, "f:reason": {}}}},
+        {"manager": "megatron-trainer", "operation": "Update", "subresource": "status",
+         "fieldsV1": {"f:status": {"f:phase": {}, "f:startTime": {}, "f:progress": {}}}}]
+    observe(ctl, b, jobset(created=start), running_pods())
+    assert kube.of("delete") == [("delete", "job")]
+    assert kube.of("status")[-1] == ("status", "Failed", "DeadlineExceeded")
+
+
+def test_foreign_fields_reads_managed_fields_defensively():
+    assert st.foreign_fields(None) == set() and st.foreign_fields("x") == set()
+    assert st.foreign_fields([{"manager": "kubectl-edit", "fieldsV1": {"f:status": {"f:restarts": {}, "f:progress": {},
+                                                                                      "f:nonsense": {}}}},
+                              {"manager": "megatron-operator", "fieldsV1": {"f:status": {"f:phase": {}}}},
+                              "junk", {"manager": "x", "fieldsV1": None}]) == {"restarts"}

@@ -204,3 +204,48 @@ def test_every_restart_is_reported_as_restarting_once():
     assert [e.reason for e in events] == ["GangRestart"]
     s2, _ = derive(obs(jobset=js(restarts=1), pods=pods(2, attempt=1), previous=s), NOW)
     assert s2["phase"] == "Running"
+
+
+# ---- a status some writer filled badly (issue 15) ---------------------------------------------------
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("2026-01-01T00:00:00Z", datetime(2026, 1, 1, tzinfo=UTC)),
+    ("2026-01-01T00:00:00.5Z", datetime(2026, 1, 1, 0, 0, 0, 500000, tzinfo=UTC)),
+    ("2026-01-01T00:00:00.123456789Z", datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=UTC)),
+    ("2026-01-01t02:00:00+02:00", datetime(2026, 1, 1, tzinfo=UTC)),
+    ("2026-01-01 00:00:00-01:30", datetime(2026, 1, 1, 1, 30, tzinfo=UTC)),
+    ("2026-13-01T00:00:00Z", None),
+    ("yesterday", None),
+    ("2026-01-01T00:00:00", None),  # RFC 3339 needs an offset
+    (12345, None),
+    ("", None),
+])
+def test_rfc3339_times_are_parsed_fully_and_nothing_raises(text, expected):
+    from megatron_operator.status import parse_time
+    assert parse_time(text) == expected
+
+
+def test_a_future_start_time_does_not_defeat_the_deadline():
+    prev = {"phase": "Running", "reason": "AllPodsRunning", "startTime": iso(NOW + timedelta(days=3650))}
+    s, events = derive(obs(jobset=js(), pods=pods(2), previous=prev, deadline_s=60), NOW)
+    # counted from the JobSet's creation (5 minutes ago) instead
+    assert (s["phase"], s["reason"]) == ("Failed", "DeadlineExceeded")
+    assert s.get("startTime") != prev["startTime"]  # the future value is not kept
+
+
+def test_a_fractional_start_time_counts_for_the_deadline():
+    prev = {"phase": "Running", "reason": "AllPodsRunning", "startTime": "2026-11-21T11:00:00.5Z"}
+    s, _ = derive(obs(jobset=js(), pods=pods(2), previous=prev, deadline_s=60), NOW)
+    assert s["reason"] == "DeadlineExceeded"
+
+
+def test_future_or_garbage_times_elsewhere_do_not_freeze_the_status():
+    prev = {"phase": "Running", "reason": "AllPodsRunning", "startTime": "not a time",
+            "lastProgressIteration": 5, "lastProgressTime": iso(NOW + timedelta(days=1)),
+            "progress": {"iteration": 5},
+            "conditions": [{"type": "Running", "status": "True", "reason": "AllPodsRunning",
+                            "lastTransitionTime": "garbage"}]}
+    s, _ = derive(obs(jobset=js(), pods=pods(2), previous=prev, stall_timeout_s=10), NOW)
+    assert s["phase"] == "Running" and s["startTime"] == iso(NOW)
+    assert cond(s, "Running")["lastTransitionTime"] == iso(NOW)
+    assert s["lastProgressTime"] == iso(NOW)  # a future time restarts the stall clock now, never freezes it
