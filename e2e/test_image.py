@@ -41,7 +41,8 @@ TOKEN_DURATION_S = 3600
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # crun refuses hybrid cgroup v1; the sandbox refuses to raise RLIMIT_NPROC (docs/install.md).
 PODMAN = ["podman", "--runtime", "runc"]
-LIMITS = ["--ulimit", "nproc=4096:4096", "--ulimit", "nofile=20000:20000"]
+# --passwd=false: podman would add an /etc/passwd entry for --user; a kubelet never does.
+LIMITS = ["--ulimit", "nproc=4096:4096", "--ulimit", "nofile=20000:20000", "--passwd=false"]
 
 
 def podman(*args: str, timeout: float = RUN_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:

@@ -156,6 +156,8 @@ def test_operator_image_user_and_entrypoint_match_the_chart():
     assert exec_form(final["ENTRYPOINT"]) == ["megatron-operator"]  # the chart's container command
     assert exec_form(final["CMD"]) == ["run"]
     assert "PYTHONDONTWRITEBYTECODE=1" in final["ENV"]  # read-only root filesystem
+    # kopf calls getpass.getuser(): the uid needs a passwd entry (a kubelet adds none)
+    assert f"useradd --system --uid {uid} --gid {gid}" in final["RUN"]
 
 
 def test_trainer_image_is_ngc_pytorch_with_only_the_trainer_extra():
