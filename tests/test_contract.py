@@ -24,7 +24,7 @@ EXTRA_CASES = {
                     "training": {"trainIters": 10, "microBatchSize": 1, "globalBatchSize": 16, "precision": "fp16",
                                  "distributedOptimizer": False, "recompute": "full",
                                  "extraArgs": ["--overlap-grad-reduce", "--num-workers", "4"]},
-                    "checkpoint": {"pvc": "c", "async": False, "keep": 0}},
+                    "checkpoint": {"pvc": "c", "async": False, "keep": 0}, "logging": {"tensorboard": True}},
     "null-tokenizer-fp8": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 8},
                            "model": {"preset": "gpt-7.5b"},
                            "training": {"trainIters": 10, "precision": "fp8", "attentionBackend": "unfused"},
@@ -111,6 +111,8 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert t.bf16 == (spec.training.precision in ("bf16", "fp8")) and t.fp16 == (spec.training.precision == "fp16")
     assert (t.fp8_format is not None) == (spec.training.precision == "fp8")
     assert t.seed == spec.training.seed
+    assert cfg.logging.tensorboard_dir == (f"/checkpoints/{spec.checkpoint.path or job.metadata.name}/tensorboard"
+                                           if spec.logging.tensorboard else None)
     if spec.checkpoint:
         assert cfg.checkpoint.save == cfg.checkpoint.load == f"/checkpoints/{spec.checkpoint.path or job.metadata.name}"
         assert cfg.checkpoint.save_interval == spec.checkpoint.interval

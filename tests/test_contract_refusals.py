@@ -31,6 +31,7 @@ OPERATOR_ONLY = {
     "data-tokenizer-with-pvc": "the spec's data section shape (nothing to render)",
     "tokenizer-path": "the spec's data section shape (nothing to render)",
     "model-complete": "an incomplete model cannot be rendered",
+    "tensorboard-needs-checkpoint": "where the event files go (nothing to render without a checkpoint PVC)",
 }
 
 

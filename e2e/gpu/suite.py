@@ -23,6 +23,10 @@ Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` 
              checkpoint of 10 -> checkpoint, exit 0 -> restart resumes, trains to the end, exit 0
   preempt    issue 13: a rendered pod whose final save takes > 30 s: SIGTERM -> the launcher waits the
              pod's grace period -> complete checkpoint, exit 0 -> restart resumes from it
+  tensorboard  issue 17: the pp2 job of `pods` alone (spec.logging.tensorboard): Megatron-LM's scalar
+             names read back from the event files with tensorboard's reader, lm loss = the log lines
+  deterministic  issue 17: --deterministic-mode at TP, PP, DP = N: kill -9 at 25, resume from 20, losses
+             of 21-40 bit-identical to the uninterrupted run; its speed cost on the benchmark model
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -982,9 +986,124 @@ def pods_job(ctx, job_file: Path) -> dict:
     check(state2["tracker"] == train_iters, f"start 2 checkpoint {state2}", failures)
     left = _no_pod_processes(uid)
     check(not left, f"start 2 left processes {left}", failures)
+    cmd = first[0].command()
+    if "--tensorboard-dir" in cmd:  # the event files, read back from the checkpoint PVC
+        # /checkpoints is the PVC "checkpoints" (the jobs' claim), i.e. PVC_ROOT/checkpoints here
+        tb = read_tensorboard(P.PVC_ROOT / "checkpoints" / pods_arg(cmd, "--tensorboard-dir").removeprefix("/checkpoints/"))
+        tb_loss = tb.get("lm loss", {})
+        check(set(TB_TAGS) <= set(tb), f"tensorboard tags missing: {sorted(set(TB_TAGS) - set(tb))}", failures)
+        check(sorted(tb_loss) == list(range(1, train_iters + 1)), f"tensorboard lm loss steps {sorted(tb_loss)}",
+              failures)
+        check(all(abs(tb_loss[i] - losses[i]) <= 1e-5 * abs(losses[i]) for i in tb_loss if i in losses),
+              "tensorboard lm loss differs from the log lines", failures)
+        out["tensorboard"] = {"files": tb.pop("_files"), "tags": sorted(tb),
+                              "lm_loss_first_last": [tb_loss.get(1), tb_loss.get(train_iters)]}
     out.update({"ok": not failures, "failures": failures, "exit_codes": [rcs1, rcs2], "stopped_at": stopped_at,
                 "resumed_from": resumed.group(2) if resumed else None, "checkpoints": state2,
                 "loss_first": losses.get(1), "loss_last": losses.get(train_iters)})
+    return out
+
+
+TB_TAGS = ("lm loss", "lm loss vs samples", "learning-rate", "batch-size", "grad-norm", "world-size",
+           "iteration-time", "throughput", "mem-allocated-bytes", "mem-max-allocated-bytes", "mem-reserved-bytes")
+
+
+def read_tensorboard(path: Path) -> dict:
+    """Every scalar of every event file under `path` (tensorboard's own reader): {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out: dict = {"_files": sorted(p.name for p in path.glob("events.out.tfevents.*"))}
+    for f in sorted(path.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(f)).Load():
+            for v in event.summary.value:
+                value = v.simple_value if v.HasField("simple_value") else None
+                if value is None and v.HasField("tensor"):
+                    from tensorboard.util import tensor_util
+
+                    value = float(tensor_util.make_ndarray(v.tensor))
+                out.setdefault(v.tag, {})[int(event.step)] = value
+    return out
+
+
+def scenario_tensorboard(ctx) -> dict:
+    """issue 17: the rendered pp2 job with spec.logging.tensorboard, both starts; event files read back."""
+    _pod_setup(ctx)
+    r = pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "pp2-checkpoint.yaml")
+    check("tensorboard" in r, "no --tensorboard-dir rendered", r.setdefault("failures", []))
+    r["ok"] = not r["failures"]
+    return r
+
+
+def summary_losses(log: Path) -> dict[int, float]:
+    """The exact losses (TRAINER_SUMMARY) of a run: the log line has 7 significant digits only."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("TRAINER_SUMMARY "):
+            found = json.loads(line[len("TRAINER_SUMMARY "):]).get("losses", {})
+    return {int(k): float(v) for k, v in found.items()}
+
+
+def scenario_deterministic(ctx) -> dict:
+    """issue 17: --deterministic-mode at TP, PP and DP (async checkpoints every 10): kill -9 a rank at
+    iteration 25, restart -> resumes from the newest complete checkpoint -> every later loss is
+    bit-identical (==) to the uninterrupted run's. Then the cost: GPT-1.35B at TP=N, deterministic vs default, same call."""
+    gpus = ctx["gpus"]
+    out: dict = {}
+    layouts = [(n, tp, pp) for n, tp, pp in layouts_for(gpus) if n in (f"tp{gpus}", f"pp{gpus}", f"dp{gpus}")]
+    for name, tp, pp in layouts:
+        ref_name = f"det_{name}"
+        out[name] = r = reference_run(ctx, ref_name, tp, pp, extra=["--deterministic-mode"])
+        ref = ctx["refs"][ref_name]
+        exact_ref = summary_losses(LOGS / f"ref_{ref_name}.log")
+        save = str(WORK / "ckpt" / f"detkill_{name}")
+        shutil.rmtree(save, ignore_errors=True)
+        args = [save if a == ref["save"] else a for a in ref["args"]]
+        run = Run(f"detkill_{name}", gpus, args)
+        hit = run.wait_for(re.compile(r"iteration\s+25/"), 240)
+        killed = run.kill_rank(gpus - 1)
+        time.sleep(3)
+        run.kill_tree()
+        run.wait(60)
+        run.close()
+        complete = [it for it, ok in ckpt_state(Path(save))["checkpoints"].items() if ok]
+        expected = max(complete) if complete else None  # 20, or 10 if the save of 20 was still in flight
+        again = Run(f"detkill_{name}_restart", gpus, args)
+        rc = again.wait(300)
+        again.close()
+        resumed = RESUMED_RE.search(again.text())
+        exact = summary_losses(again.log_path)
+        later = sorted(i for i in exact if resumed and i > int(resumed.group(2)))
+        differing = [(i, exact[i], exact_ref.get(i)) for i in later if exact[i] != exact_ref.get(i)]
+        failures = r["failures"]
+        check(hit is not None and killed, "kill at 25 not done", failures)
+        check(rc == 0 and resumed is not None and expected is not None and int(resumed.group(2)) == expected,
+              f"restart rc={rc} resumed={resumed.group(2) if resumed else None}, newest complete {expected}", failures)
+        check(expected is not None and later == list(range(expected + 1, 41)), f"resumed iterations {later}",
+              failures)
+        check(not differing, f"not bit-identical: {differing[:3]}", failures)
+        warned = sorted(set(re.findall(r"(\w+) does not have a deterministic implementation", again.text())))
+        r.update({"ok": not failures, "resumed_from": resumed.group(2) if resumed else None,
+                  "compared_iterations": [later[0], later[-1]] if later else None, "bit_identical": not differing,
+                  "first_differences": differing[:3], "ops_without_deterministic_kernel": warned})
+    # the cost, on the benchmark model (no checkpoints)
+    if time.monotonic() < DEADLINE[0] - 150:
+        model, tp = ctx.get("bench_model", "gpt1b"), gpus
+        mb = MODELS[model]["mbs"]
+        cost = {}
+        for variant, extra in (("default", []), ("deterministic", ["--deterministic-mode"])):
+            run = Run(f"detcost_{variant}", gpus, trainer_args(model, tp=tp, mbs=mb, gbs=mb, iters=16, lr="3e-4",
+                                                               warmup=2, extra=extra),
+                      env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+            rc = run.wait(300)
+            run.close()
+            ms = run.iteration_ms()
+            steady = [ms[i] for i in sorted(ms) if 4 <= i <= 16]
+            cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
+                             "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)]}
+        d, n = cost["deterministic"]["median_iter_ms"], cost["default"]["median_iter_ms"]
+        cost["slowdown"] = round(d / n, 3) if d and n else None
+        out["cost"] = {"model": model, "layout": f"TP{tp}", **cost}
+    out["ok"] = all(out[n]["ok"] for n, _, _ in layouts) and bool(layouts)
     return out
 
 
@@ -1085,7 +1204,8 @@ def scenario_preempt(ctx) -> dict:
 SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": scenario_layouts,
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
-             "pods": scenario_pods, "preempt": scenario_preempt}
+             "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
+             "deterministic": scenario_deterministic}
 
 
 def main() -> int:
@@ -1135,7 +1255,8 @@ def main() -> int:
     ctx["out_dir"], ctx["results"] = out_dir, results
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
-                  "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240}
+                  "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240,
+                  "tensorboard": 100, "deterministic": 300}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):

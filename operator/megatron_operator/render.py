@@ -195,6 +195,8 @@ def megatron_args(job: MegatronJob) -> list[str]:
             flag("async-save")
             flag("use-persistent-ckpt-worker")
         flag("exit-signal-handler")
+        if spec.logging.tensorboard:
+            flag("tensorboard-dir", f"{ckpt_dir}/tensorboard")
     return a + list(tr.extra_args)
 
 

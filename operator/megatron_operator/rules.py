@@ -139,7 +139,7 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "fp16", "fp8-format", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
     "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
-    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler",
+    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (
@@ -380,6 +380,10 @@ SPEC_RULES: list[Rule] = [
          message=fmt("spec.podMetadata.labels: ",
                       Index(Filter(f("podMetadata.labels"), "k", Matches(Var("k"), RESERVED_LABEL_RE)), 0),
                       " is a label the operator or JobSet sets; use another key")),
+    Rule("tensorboard-needs-checkpoint", "logging.tensorboard",
+         has("checkpoint"), when=f("logging.tensorboard"),
+         message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC; set "
+                     "spec.checkpoint, or tensorboard: false")),
     Rule("data-exactly-one", "data",
          cond(has("data.mock"), f("data.mock"), False).ne(has("data.pvc")),
          message=lit("spec.data: give exactly one of mock: true or pvc (with paths)")),

@@ -259,6 +259,14 @@ class CheckpointSpec(ApiModel):
                       "deleted (the newest is never deleted). 0 keeps all.")
 
 
+class LoggingSpec(ApiModel):
+    """What the trainer writes besides its log lines."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files (Megatron-LM's scalar names: "
+                              "lm loss, learning-rate, grad-norm, throughput, ...) to <checkpoint dir>/tensorboard "
+                              "on the checkpoint PVC (--tensorboard-dir); needs spec.checkpoint.")
+
+
 # --------------------------------------------------------------------------------------------
 # spec.resources / restart / env
 # --------------------------------------------------------------------------------------------
@@ -357,6 +365,7 @@ class MegatronJobSpec(ApiModel):
                            "(default: mock data).")
     checkpoint: CheckpointSpec | None = Field(None, description="Checkpoints; without them a restart "
                                               "starts from iteration 0.")
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard event files.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources and placement.")
     restart: RestartSpec = Field(default_factory=RestartSpec, description="Restart policy.")
     suspend: bool = Field(False, description="Suspend the job: pods are deleted, the job keeps its "

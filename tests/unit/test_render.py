@@ -197,6 +197,14 @@ def test_failure_policy_gang_restart_and_grace_period():
     assert pod_spec(default)["terminationGracePeriodSeconds"] == 777
 
 
+def test_tensorboard_under_the_checkpoint_dir():
+    on = container(objects(make_job(checkpoint={"pvc": "c", "path": "runs/a"}, logging={"tensorboard": True}))
+                   ["JobSet"])["command"]
+    assert on[on.index("--tensorboard-dir") + 1] == "/checkpoints/runs/a/tensorboard"
+    off = container(objects(make_job(checkpoint={"pvc": "c"}))["JobSet"])["command"]
+    assert "--tensorboard-dir" not in off
+
+
 @pytest.mark.parametrize("grace, launcher", [(30, 20), (1200, 1190), (None, 590)])
 def test_launcher_waits_the_pod_grace_period_less_a_margin(grace, launcher):
     job = make_job(terminationGracePeriodSeconds=grace) if grace else make_job()

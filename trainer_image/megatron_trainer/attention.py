@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SDPA_BACKENDS = {
     "flash": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
     "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],  # --deterministic-mode: matmul, softmax, matmul (no fused kernel)
     "auto": None,
 }
 

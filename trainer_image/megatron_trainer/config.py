@@ -190,6 +190,10 @@ class TrainingConfig:
     no_persist_layer_norm: bool = field(default=True, metadata=flag(
         "--no-persist-layer-norm", action="store_true",
         help="Accepted: this trainer never uses apex's persistent layer norm."))
+    deterministic_mode: bool = field(default=False, metadata=flag(
+        "--deterministic-mode", action="store_true",
+        help="Bit-identical runs: NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG, torch deterministic algorithms, no "
+             "fused attention kernels (megatron_trainer/determinism.py). Slower; opt-in."))
     manual_gc: bool = field(default=False, metadata=flag(
         "--manual-gc", action="store_true",
         help="Disable Python's automatic garbage collector (its pauses desynchronise ranks); collect "
@@ -297,9 +301,9 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Megatron-LM logging flags, accepted so that existing launch scripts run; this trainer writes no
-    TensorBoard or Weights & Biases files (its metrics: the log line, Prometheus, status.progress).
-    Each one given is named once at start-up (`ignored_flags`)."""
+    """Megatron-LM logging flags. --tensorboard-dir (rendered from spec.logging.tensorboard) and its
+    interval and queue size act (megatron_trainer/tensorboard.py); the others are accepted so that
+    existing launch scripts run, and each one given is named once at start-up (`ignored_flags`)."""
 
     log_throughput: bool = field(default=False, metadata=flag(
         "--log-throughput", action="store_true", help="Accepted: throughput is always in the log line."))
@@ -314,18 +318,21 @@ class LoggingConfig:
     timing_log_option: str = field(default="minmax", metadata=flag(
         "--timing-log-option", choices=("max", "minmax", "all"), help="Accepted, no timers are logged."))
     tensorboard_dir: str | None = field(default=None, metadata=flag(
-        "--tensorboard-dir", help="Accepted, no TensorBoard events are written."))
+        "--tensorboard-dir", help="Write TensorBoard event files here (Megatron-LM's scalar names), from the last "
+        "rank."))
     tensorboard_log_interval: int = field(default=1, metadata=flag(
-        "--tensorboard-log-interval", type=int, help="Accepted, no TensorBoard events are written."))
+        "--tensorboard-log-interval", type=int, help="Iterations between TensorBoard scalars."))
     tensorboard_queue_size: int = field(default=1000, metadata=flag(
-        "--tensorboard-queue-size", type=int, help="Accepted, no TensorBoard events are written."))
+        "--tensorboard-queue-size", type=int, help="Events the TensorBoard writer queues before a flush."))
     log_timers_to_tensorboard: bool = field(default=False, metadata=flag(
-        "--log-timers-to-tensorboard", action="store_true", help="Accepted, no TensorBoard events are written."))
+        "--log-timers-to-tensorboard", action="store_true",
+        help="Accepted: iteration-time and throughput are always written with --tensorboard-dir."))
     log_memory_to_tensorboard: bool = field(default=False, metadata=flag(
-        "--log-memory-to-tensorboard", action="store_true", help="Accepted, no TensorBoard events are written."))
+        "--log-memory-to-tensorboard", action="store_true",
+        help="Accepted: the mem-* scalars are always written with --tensorboard-dir."))
     log_validation_ppl_to_tensorboard: bool = field(default=False, metadata=flag(
         "--log-validation-ppl-to-tensorboard", action="store_true",
-        help="Accepted, no TensorBoard events are written."))
+        help="Accepted, no validation runs."))
     wandb_project: str = field(default="", metadata=flag(
         "--wandb-project", help="Accepted, nothing is sent to Weights & Biases."))
     wandb_exp_name: str = field(default="", metadata=flag(
@@ -585,10 +592,13 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
 def ignored_flags(cfg: TrainerConfig) -> list[str]:
     """The accepted-but-unused flags the command line set (off their defaults), for one start-up note."""
     out = []
+    acting = {"tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size"}
+    if cfg.logging.tensorboard_dir:
+        acting |= {"log_timers_to_tensorboard", "log_memory_to_tensorboard"}  # written anyway
     for section, cls in (("logging", LoggingConfig),):
         values = getattr(cfg, section)
         for f in dataclasses.fields(cls):
-            if getattr(values, f.name) != f.default:
+            if f.name not in acting and getattr(values, f.name) != f.default:
                 out.append(f.metadata["flags"][0])
     if cfg.training.eval_interval is not None:
         out.append("--eval-interval")

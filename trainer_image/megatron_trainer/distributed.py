@@ -43,6 +43,11 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
         # Megatron-LM asserts this on Hopper (arguments.py, validate_args): kernel order for comm/compute overlap.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
+    if cfg.training.deterministic_mode:  # before NCCL, cuBLAS and the first kernel read their settings
+        from .determinism import enable
+
+        set_now = enable(os.environ)
+        log.info("deterministic mode: %s, torch deterministic algorithms on", ", ".join(set_now) or "env as given")
     torch.cuda.set_device(local_rank)
     if cfg.training.cuda_graph_impl == "full_iteration":
         # Run everything on the stream the graph is captured on. Megatron's DDP keeps each

@@ -185,6 +185,12 @@ class Trainer:
         if self.env.is_rank0 and runtime.job_name and runtime.job_namespace and runtime.progress_interval_s > 0:
             self.progress = ProgressWriter.in_cluster(runtime.job_name, runtime.job_namespace)
         self.progress_cadence = Cadence(runtime.progress_interval_s)
+        self.tensorboard = None
+        if cfg.logging.tensorboard_dir and self.is_logging_rank:
+            from .tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir, cfg.logging.tensorboard_log_interval,
+                                                 cfg.logging.tensorboard_queue_size)
         self.checkpointer.on_published = self._on_checkpoint_published
         self.stop_signal = StopSignal()
         if cfg.checkpoint.exit_signal_handler:
@@ -378,6 +384,12 @@ class Trainer:
                       f" number of skipped iterations: {self.state.skipped_iterations:3d} |"
                       f" mem GiB (alloc/peak): {torch.cuda.memory_allocated() / GIB:.2f}/"
                       f"{torch.cuda.max_memory_allocated() / GIB:.2f} |", flush=True)
+            if self.tensorboard is not None:
+                from .tensorboard import StepFigures
+
+                self.tensorboard.write(losses, StepFigures(
+                    self.state.iteration, self.env.layout.global_batch_size, self.env.world_size, lr, grad_norm,
+                    seconds_per_iteration, tp["tflops_per_gpu"], torch.cuda.memory_stats()))
         self._write_progress()
 
     def _write_progress(self, force: bool = False) -> None:
@@ -447,6 +459,8 @@ class Trainer:
         self.checkpointer.close(abort=abort)
         if self.progress is not None:
             self.progress.close()
+        if getattr(self, "tensorboard", None) is not None:
+            self.tensorboard.close()
         if self.stop_signal is not None:
             self.stop_signal.restore()
 

@@ -50,6 +50,8 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
     if t.attention_backend in ("unfused", "local"):
         return ModelPath("local", "Megatron DotProductAttention (unfused, materialises s x s)")
     order = {"flash": "cudnn>flash>efficient", "fused": "cudnn>flash>efficient", "auto": "torch default"}
+    if t.deterministic_mode:
+        return ModelPath("local", "SDPA (math: --deterministic-mode)")
     return ModelPath("local", f"SDPA ({order[t.attention_backend]})")
 
 
@@ -98,6 +100,7 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         deallocate_pipeline_outputs=True,
         transformer_impl=path.transformer_impl,
         attention_backend=AttnBackend.local if local else AttnBackend[t.attention_backend],
+        deterministic_mode=t.deterministic_mode,
     )
     if t.fp8_format:
         kwargs.update(fp8=t.fp8_format)
@@ -122,7 +125,8 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
     if t.attention_backend not in ("unfused", "local"):
         from .attention import make_sdpa_attention
 
-        spec.submodules.self_attention.submodules.core_attention = make_sdpa_attention(t.attention_backend)
+        backend = "math" if t.deterministic_mode else t.attention_backend  # no fused kernels: determinism.py
+        spec.submodules.self_attention.submodules.core_attention = make_sdpa_attention(backend)
     return spec
 
 
