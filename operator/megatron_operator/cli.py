@@ -22,6 +22,32 @@ class InputError(Exception):
     """A file that cannot be read or parsed."""
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error: YAML's "the last one wins" would
+    let a file that reads ``numNodes: 1`` launch 64 nodes."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # keys merged in with << may be overridden: that is what merging is for
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key (a list or a map): the mapping constructor says so
+            break
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark,
+                f"duplicate key {str(key)[:80]!r} (first on line {first.line + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def _documents(path: str) -> Iterator[tuple[int, Any]]:
     """(1-based document number, document) for each non-empty YAML document."""
     try:
@@ -29,7 +55,9 @@ def _documents(path: str) -> Iterator[tuple[int, Any]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        docs = list(yaml.safe_load_all(text))
+        docs = list(yaml.load_all(text, Loader=_StrictLoader))  # a SafeLoader subclass
+    except RecursionError:
+        raise InputError("invalid YAML: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -52,15 +80,18 @@ def _items(path: str, docs: list[tuple[int, Any]], multi: bool) -> Iterator[tupl
 
 
 def _describe(doc: Any) -> str:
+    from .validation import shorten
+
     if isinstance(doc, dict):
         name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
-        return f"{doc.get('apiVersion')}/{doc.get('kind')}" + (f" {name}" if name else "")
+        return shorten(f"{doc.get('apiVersion')}/{doc.get('kind')}" + (f" {name}" if name else ""))
     return type(doc).__name__
 
 
 def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
     """Parse every MegatronJob document; print problems; return (jobs, number of problems)."""
-    from .validation import SpecError, is_megatronjob, parse_job
+    from .spec import API_VERSION, KIND
+    from .validation import SpecError, is_megatronjob, looks_like_megatronjob, parse_job
 
     jobs: list[tuple[str, Any]] = []
     failures = 0
@@ -77,7 +108,12 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
         multi = len(docs) > 1
         for where, doc in _items(path, docs, multi):
             if not is_megatronjob(doc):
-                print(f"{where}: skipped: {_describe(doc)} is not a MegatronJob", file=err)
+                if looks_like_megatronjob(doc):  # a typo in kind or apiVersion must not pass a CI gate
+                    print(f"{where}: {_describe(doc)} is not a MegatronJob: use apiVersion: "
+                          f"{API_VERSION} and kind: {KIND}", file=err)
+                    failures += 1
+                else:
+                    print(f"{where}: skipped: {_describe(doc)} is not a MegatronJob", file=err)
                 continue
             doc = {k: v for k, v in doc.items() if k != "status"}  # `kubectl get` output: the spec is checked
             try:

@@ -65,6 +65,8 @@ class ApiModel(BaseModel):
         extra="forbid",
         validate_default=False,
         frozen=False,
+        # Types as the API server applies them: numNodes: "1" or suspend: "yes" are errors, not coerced.
+        strict=True,
     )
 
     @model_validator(mode="before")
@@ -401,10 +403,17 @@ class MegatronJobSpec(ApiModel):
 # status
 # --------------------------------------------------------------------------------------------
 
+
+class StatusModel(ApiModel):
+    """Base of the status models: the operator builds them from wire strings (times), so lax."""
+
+    model_config = ConfigDict(strict=False)
+
+
 Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
 
 
-class Condition(ApiModel):
+class Condition(StatusModel):
     """A metav1.Condition."""
 
     type: str = Field(..., max_length=316)
@@ -415,7 +424,7 @@ class Condition(ApiModel):
     observed_generation: int | None = Field(None, ge=0)
 
 
-class StatusParallelism(ApiModel):
+class StatusParallelism(StatusModel):
     """The layout as Megatron will see it."""
 
     data: int = Field(..., ge=1, description="Derived data-parallel size.")
@@ -425,7 +434,7 @@ class StatusParallelism(ApiModel):
     expert: int = Field(..., ge=1)
 
 
-class Progress(ApiModel):
+class Progress(StatusModel):
     """Written by the trainer (field manager megatron-trainer); the operator only reads it."""
 
     iteration: int | None = Field(None, ge=0, description="Completed iterations.")
@@ -438,7 +447,7 @@ class Progress(ApiModel):
     update_time: datetime | None = None
 
 
-class MemoryEstimate(ApiModel):
+class MemoryEstimate(StatusModel):
     """Predicted peak GPU memory (``megatron-operator estimate``)."""
 
     per_gpu_gib: float = Field(..., alias="perGpuGiB", ge=0)
@@ -446,7 +455,7 @@ class MemoryEstimate(ApiModel):
     fits: bool | None = None
 
 
-class LastFailure(ApiModel):
+class LastFailure(StatusModel):
     """The latest trainer pod that failed; kept after the gang is recreated (docs/troubleshooting.md)."""
 
     pod: str = Field(..., max_length=253)
@@ -462,7 +471,7 @@ class LastFailure(ApiModel):
     restart_attempt: int | None = Field(None, ge=0, description="The gang restart the pod belonged to.")
 
 
-class MegatronJobStatus(ApiModel):
+class MegatronJobStatus(StatusModel):
     """Observed state, derived from the JobSet and its pods."""
 
     phase: Phase | None = None

@@ -45,7 +45,7 @@ def _path(loc: tuple[Any, ...]) -> str:
         elif part in _UNION_TAGS or str(part).startswith("function-"):
             continue
         else:
-            out += ("." if out else "") + str(part)
+            out += ("." if out else "") + shorten(str(part), 64)
     return out
 
 
@@ -74,7 +74,7 @@ def problems_from(exc: ValidationError) -> list[Problem]:
             msg = f"{path}: must be an integer or a quantity such as 8, 500m or 64Gi"
         else:
             value = err.get("input")
-            shown = f" (got {value!r})" if isinstance(value, (int, float, str, bool)) else ""
+            shown = f" (got {shorten(repr(value))})" if isinstance(value, (int, float, str, bool)) else ""
             msg = f"{path}: {err['msg']}{shown}"
         if msg not in seen:
             seen.add(msg)
@@ -82,10 +82,58 @@ def problems_from(exc: ValidationError) -> list[Problem]:
     return problems
 
 
+# Deeper than any MegatronJob can be (its deepest field is 5 levels down); bounds the work on hostile input.
+MAX_DEPTH = 32
+# Values echoed in messages are cut to this many characters.
+MAX_ECHO = 80
+
+
+def shorten(text: str, limit: int = MAX_ECHO) -> str:
+    """``text``, cut to ``limit`` characters with the number of characters left out."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def shape_problems(doc: Any) -> list[Problem]:
+    """What no Kubernetes object can be (checked before the models, without recursion): nesting
+    deeper than MAX_DEPTH, map keys that are not strings (JSON has none; YAML allows ``1: x``)."""
+    problems: list[Problem] = []
+    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
+    while stack and len(problems) < 10:
+        node, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            problems.append(Problem(path, f"{path}: nested deeper than {MAX_DEPTH} levels", "too-deep"))
+            continue
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    problems.append(Problem(path, f"{path or 'the object'}: key {shorten(repr(key))} is not a "
+                                                  f"string; quote it", "non-string-key"))
+                else:
+                    stack.append((value, f"{path}.{shorten(key, 64)}" if path else shorten(key, 64), depth + 1))
+        elif isinstance(node, list):
+            stack += [(value, f"{path}[{i}]", depth + 1) for i, value in enumerate(node)]
+    return problems
+
+
+def integral_floats_as_ints(doc: Any) -> Any:
+    """A copy with 2.0 as 2: the API server takes an integral float for an integer field (and stores
+    the integer); the models are strict otherwise ("2" and true are not integers)."""
+    if isinstance(doc, float) and doc.is_integer():
+        return int(doc)
+    if isinstance(doc, dict):
+        return {k: integral_floats_as_ints(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [integral_floats_as_ints(v) for v in doc]
+    return doc
+
+
 def parse_job(doc: Any) -> MegatronJob:
     """A validated MegatronJob, or SpecError listing every problem."""
     if not isinstance(doc, dict):
         raise SpecError([Problem("", f"not a Kubernetes object (got {type(doc).__name__})", "not-an-object")])
+    if problems := shape_problems(doc):
+        raise SpecError(problems)
+    doc = integral_floats_as_ints(doc)
     if doc.get("kind") != KIND or doc.get("apiVersion") != API_VERSION:
         raise SpecError([Problem("kind", f"{doc.get('apiVersion')}/{doc.get('kind')} is not a {API_VERSION} "
                                          f"{KIND}", "not-a-megatronjob")])
@@ -93,6 +141,16 @@ def parse_job(doc: Any) -> MegatronJob:
         return MegatronJob.model_validate(doc)
     except ValidationError as exc:
         raise SpecError(problems_from(exc)) from None
+
+
+def looks_like_megatronjob(doc: Any) -> bool:
+    """A document meant as a MegatronJob (its group, or a kind like it), whatever its typos."""
+    if not isinstance(doc, dict):
+        return False
+    group = str(doc.get("apiVersion") or "").split("/")[0]
+    kind = str(doc.get("kind") or "").lower()
+    return group == API_VERSION.split("/")[0] or "megatron" in kind or (
+        not doc.get("apiVersion") and isinstance(doc.get("spec"), dict) and "numNodes" in doc["spec"])
 
 
 def is_megatronjob(doc: Any) -> bool:

@@ -194,3 +194,91 @@ def test_run_offers_no_peering():
     r = cli("run", "--help")
     assert r.returncode == 0 and "--namespace" in r.stdout
     assert "peering" not in r.stdout
+
+
+# ---- hostile or mistaken input never crashes and never passes (issue 15) -------------------------
+
+JOB_YAML = yaml.safe_dump(make_job(), sort_keys=False)
+
+
+def assert_refused(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "valid" not in r.stdout
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("nested", ["[" * 600 + "]" * 600, "{a: " * 600 + "1" + "}" * 600])
+def test_deep_nesting_is_an_error_not_a_traceback(tmp_path, nested):
+    doc = JOB_YAML.replace("image", "x") + f"extra: {nested}\n"
+    r = cli("validate", write(tmp_path, "deep.yaml", doc))
+    assert_refused(r)
+    assert any(s in r.stderr for s in ("nested too deeply", "nested deeper than"))
+
+
+def test_deep_nesting_within_yamls_limits_is_refused_by_depth(tmp_path):
+    doc = make_job()
+    node = doc["spec"]["podMetadata"] = {}
+    for _ in range(60):
+        node["a"] = {}
+        node = node["a"]
+    r = cli("validate", write(tmp_path, "deep.yaml", [doc]))
+    assert_refused(r, "nested deeper than 32 levels")
+
+
+def test_non_string_keys_are_an_error(tmp_path):
+    r = cli("validate", write(tmp_path, "keys.yaml", JOB_YAML.replace("spec:\n", "spec:\n  1: null\n", 1)))
+    assert_refused(r, "spec: key 1 is not a string; quote it")
+
+
+def test_duplicate_keys_are_an_error(tmp_path):
+    text = JOB_YAML.replace("  numNodes: 2\n", "  numNodes: 1\n  gpusPerNode: 8\n  numNodes: 64\n", 1)
+    text = text.replace("  gpusPerNode: 8\n", "", 1) if text.count("gpusPerNode: 8") > 1 else text
+    r = cli("validate", write(tmp_path, "dup.yaml", text))
+    assert_refused(r, "duplicate key 'numNodes' (first on line")
+
+
+def test_merge_keys_may_be_overridden(tmp_path):
+    text = "base: &b {x: 1}\n---\n" + JOB_YAML.replace("metadata:\n", "metadata:\n  <<: {name: other}\n", 1)
+    r = cli("validate", write(tmp_path, "merge.yaml", text))
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda d: d.update(kind="MegatronJobs"), "is not a MegatronJob: use apiVersion: megatron-operator.io/v1alpha1"),
+    (lambda d: d.pop("apiVersion"), "is not a MegatronJob: use apiVersion"),
+    (lambda d: d.update(apiVersion="megatron-operator.io/v1"), "is not a megatron-operator.io/v1alpha1 MegatronJob"),
+])
+def test_a_document_meant_as_a_megatronjob_with_a_wrong_kind_fails(tmp_path, change, needle):
+    doc = make_job()
+    change(doc)
+    r = cli("validate", write(tmp_path, "kind.yaml", [doc]))
+    assert_refused(r, needle)
+
+
+def test_other_kinds_are_still_skipped(tmp_path):
+    r = cli("validate", write(tmp_path, "mixed.yaml", [{"apiVersion": "v1", "kind": "ConfigMap",
+                                                        "metadata": {"name": "c"}}, make_job()]))
+    assert r.returncode == 0 and "skipped: v1/ConfigMap c" in r.stderr
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("numNodes", "1", "spec.numNodes: Input should be a valid integer"),
+    ("suspend", "yes", "spec.suspend: Input should be a valid boolean"),
+    ("gpusPerNode", 7.5, "spec.gpusPerNode: Input should be a valid integer"),
+])
+def test_types_are_strict_like_the_api_server(tmp_path, field, value, needle):
+    r = cli("validate", write(tmp_path, "types.yaml", [make_job(**{field: value})]))
+    assert_refused(r, needle)
+
+
+def test_integers_and_floats_mix_as_the_api_server_allows(tmp_path):
+    # an integer for a number, an integral float for an integer (the API server stores 8)
+    r = cli("validate", write(tmp_path, "lr.yaml", [make_job(training__lr=1, gpusPerNode=8.0)]))
+    assert r.returncode == 0, r.stderr
+
+
+def test_echoed_values_are_truncated(tmp_path):
+    r = cli("validate", write(tmp_path, "long.yaml", [make_job(image="x" * 100_000)]))
+    assert_refused(r, "more characters)")
+    assert len(r.stderr) < 2000
