@@ -27,6 +27,7 @@ DEFAULT_DUMP_KINDS = ("jobsets.jobset.x-k8s.io", "jobs", "pods")
 # Log tails in dumps, most relevant first; other *.log files found in the run dir follow.
 LOG_ORDER = (
     "jobset",
+    "kueue",
     "kube-scheduler",
     "kube-controller-manager",
     "kwok-controller",

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the local test control plane from Go modules (Go module proxy only, no git, no Docker):
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, kwokctl, jobset, helm.
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, kwokctl, jobset, kueue,
+# helm.
 # Binaries land in $CACHE/bin/<component>-<version>/ and are skipped when already built.
-# Prints how long each step took. `build.sh helm` (or any subset of: etcd kubernetes kwok jobset helm)
+# Prints how long each step took. `build.sh helm` (or any subset of: etcd kubernetes kwok jobset kueue helm)
 # builds only those components: the unit tests need helm alone.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -89,6 +90,13 @@ build_jobset() {
     -o "$BIN_DIR.tmp/jobset" sigs.k8s.io/jobset
 }
 
+# Kueue's list is refused too (`go list -m -versions sigs.k8s.io/kueue`: 403): same route as JobSet.
+build_kueue() {
+  wrapper "kueue-$KUEUE_VERSION" "sigs.k8s.io/kueue/cmd/kueue@v$KUEUE_VERSION"
+  $GO build -trimpath -ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=v$KUEUE_VERSION" \
+    -o "$BIN_DIR.tmp/kueue" sigs.k8s.io/kueue/cmd/kueue
+}
+
 build_helm() {
   local major=${HELM_VERSION%%.*}
   wrapper "helm-$HELM_VERSION" "helm.sh/helm/v$major/cmd/helm@v$HELM_VERSION"
@@ -98,7 +106,7 @@ build_helm() {
 
 total0=$SECONDS
 echo "[build] cache: $CACHE ($GOVER)"
-wanted=${*:-etcd kubernetes kwok jobset helm}
+wanted=${*:-etcd kubernetes kwok jobset kueue helm}
 [ "${BUILD_HELM:-1}" = 1 ] || wanted=${wanted//helm/}   # BUILD_HELM=0 skips helm (needed by e2e/test_helm.py)
 for c in $wanted; do
   case $c in
@@ -106,8 +114,9 @@ for c in $wanted; do
     kubernetes) BIN_DIR=$CACHE/bin/kubernetes-$KUBE_VERSION; step kubernetes "$BIN_DIR" kube-apiserver kube-controller-manager kube-scheduler kubectl -- build_kube ;;
     kwok)       BIN_DIR=$CACHE/bin/kwok-$KWOK_VERSION;       step kwok "$BIN_DIR" kwok kwokctl -- build_install "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@v$KWOK_VERSION" ;;
     jobset)     BIN_DIR=$CACHE/bin/jobset-$JOBSET_VERSION;   step jobset "$BIN_DIR" jobset -- build_jobset ;;
+    kueue)      BIN_DIR=$CACHE/bin/kueue-$KUEUE_VERSION;     step kueue "$BIN_DIR" kueue -- build_kueue ;;
     helm)       BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;       step helm "$BIN_DIR" helm -- build_helm ;;
-    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset helm)" >&2; exit 2 ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm)" >&2; exit 2 ;;
   esac
 done
 echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"

@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """A real local Kubernetes control plane for the e2e tests, on 127.0.0.1, without Docker or internet.
 
-    cluster.py build    build/cache etcd, kube-*, kubectl, kwok(ctl), jobset, helm (build.sh)
+    cluster.py build    build/cache etcd, kube-*, kubectl, kwok(ctl), jobset, kueue, helm (build.sh)
     cluster.py build helm   only helm (what the unit tests need)
-    cluster.py up       start the cluster (kwokctl binary runtime) + GPU nodes + JobSet controller
-    cluster.py status   exit 0 when the cluster in the run dir answers and JobSet is ready
+    cluster.py up       start the cluster (kwokctl binary runtime) + GPU nodes + JobSet + Kueue
+    cluster.py status   exit 0 when the cluster in the run dir answers and JobSet and Kueue are ready
     cluster.py env      print `export KUBECONFIG=...` lines for a shell (eval "$(cluster.py env)")
     cluster.py down     stop everything started by `up` and check that no process is left
 
 Real components only: etcd, kube-apiserver, kube-controller-manager and kube-scheduler are started
 by kwokctl's *binary* runtime from the locally built binaries (nothing is downloaded; `up` checks
 kwokctl's dry run for URLs). kwok fakes the kubelets: GPU/EFA nodes and pod lifecycles (stages).
-The JobSet controller runs as a host process with its webhooks on loopback.
+The JobSet and Kueue controllers run as host processes with their webhooks on loopback.
 
 Run state lives in $MEGATRON_OPERATOR_RUN (default /tmp/megatron-operator-e2e), outside the repo.
 See docs/local-cluster.md.
@@ -151,6 +151,7 @@ def binaries() -> dict[str, Path]:
         "kwok": kwok / "kwok",
         "kwokctl": kwok / "kwokctl",
         "jobset": bin_root / f"jobset-{v['JOBSET_VERSION']}" / "jobset",
+        "kueue": bin_root / f"kueue-{v['KUEUE_VERSION']}" / "kueue",
     }
 
 
@@ -213,11 +214,15 @@ class RunPaths:
         return self.root / "jobset"
 
     @property
+    def kueue_dir(self) -> Path:
+        return self.root / "kueue"
+
+    @property
     def lock(self) -> Path:
         return self.root.with_name(self.root.name + ".lock")
 
     def log_files(self) -> dict[str, Path]:
-        """Component name -> log file (kwokctl's components and the JobSet controller)."""
+        """Component name -> log file (kwokctl's components, the JobSet and Kueue controllers)."""
         out = {}
         for directory in (self.kwok_cluster / "logs", self.logs):
             if directory.is_dir():
@@ -352,20 +357,20 @@ def argv(pid: int) -> list[str]:
 
 
 def our_processes(p: RunPaths) -> dict[int, str]:
-    """Processes `up` started: kwokctl's components (run from the cluster's bin/ links) and JobSet.
+    """Processes `up` started: kwokctl's components (run from the cluster's bin/ links), JobSet, Kueue.
 
     Matched on the executable and our config path, so a developer's `kubectl --kubeconfig <run dir>/...`
     is never mistaken for one of ours.
     """
     component_prefix = f"{p.kwok_cluster / 'bin'}/"
-    jobset_config = f"--config={p.jobset_dir / 'config.yaml'}"
+    configs = {f"--config={p.jobset_dir / 'config.yaml'}", f"--config={p.kueue_dir / 'config.yaml'}"}
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
         args = argv(pid)
-        if args and (args[0].startswith(component_prefix) or jobset_config in args) and pid_alive(pid):
+        if args and (args[0].startswith(component_prefix) or configs & set(args)) and pid_alive(pid):
             out[pid] = " ".join(args)
     return out
 
@@ -635,6 +640,58 @@ def jobset_webhooks(port: int, ca_bundle: str) -> list[dict]:
     ]
 
 
+# Kueue: the frameworks it manages here, and the API groups whose webhooks it then serves (the
+# manifests list webhooks for every framework; a registered path it does not serve would refuse every
+# create of that kind, e.g. all pods).
+KUEUE_FRAMEWORKS = ("jobset.x-k8s.io/jobset",)
+KUEUE_WEBHOOK_GROUPS = ("kueue.x-k8s.io", "jobset.x-k8s.io")
+# Kueue's CRDs served through its conversion webhook (config/components/crd/kustomization.yaml).
+KUEUE_CONVERTED_CRDS = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")
+# Without internal cert management Kueue v0.15.2 reads its metrics certificate from this fixed path at
+# start-up and exits if it is missing (cmd/kueue/main.go), even with the metrics server off.
+KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+
+
+def kueue_module() -> Path:
+    return module_dir("sigs.k8s.io/kueue", f"v{versions()['KUEUE_VERSION']}")
+
+
+def kueue_crds(port: int, ca_bundle: str) -> list[dict]:
+    """Kueue's CRDs, the converted ones pointing at its webhook on loopback (url: instead of service:)."""
+    crds = []
+    for f in sorted((kueue_module() / "config/components/crd/bases").glob("*.yaml")):
+        crd = yaml.safe_load(f.read_text())
+        if crd["spec"]["names"]["plural"] in KUEUE_CONVERTED_CRDS:
+            crd["spec"]["conversion"] = {
+                "strategy": "Webhook",
+                "webhook": {
+                    "clientConfig": {"url": f"https://127.0.0.1:{port}/convert", "caBundle": ca_bundle},
+                    "conversionReviewVersions": ["v1"],
+                },
+            }
+        crds.append(crd)
+    return crds
+
+
+def kueue_webhooks(port: int, ca_bundle: str) -> list[dict]:
+    """Kueue's webhook registrations (config/components/webhook/manifests.yaml) for the groups it serves
+    here, with url: instead of service:."""
+    configs = []
+    for doc in yaml.safe_load_all((kueue_module() / "config/components/webhook/manifests.yaml").read_text()):
+        hooks = []
+        for hook in doc["webhooks"]:
+            if not all(g in KUEUE_WEBHOOK_GROUPS for r in hook["rules"] for g in r["apiGroups"]):
+                continue
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
+            hook["timeoutSeconds"] = 10
+            hooks.append(hook)
+        doc["metadata"] = {"name": f"kueue-{doc['metadata']['name']}"}  # the install's namePrefix
+        doc["webhooks"] = hooks
+        configs.append(doc)
+    return configs
+
+
 # ---------------------------------------------------------------------------------------------
 # up / down / status
 
@@ -696,10 +753,11 @@ def is_up(p: RunPaths | None = None) -> bool:
     state = read_state(p)
     if not state or not p.kubeconfig.exists():
         return False
-    if not pid_alive(state["jobset_pid"]) or not http_ok(
-        f"http://127.0.0.1:{state['jobset_health_port']}/readyz"
-    ):
-        return False
+    for component in ("jobset", "kueue"):
+        if not pid_alive(state.get(f"{component}_pid", -1)) or not http_ok(
+            f"http://127.0.0.1:{state.get(f'{component}_health_port')}/readyz"
+        ):
+            return False
     return kubectl(p, "get", "--raw=/readyz", timeout=10, check=False).returncode == 0
 
 
@@ -813,6 +871,10 @@ def _up(p: RunPaths, wait_s: float) -> dict:
     step("JobSet webhooks registered and defaulting verified", t0)
 
     t0 = time.monotonic()
+    state.update(start_kueue(p, b["kueue"], ca_bundle, wait_s))
+    step("Kueue CRDs, controller and webhooks ready", t0)
+
+    t0 = time.monotonic()
     # kube-controller-manager's serviceaccount controller creates `default` in every namespace.
     wait_until(
         lambda: (
@@ -895,6 +957,82 @@ def start_jobset(p: RunPaths, jobset_bin: Path, wait_s: float) -> dict:
     return {"jobset_pid": proc.pid, "jobset_webhook_port": webhook_port, "jobset_health_port": health_port}
 
 
+def start_kueue(p: RunPaths, kueue_bin: Path, ca_bundle: str, wait_s: float) -> dict:
+    """Kueue out of cluster, like JobSet: CRDs, the controller (JobSet integration), then its webhooks."""
+    webhook_port, health_port = free_port(), free_port()
+    crds = kueue_crds(webhook_port, ca_bundle)
+    apply(p, crds)
+    for crd in crds:
+        name = crd["metadata"]["name"]
+        wait_until(lambda n=name: crd_established(p, n), 60, f"CRD {name} Established")
+    ensure_kueue_metrics_cert(p)
+    certs = p.kueue_dir / "certs"
+    certs.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(p.pki / "admin.crt", certs / "tls.crt")
+    shutil.copyfile(p.pki / "admin.key", certs / "tls.key")
+    config = {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": "kueue-system",
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(certs)},
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        "metrics": {"bindAddress": "0"},
+        "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
+        # The visibility API server listens on :8082 of every interface and expects an APIService in
+        # the cluster; nothing here uses it.
+        "featureGates": {"VisibilityOnDemand": False},
+    }
+    config_path = p.kueue_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = p.logs / "kueue.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [str(kueue_bin), f"--config={config_path}", f"--kubeconfig={p.kubeconfig}", "--zap-log-level=2"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=p.root,
+        )
+    (p.kueue_dir / "kueue.pid").write_text(str(proc.pid))
+    _CHILDREN.append(proc)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise ProcessExited(f"kueue exited with {proc.returncode}; see {log_path}")
+        return http_ok(f"http://127.0.0.1:{health_port}/readyz")
+
+    try:
+        wait_until(ready, wait_s, "Kueue controller /readyz")
+    except ClusterError as e:
+        raise ClusterError(f"{e}\n{tail(log_path)}") from e
+    apply(p, kueue_webhooks(webhook_port, ca_bundle))
+    return {"kueue_pid": proc.pid, "kueue_webhook_port": webhook_port, "kueue_health_port": health_port}
+
+
+def ensure_kueue_metrics_cert(p: RunPaths) -> None:
+    """Kueue insists on a metrics certificate at a fixed host path (KUEUE_METRICS_CERT_DIR). Its metrics
+    server is off here, so any certificate will do: the cluster's admin certificate, written once."""
+    target = KUEUE_METRICS_CERT_DIR
+    if (target / "tls.crt").exists() and (target / "tls.key").exists():
+        return
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name, src in (("tls.key", p.pki / "admin.key"), ("tls.crt", p.pki / "admin.crt")):
+            tmp = target / f".{name}.{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            tmp.chmod(0o600)
+            tmp.replace(target / name)
+    except OSError as e:
+        raise ClusterError(
+            f"Kueue v0.15 needs a certificate in {target} (a fixed path in its main.go when it does not "
+            f"manage its own certificates) and it cannot be written: {e}. Create the directory writable "
+            f"for this user (e.g. `sudo install -d -o $USER {target}`) and run `up` again."
+        ) from e
+
+
 def ready_nodes(p: RunPaths) -> int:
     nodes = json.loads(kubectl(p, "get", "nodes", "-o", "json", timeout=20).stdout)["items"]
     return sum(
@@ -945,7 +1083,8 @@ def status(p: RunPaths | None = None) -> int:
         state = read_state(p)
         print(
             json.dumps(
-                {k: state[k] for k in ("kubeconfig", "apiserver", "jobset_pid", "started_at")}, indent=2
+                {k: state[k] for k in ("kubeconfig", "apiserver", "jobset_pid", "kueue_pid", "started_at")},
+                indent=2,
             )
         )
         return 0
@@ -962,9 +1101,9 @@ def down(p: RunPaths | None = None) -> None:
 def _down(p: RunPaths) -> None:
     t0 = time.monotonic()
     b = binaries()
-    pid_file = p.jobset_dir / "jobset.pid"
-    if pid_file.exists():
-        stop_pid(int(pid_file.read_text()), str(p.root))
+    for pid_file in (p.kueue_dir / "kueue.pid", p.jobset_dir / "jobset.pid"):
+        if pid_file.exists():
+            stop_pid(int(pid_file.read_text()), str(p.root))
     # Keep the component logs for post-mortems (kwokctl deletes its cluster dir).
     kwok_logs = p.kwok_cluster / "logs"
     if kwok_logs.is_dir():
