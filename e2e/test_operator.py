@@ -1,6 +1,6 @@
 """The operator process against the real local control plane (API server, scheduler, KCM, JobSet
 controller, kwok pods): lifecycle, restarts, crash-safety, invalid specs, progress identity,
-garbage collection, Kueue hand-off, stall detection, metrics and events."""
+garbage collection, stall detection, metrics and events (Kueue: e2e/test_kueue.py)."""
 
 from __future__ import annotations
 
@@ -207,24 +207,6 @@ def test_suspend_and_resume(cluster, operator, jobs):
               "pods stopped while suspended", jobs.ns)
     jobs.patch_spec("pause", {"suspend": False})
     jobs.wait_phase("pause", "Running")
-
-
-def test_kueue_queue_is_never_unsuspended_by_the_operator(cluster, operator, jobs):
-    jobs.create(small_job("queued", queueName="team-a", podMetadata=run_for(5)))
-    st = jobs.wait_phase("queued", "Pending")
-    cluster.wait_for(lambda: jobs.status("queued").get("reason") == "Queued", 30, "reason Queued",
-                     namespace=jobs.ns)
-    js = jobs.jobset("queued")
-    assert js["spec"]["suspend"] is True and js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-    # still suspended over several resync ticks: admission is Kueue's call
-    cluster.hold(lambda: jobs.jobset("queued")["spec"]["suspend"] is True, 3,
-                 "the operator never un-suspends a queued JobSet", namespace=jobs.ns)
-    # Kueue admits: it un-suspends the JobSet; the operator does not fight it
-    jobs.custom.patch_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "queued",
-                                               {"spec": {"suspend": False}})
-    jobs.wait_phase("queued", ("Running", "Succeeded"))
-    assert st["phase"] == "Pending"
-    jobs.wait_phase("queued", "Succeeded")
 
 
 def test_operator_killed_mid_burst_leaves_exactly_one_jobset_each(cluster, operator, jobs):

@@ -20,12 +20,13 @@ from typing import Any
 
 from . import status as st
 from .kube import Kube, NotOwned, controller_uid
+from .kueue import WorkloadView
 from .memory import FitReport, fit_report
 from .metrics import Metrics
 from .render import render
 from .rules import Problem, derived_layout
 from .settings import Settings
-from .spec import MegatronJob
+from .spec import MegatronJob, MegatronJobSpec
 from .validation import SpecError, parse_job
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class Controller:
             # name still being garbage-collected, or someone else's): never read or act on it.
             jobset = None
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
+        workload = self.workload(ns, jobset, spec)
         obs = st.Observation(
             name=name, generation=int(meta.get("generation") or 0),
             num_nodes=spec.num_nodes if spec else 0,
@@ -185,6 +187,7 @@ class Controller:
             deadline_s=spec.active_deadline_seconds if spec else None,
             stall_timeout_s=self.settings.stall_timeout_s,
             not_owned=self.not_owned(meta),
+            workload=workload,
         )
         try:
             desired, events = st.derive(obs)
@@ -205,7 +208,7 @@ class Controller:
                 if phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
                     self.kube.delete_jobset(ns, js_view.name)
                 elif phase not in st.TERMINAL:
-                    self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name))
+                    self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name), workload)
 
         # Event-driven passes trust what we wrote; the periodic resync compares with the stored status
         # itself, so a status changed behind our back (or a lost write) converges within one interval.
@@ -218,11 +221,27 @@ class Controller:
             emit(ev)
         self.metrics.set_phase(ns, name, phase)
 
-    def sync_suspend(self, ns: str, js: st.JobSetView, want_suspended: bool, kueue: bool) -> None:
-        """Make the JobSet's suspend follow spec.suspend. With Kueue, never un-suspend: Kueue does."""
+    def workload(self, ns: str, jobset: dict[str, Any] | None, spec: MegatronJobSpec | None) -> WorkloadView | None:
+        """Kueue's Workload of the JobSet, read only while it matters: the JobSet is suspended (queued,
+        preempted) or the user asks for suspend."""
+        if spec is None or not spec.queue_name or jobset is None:
+            return None
+        if not (spec.suspend or (jobset.get("spec") or {}).get("suspend")):
+            return None
+        wl = self.kube.find_workload(ns, jobset["metadata"]["uid"])
+        return WorkloadView.from_workload(wl) if wl else None
+
+    def sync_suspend(self, ns: str, js: st.JobSetView, want_suspended: bool, kueue: bool,
+                     workload: WorkloadView | None = None) -> None:
+        """Make the JobSet's suspend follow spec.suspend. Under Kueue through the Workload's spec.active:
+        Kueue un-suspends a JobSet suspended by hand while its Workload is admitted (kueue#1091)."""
+        if kueue:
+            if workload is not None and workload.active == want_suspended:
+                self.kube.set_workload_active(ns, workload.name, not want_suspended)
+            return
         if want_suspended and not js.suspended:
             self.kube.set_jobset_suspend(ns, js.name, True)
-        elif not want_suspended and js.suspended and not kueue:
+        elif not want_suspended and js.suspended:
             self.kube.set_jobset_suspend(ns, js.name, False)
 
     def forget(self, ns: str, name: str) -> None:

@@ -2,7 +2,7 @@
 
 Creates children (create-only: an existing object is never re-applied, so nothing fights Kueue
 or JobSet's own defaulting), server-side-applies the operator's status fields, patches a JobSet's
-``suspend``, deletes a JobSet. Errors are translated into ``kopf``-independent exceptions:
+``suspend`` (or, under Kueue, its Workload's ``spec.active``), deletes a JobSet. Errors are translated into ``kopf``-independent exceptions:
 ``Conflict``-free creates (409 is success), ``TransientError`` for anything worth a retry.
 """
 
@@ -24,6 +24,10 @@ from .names import (
     JOBSET_PLURAL,
     JOBSET_VERSION,
     KIND,
+    KUEUE_GROUP,
+    KUEUE_JOB_UID_LABEL,
+    KUEUE_VERSION,
+    KUEUE_WORKLOADS,
     PLURAL,
     VERSION,
 )
@@ -173,6 +177,23 @@ class Kube:
     def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
         self._call("PATCH", _path("JobSet", namespace, name), body={"spec": {"suspend": suspend}},
                    content_type="application/merge-patch+json", query=[("fieldManager", FIELD_MANAGER)])
+
+    def find_workload(self, namespace: str, jobset_uid: str) -> dict[str, Any] | None:
+        """Kueue's Workload of a JobSet; None while there is none (or Kueue is not installed)."""
+        path = f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/namespaces/{namespace}/{KUEUE_WORKLOADS}"
+        try:
+            res = self._call("GET", path, query=[("labelSelector", f"{KUEUE_JOB_UID_LABEL}={jobset_uid}")])
+        except PermanentApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        items = sorted((res or {}).get("items") or [], key=lambda w: w["metadata"].get("creationTimestamp", ""))
+        return items[-1] if items else None
+
+    def set_workload_active(self, namespace: str, name: str, active: bool) -> None:
+        path = f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/namespaces/{namespace}/{KUEUE_WORKLOADS}/{name}"
+        self._call("PATCH", path, body={"spec": {"active": active}}, content_type="application/merge-patch+json",
+                   query=[("fieldManager", FIELD_MANAGER)])
 
     def delete_jobset(self, namespace: str, name: str) -> None:
         try:

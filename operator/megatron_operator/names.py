@@ -32,6 +32,11 @@ LABEL_TP_GROUP = f"{GROUP}/tp-group"
 TRAINER_CONTAINER = "trainer"
 
 # Other controllers' names
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta1"  # served by Kueue v0.9 to v0.15 (v0.15 also serves v1beta2)
+KUEUE_WORKLOADS = "workloads"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass name
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue creates for a JobSet
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"

@@ -21,6 +21,7 @@ from .names import (
     JOBSET_GLOBAL_INDEX_LABEL,
     JOBSET_RESTART_ATTEMPT_LABEL,
     KIND,
+    KUEUE_PRIORITY_CLASS_LABEL,
     KUEUE_QUEUE_LABEL,
     LABEL_JOB_NAME,
     LABEL_MANAGED_BY,
@@ -442,6 +443,8 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
     labels = {}
     if spec.queue_name:
         labels[KUEUE_QUEUE_LABEL] = spec.queue_name
+    if spec.workload_priority_class:
+        labels[KUEUE_PRIORITY_CLASS_LABEL] = spec.workload_priority_class
     return {
         "apiVersion": JOBSET_API_VERSION,
         "kind": "JobSet",

@@ -374,6 +374,9 @@ class MegatronJobSpec(ApiModel):
                           "checkpoint; set back to false to resume.")
     queue_name: str | None = Field(None, max_length=63, pattern=DNS_LABEL, description="Kueue LocalQueue; the "
                                    "JobSet starts suspended and Kueue admits it.")
+    workload_priority_class: str | None = Field(
+        None, max_length=63, pattern=DNS_LABEL, description="Kueue WorkloadPriorityClass of the job (the JobSet "
+        "label kueue.x-k8s.io/priority-class): Kueue admits and preempts by it.")
     priority_class_name: str | None = Field(None, max_length=253, pattern=DNS_LABEL,
                                             description="PriorityClass of the pods.")
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment for the "

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 from .failures import JOBSET_FAIL_ACTION_REASON, PodFailure
+from .kueue import WorkloadView
 from .memory import FitReport
 from .names import FIELD_MANAGER, JOBSET_RESTART_ATTEMPT_LABEL, TRAINER_CONTAINER
 from .rules import Problem
@@ -58,6 +59,7 @@ class Reason:
     NON_RETRIABLE_EXIT_CODE = "NonRetriableExitCode"
     SUSPENDED = "Suspended"
     QUEUED = "Queued"
+    PREEMPTED = "Preempted"  # Kueue evicted the admitted job for a higher-priority one
     GANG_RESTART = "GangRestart"
     ALL_PODS_RUNNING = "AllPodsRunning"
     UNSCHEDULABLE = "Unschedulable"
@@ -207,6 +209,7 @@ class Observation:
     deadline_s: int | None = None
     stall_timeout_s: int = 1800
     not_owned: str | None = None  # why the children cannot be created (kube.NotOwned's message)
+    workload: WorkloadView | None = None  # Kueue's, looked up while the job is queued or suspended
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,7 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
         if o.suspend:
             return Phase.SUSPENDED, Reason.SUSPENDED, "spec.suspend is true: pods are stopped, the checkpoint is kept"
         if o.queue_name:
-            return Phase.PENDING, Reason.QUEUED, f"waiting for Kueue to admit the job from queue {o.queue_name}"
+            return _queued(o.queue_name, o.workload)
         return Phase.SUSPENDED, Reason.SUSPENDED, "the JobSet is suspended"
     if js.restarts > int(o.previous.get("restarts") or 0) and o.previous.get("phase"):
         # A gang restart since the last observation is reported as Restarting at least once, even when
@@ -268,6 +271,17 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
     if waiting:
         return Phase.PENDING, waiting.waiting_reason or Reason.WAITING, f"pod {waiting.name}: {waiting.waiting_message or ''}".strip()
     return Phase.PENDING, Reason.PODS_STARTING, f"{len(running)}/{o.num_nodes} pods running"
+
+
+def _queued(queue: str, wl: WorkloadView | None) -> tuple[str, str, str]:
+    """A suspended JobSet under Kueue: waiting for admission, in Kueue's own words where it has them."""
+    detail = f": {wl.waiting_message}" if wl is not None and wl.waiting_message else ""
+    if wl is not None and wl.preempted:
+        if wl.waiting_message == wl.evicted_message:  # Kueue repeats it until it tries to admit again
+            detail = ""
+        return Phase.PENDING, Reason.PREEMPTED, (f"preempted by Kueue ({wl.evicted_message}); the pods were stopped "
+                                                 f"and the job waits to be admitted again from queue {queue}{detail}")
+    return Phase.PENDING, Reason.QUEUED, f"waiting for Kueue to admit the job from queue {queue}{detail}"
 
 
 class _Conditions:
@@ -351,7 +365,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     message = message[:MAX_MESSAGE]
     if phase != prev.get("phase") or reason != prev.get("reason"):
         warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART,
-                                                                      Reason.NOT_OWNED)
+                                                                      Reason.NOT_OWNED, Reason.PREEMPTED)
         events.append(Event("Warning" if warn else "Normal", reason if phase != Phase.RUNNING else Phase.RUNNING,
                             f"{phase}: {message}"))
 

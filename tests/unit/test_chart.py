@@ -264,6 +264,7 @@ EXPECTED_RULES = [
     (("megatron-operator.io",), ("megatronjobs/status",), ("get", "patch")),
     (("megatron-operator.io",), ("megatronjobs/finalizers",), ("update",)),
     (("jobset.x-k8s.io",), ("jobsets",), ("get", "list", "watch", "create", "patch", "delete")),
+    (("kueue.x-k8s.io",), ("workloads",), ("list", "patch")),
     (("",), ("pods",), ("list", "watch")),
     (("",), ("serviceaccounts",), ("get", "create")),
     (("rbac.authorization.k8s.io",), ("roles", "rolebindings"), ("get", "create")),

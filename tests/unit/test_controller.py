@@ -3,8 +3,8 @@
 What the e2e tests prove against the real control plane, decided here first: create the children
 once, recreate a JobSet deleted while the job was unfinished, never recreate one of a finished job,
 delete the JobSet on a deadline, make the JobSet's suspend follow the spec (never un-suspend under
-Kueue), write the status only when it changed, trust the cache of the operator's own writes between
-resyncs, and refuse an invalid spec with one status write and no children.
+Kueue, through the Workload's spec.active), write the status only when it changed, trust the cache
+of the operator's own writes between resyncs, and refuse an invalid spec with one status write and no children.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ UID = "00000000-0000-0000-0000-000000000001"
 
 @dataclass
 class FakeKube:
-    """The four calls the controller makes, recorded; ``existing`` holds (kind, name) already there."""
+    """The calls the controller makes, recorded; ``existing`` holds (kind, name) already there,
+    ``workload`` the Kueue Workload that ``find_workload`` answers."""
 
     existing: set[tuple[str, str]] = field(default_factory=set)
     foreign: set[tuple[str, str]] = field(default_factory=set)  # taken by objects the job does not control
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    workload: dict[str, Any] | None = None
 
     def create(self, obj: dict[str, Any]) -> bool:
         key = (obj["kind"], obj["metadata"]["name"])
@@ -51,6 +53,13 @@ class FakeKube:
     def delete_jobset(self, namespace: str, name: str) -> None:
         self.calls.append(("delete", name))
 
+    def find_workload(self, namespace: str, jobset_uid: str) -> dict[str, Any] | None:
+        self.calls.append(("find_workload", jobset_uid))
+        return self.workload
+
+    def set_workload_active(self, namespace: str, name: str, active: bool) -> None:
+        self.calls.append(("active", name, active))
+
     def of(self, verb: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == verb]
 
@@ -65,7 +74,7 @@ def body(status: dict[str, Any] | None = None, **overrides: Any) -> dict[str, An
 
 def jobset(suspended: bool = False, restarts: int = 0, created: datetime | None = None, owner: str = UID,
            **conditions: str) -> dict[str, Any]:
-    return {"metadata": {"name": "job", "creationTimestamp": st.iso(created or datetime.now(UTC)),
+    return {"metadata": {"name": "job", "uid": "js-uid", "creationTimestamp": st.iso(created or datetime.now(UTC)),
                          "ownerReferences": [{"kind": "MegatronJob", "name": "job", "uid": owner, "controller": True}]},
             "spec": {"suspend": suspended},
             "status": {"restarts": restarts,
@@ -158,20 +167,38 @@ def test_deadline_deletes_the_jobset_and_fails_the_job(ctl, kube):
     assert any(e.reason == "DeadlineExceeded" and e.type == "Warning" for e in events)
 
 
-@pytest.mark.parametrize(("spec_suspend", "queue", "js_suspended", "expected"), [
-    (True, None, False, [("suspend", "job", True)]),      # user suspends
-    (False, None, True, [("suspend", "job", False)]),     # user resumes
-    (True, "gpu-queue", False, [("suspend", "job", True)]),  # suspend also under Kueue
-    (False, "gpu-queue", True, []),                       # Kueue un-suspends, never the operator
-    (False, None, False, []),                             # nothing to do
+def workload(active: bool = True) -> dict[str, Any]:
+    return {"metadata": {"name": "jobset-job-1a2b3"}, "spec": {"active": active}, "status": {}}
+
+
+@pytest.mark.parametrize(("spec_suspend", "queue", "js_suspended", "wl", "expected"), [
+    (True, None, False, None, [("suspend", "job", True)]),      # user suspends
+    (False, None, True, None, [("suspend", "job", False)]),     # user resumes
+    (False, None, False, None, []),                             # nothing to do
+    # Under Kueue never the JobSet's suspend (Kueue undoes it while admitted): the Workload's spec.active
+    (True, "gpu-queue", False, workload(), [("active", "jobset-job-1a2b3", False)]),   # suspend admitted
+    (True, "gpu-queue", True, workload(), [("active", "jobset-job-1a2b3", False)]),    # suspend queued
+    (True, "gpu-queue", True, workload(active=False), []),                           # already inactive
+    (False, "gpu-queue", True, workload(active=False), [("active", "jobset-job-1a2b3", True)]),  # resume
+    (False, "gpu-queue", True, workload(), []),                 # queued: admission is Kueue's call
+    (True, "gpu-queue", True, None, []),                        # no Workload yet: next observation
 ])
-def test_suspend_follows_the_spec(ctl, kube, spec_suspend, queue, js_suspended, expected):
+def test_suspend_follows_the_spec(ctl, kube, spec_suspend, queue, js_suspended, wl, expected):
     overrides: dict[str, Any] = {"suspend": spec_suspend}
     if queue:
         overrides["queueName"] = queue
+    kube.workload = wl
     observe(ctl, body(status={"phase": "Running", "reason": "AllPodsRunning"}, **overrides),
             jobset(suspended=js_suspended), running_pods())
-    assert kube.of("suspend") == expected
+    assert kube.of("suspend") + kube.of("active") == expected
+
+
+def test_workload_is_read_only_while_queued_or_suspending(ctl, kube):
+    kube.workload = workload()
+    observe(ctl, body(status={"phase": "Running", "reason": "AllPodsRunning"}, queueName="q"), jobset(), running_pods())
+    assert kube.of("find_workload") == []  # an admitted, running job costs no extra API call
+    observe(ctl, body(queueName="q"), jobset(suspended=True))
+    assert kube.of("find_workload") == [("find_workload", "js-uid")]
 
 
 # ---- status writes -----------------------------------------------------------------------------

@@ -230,6 +230,9 @@ def test_kueue_label_and_suspended_start():
     assert js["spec"]["suspend"] is True
     assert objects(make_job())["JobSet"]["spec"]["suspend"] is False
     assert objects(make_job(suspend=True))["JobSet"]["spec"]["suspend"] is True
+    js = objects(make_job(queueName="team-queue", workloadPriorityClass="high"))["JobSet"]
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"
+    assert "kueue.x-k8s.io/priority-class" not in objects(make_job())["JobSet"]["metadata"]["labels"]
 
 
 def test_service_account_role_only_patches_own_status():

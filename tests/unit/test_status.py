@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from factory import make_job
+from megatron_operator.kueue import WorkloadView
 from megatron_operator.memory import FitReport, estimate
 from megatron_operator.rules import Problem
 from megatron_operator.status import JobSetView, Observation, PodView, changed, derive, iso
@@ -124,6 +125,26 @@ def test_suspended_and_kueue_queued():
     assert s["phase"] == "Suspended" and cond(s, "Suspended")["status"] == "True"
     q, _ = derive(obs(jobset=js(suspended=True), queue_name="team"), NOW)
     assert (q["phase"], q["reason"]) == ("Pending", "Queued")
+
+
+def kueue_workload(**conds):
+    return WorkloadView.from_workload({"metadata": {"name": "wl"}, "spec": {}, "status": {"conditions": [
+        {"type": k, "status": v[0], "reason": v[1], "message": v[2]} for k, v in conds.items()]}})
+
+
+def test_kueue_messages_in_queued_and_preempted():
+    waiting = "couldn't assign flavors to pod set workers: insufficient unused quota for nvidia.com/gpu"
+    q, events = derive(obs(jobset=js(suspended=True), queue_name="team",
+                           workload=kueue_workload(QuotaReserved=("False", "Pending", waiting))), NOW)
+    assert (q["phase"], q["reason"]) == ("Pending", "Queued")
+    assert q["message"] == f"waiting for Kueue to admit the job from queue team: {waiting}"
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    preempted = "Preempted to accommodate a workload (UID: u) due to prioritization in the ClusterQueue"
+    p, events = derive(obs(jobset=js(suspended=True), queue_name="team", previous=running,
+                           workload=kueue_workload(Evicted=("True", "Preempted", preempted))), NOW)
+    assert (p["phase"], p["reason"]) == ("Pending", "Preempted") and preempted in p["message"]
+    assert p["restarts"] == 0
+    assert [(e.type, e.reason) for e in events] == [("Warning", "Preempted")]
 
 
 def test_deadline_exceeded():

@@ -81,6 +81,11 @@ handlers.py; kopf's watching, patching and event posting); docs/install.md expla
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Kueue's Workload of a queued JobSet (only when spec.queueName is set): its conditions give the
+# status Kueue's own message; spec.active is how a job under Kueue is suspended and resumed.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "patch"]
 # Read-only, label-selected pod watch (phase, scheduling and image-pull problems for the status).
 - apiGroups: [""]
   resources: ["pods"]

@@ -1,0 +1,168 @@
+"""MegatronJobs under the real Kueue (v0.15.2, JobSet integration) of the local cluster: queueing
+with Kueue's own message, preemption by a higher WorkloadPriorityClass, and suspend/resume through
+the Workload's spec.active. Each test gets its own ClusterQueue (2 GPUs) and a LocalQueue `team-a`."""
+
+from __future__ import annotations
+
+import kubernetes
+import pytest
+from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone
+
+pytestmark = pytest.mark.e2e
+
+KUEUE = ("kueue.x-k8s.io", "v1beta1")
+FLAVOR = "e2e-gpu"
+QUEUE = "team-a"
+QUOTA_GPUS = 2  # one small_job (2 pods x 1 GPU) at a time
+KUEUE_TIMEOUT_S = 90
+
+
+class Kueue:
+    """Kueue objects of one test: a ClusterQueue for its namespace and the LocalQueue `team-a`."""
+
+    def __init__(self, cluster, namespace: str):
+        self.cluster, self.ns = cluster, namespace
+        self.api = kubernetes.client.CustomObjectsApi(cluster.api_client())
+        self.cluster_queue = f"cq-{namespace}"[:63]
+
+    def setup(self, gpus: int = QUOTA_GPUS) -> None:
+        self.cluster.apply([
+            {"apiVersion": "/".join(KUEUE), "kind": "ResourceFlavor", "metadata": {"name": FLAVOR}},
+            *({"apiVersion": "/".join(KUEUE), "kind": "WorkloadPriorityClass", "metadata": {"name": name},
+               "value": value, "description": f"e2e {name}"} for name, value in (("low", 100), ("high", 1000))),
+            {"apiVersion": "/".join(KUEUE), "kind": "ClusterQueue", "metadata": {"name": self.cluster_queue},
+             "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": self.ns}},
+                      "preemption": {"withinClusterQueue": "LowerPriority"},
+                      "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
+                          {"name": FLAVOR, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": gpus}]}]}]}},
+            {"apiVersion": "/".join(KUEUE), "kind": "LocalQueue", "metadata": {"name": QUEUE, "namespace": self.ns},
+             "spec": {"clusterQueue": self.cluster_queue}},
+        ])
+
+        def active() -> bool:
+            cq = self.api.get_cluster_custom_object(*KUEUE, "clusterqueues", self.cluster_queue)
+            return any(c["type"] == "Active" and c["status"] == "True"
+                       for c in (cq.get("status") or {}).get("conditions") or [])
+
+        self.cluster.wait_for(active, 30, f"ClusterQueue {self.cluster_queue} Active", namespace=self.ns,
+                              kinds=("clusterqueues", "localqueues"))
+
+    def teardown(self) -> None:
+        # the namespace's deletion removes the LocalQueue and the Workloads; the ClusterQueue is ours
+        self.api.delete_cluster_custom_object(*KUEUE, "clusterqueues", self.cluster_queue)
+
+    def workload(self, jobs: Jobs, name: str) -> dict | None:
+        js = jobs.jobset(name)
+        if js is None:
+            return None
+        items = self.api.list_namespaced_custom_object(
+            *KUEUE, self.ns, "workloads", label_selector=f"kueue.x-k8s.io/job-uid={js['metadata']['uid']}")["items"]
+        return items[0] if items else None
+
+
+@pytest.fixture
+def kueue(cluster, namespace):
+    k = Kueue(cluster, namespace)
+    k.setup()
+    yield k
+    k.teardown()
+
+
+def condition(obj: dict | None, kind: str) -> dict:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def queued_job(name: str, seconds: float, **spec):
+    return small_job(name, queueName=QUEUE, podMetadata=run_for(seconds), **spec)
+
+
+def live_pods(jobs: Jobs, name: str) -> list:
+    return [p for p in jobs.pods(name) if not p.metadata.deletion_timestamp and p.status.phase in ("Pending", "Running")]
+
+
+def wait_reason(jobs: Jobs, name: str, reason: str, timeout: float = KUEUE_TIMEOUT_S) -> dict:
+    return jobs.cluster.wait_for(lambda: (s := jobs.status(name)).get("reason") == reason and s, timeout,
+                                 f"MegatronJob {name} reason {reason}", namespace=jobs.ns,
+                                 kinds=("megatronjobs", "jobsets", "workloads", "pods"))
+
+
+def test_second_job_waits_in_the_queue_with_kueues_message_then_runs(cluster, operator, jobs, kueue):
+    jobs.create(queued_job("first", 20))
+    jobs.wait_phase("first", "Running", timeout=KUEUE_TIMEOUT_S)
+    jobs.create(queued_job("second", 3))
+    queued = wait_reason(jobs, "second", "Queued")
+    wl = cluster.wait_for(lambda: (w := kueue.workload(jobs, "second")) and condition(w, "QuotaReserved").get("message")
+                          and w, 30, "the second Workload's QuotaReserved message", namespace=jobs.ns)
+    kueue_message = condition(wl, "QuotaReserved")["message"]
+    assert "insufficient unused quota for nvidia.com/gpu" in kueue_message, kueue_message
+    queued = cluster.wait_for(lambda: kueue_message in (s := jobs.status("second")).get("message", "") and s, 30,
+                              "Kueue's message in the MegatronJob's status", namespace=jobs.ns)
+    assert queued["phase"] == "Pending" and queued["message"].startswith(f"waiting for Kueue to admit the job from "
+                                                                         f"queue {QUEUE}: ")
+    assert jobs.jobset("second")["spec"]["suspend"] is True and live_pods(jobs, "second") == []
+    # admitted when the first one finishes (its quota is released), then runs to the end
+    jobs.wait_phase("first", "Succeeded", timeout=KUEUE_TIMEOUT_S)
+    jobs.wait_phase("second", ("Running", "Succeeded"), timeout=KUEUE_TIMEOUT_S)
+    done = jobs.wait_phase("second", "Succeeded", timeout=KUEUE_TIMEOUT_S)
+    assert done["restarts"] == 0
+    assert condition(kueue.workload(jobs, "second"), "Finished").get("status") == "True"
+    assert {"Queued", "Running", "Completed"} <= {e.reason for e in jobs.events("second")}
+
+
+def test_higher_priority_job_preempts_a_running_one_which_resumes_without_using_a_restart(cluster, operator, jobs,
+                                                                                           kueue):
+    # maxRestarts 0: if the preemption counted as a restart, the JobSet would fail
+    jobs.create(queued_job("low", 20, workloadPriorityClass="low", restart={"maxRestarts": 0}))
+    jobs.wait_phase("low", "Running", timeout=KUEUE_TIMEOUT_S)
+    first_pods = {p.metadata.name for p in live_pods(jobs, "low")}
+    jobs.create(queued_job("high", 3, workloadPriorityClass="high"))
+    preempted = wait_reason(jobs, "low", "Preempted")
+    evicted = condition(kueue.workload(jobs, "low"), "Evicted")
+    assert evicted.get("status") == "True" and evicted.get("reason") == "Preempted", evicted
+    assert preempted["phase"] == "Pending" and evicted["message"] in preempted["message"], preempted
+    wait_gone(cluster, lambda: [p for p in live_pods(jobs, "low") if p.metadata.name in first_pods],
+              "the preempted job's pods stopped", jobs.ns)
+    jobs.wait_phase("high", "Succeeded", timeout=KUEUE_TIMEOUT_S)
+    # re-admitted once the high-priority job is done; runs to the end on fresh pods
+    jobs.wait_phase("low", "Running", timeout=KUEUE_TIMEOUT_S)
+    done = jobs.wait_phase("low", "Succeeded", timeout=KUEUE_TIMEOUT_S)
+    assert done["restarts"] == 0 and (jobs.jobset("low")["status"].get("restarts") or 0) == 0
+    warnings = [e for e in jobs.events("low") if e.reason == "Preempted"]
+    assert warnings and warnings[0].type == "Warning" and "preempted by Kueue" in warnings[0].message
+
+
+def test_suspend_and_resume_under_kueue_go_through_the_workload(cluster, operator, jobs, kueue):
+    jobs.create(queued_job("admitted", 15))
+    jobs.wait_phase("admitted", "Running", timeout=KUEUE_TIMEOUT_S)
+    jobs.create(queued_job("waiting", 3))
+    wait_reason(jobs, "waiting", "Queued")
+
+    # a queued job suspended: its Workload is deactivated and it is not admitted when quota frees up
+    jobs.patch_spec("waiting", {"suspend": True})
+    jobs.wait_phase("waiting", "Suspended", timeout=30)
+    cluster.wait_for(lambda: kueue.workload(jobs, "waiting")["spec"].get("active") is False, 30,
+                     "the queued job's Workload deactivated", namespace=jobs.ns)
+
+    # an admitted job suspended: Kueue evicts the deactivated Workload and suspends the JobSet for good
+    jobs.patch_spec("admitted", {"suspend": True})
+    jobs.wait_phase("admitted", "Suspended", timeout=30)
+    evicted = cluster.wait_for(lambda: condition(kueue.workload(jobs, "admitted"), "Evicted").get("reason")
+                               == "Deactivated" and condition(kueue.workload(jobs, "admitted"), "Evicted"), 30,
+                               "the admitted job's Workload evicted as Deactivated", namespace=jobs.ns)
+    wait_gone(cluster, lambda: live_pods(jobs, "admitted"), "the suspended job's pods stopped", jobs.ns)
+
+    def both_stay_suspended() -> bool:
+        return all(jobs.jobset(n)["spec"]["suspend"] is True and not live_pods(jobs, n)
+                   and jobs.phase(n) == "Suspended" for n in ("admitted", "waiting"))
+
+    # no flapping: Kueue does not un-suspend them, and the free quota does not admit the suspended one
+    cluster.hold(both_stay_suspended, 6, "both jobs suspended, no pods", namespace=jobs.ns,
+                 kinds=("megatronjobs", "jobsets", "workloads", "pods"))
+    assert evicted["status"] == "True"
+
+    jobs.patch_spec("admitted", {"suspend": False})
+    jobs.patch_spec("waiting", {"suspend": False})
+    for name in ("admitted", "waiting"):
+        done = jobs.wait_phase(name, "Succeeded", timeout=2 * KUEUE_TIMEOUT_S)
+        assert done["restarts"] == 0
+        assert kueue.workload(jobs, name)["spec"].get("active") is not False
