@@ -197,6 +197,7 @@ EXPECTED = {
     ("megatron-operator.io", "megatronjobs/status", "get"), ("megatron-operator.io", "megatronjobs/status", "patch"),
     ("megatron-operator.io", "megatronjobs/finalizers", "update"),
     *(("jobset.x-k8s.io", "jobsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")),
+    ("kueue.x-k8s.io", "workloads", "list"), ("kueue.x-k8s.io", "workloads", "patch"),
     ("", "pods", "list"), ("", "pods", "watch"),
     ("", "serviceaccounts", "get"), ("", "serviceaccounts", "create"),
     *(("rbac.authorization.k8s.io", res, v) for res in ("roles", "rolebindings") for v in ("get", "create")),

@@ -187,7 +187,9 @@ def test_jobset_deleted_by_hand_is_recreated_unless_finished(cluster, operator, 
     jobs.custom.delete_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", jobs.ns, "jobsets", "again")
     cluster.wait_for(lambda: (js := jobs.jobset("again")) and js["metadata"]["uid"] != uid, 60,
                      "the JobSet recreated", namespace=jobs.ns)
-    assert any(e.reason == "JobSetRecreated" for e in jobs.events("again"))
+    # events are posted asynchronously: wait for it rather than read once
+    cluster.wait_for(lambda: any(e.reason == "JobSetRecreated" for e in jobs.events("again")), 30,
+                     "a JobSetRecreated event", namespace=jobs.ns)
     # a finished job's JobSet is never recreated
     jobs.create(small_job("finished", podMetadata=run_for(3)))
     jobs.wait_phase("finished", "Succeeded")
