@@ -447,6 +447,9 @@ class Progress(StatusModel):
     tflops_per_gpu: float | None = Field(None, ge=0)
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (fraction of peak).")
     last_checkpoint_iteration: int | None = Field(None, ge=0)
+    stage: str | None = Field(None, max_length=256, description="What the trainer is doing: initialising, "
+                              "building the model, loading checkpoint N, building the data index, running the "
+                              "first iteration, capturing the CUDA graph, training.")
     update_time: datetime | None = None
 
 

@@ -259,7 +259,9 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
                                                            p.restart_attempt == js.restarts)]
     running = [p for p in current if p.phase in ("Running", "Succeeded")]
     if len(running) >= o.num_nodes:
-        return Phase.RUNNING, Reason.ALL_PODS_RUNNING, f"{o.num_nodes} pods running"
+        stage = (o.previous.get("progress") or {}).get("stage")
+        detail = f"; trainer: {stage}" if stage and stage != "training" else ""
+        return Phase.RUNNING, Reason.ALL_PODS_RUNNING, f"{o.num_nodes} pods running{detail}"
     unsched = next((p for p in current if p.unschedulable), None)
     waiting = next((p for p in current if p.waiting_reason), None)
     if js.restarts > 0:

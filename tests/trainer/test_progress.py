@@ -122,3 +122,22 @@ def test_cadence():
     now[0] += 0.2
     assert c.due()
     assert not Cadence(0).due()
+
+
+def test_start_up_stage_without_an_iteration():
+    """Before the checkpoint is loaded the iteration is unknown: it is left out, the stage says why."""
+    body = build_patch("j", "ns", Progress(iteration=None, train_iters=10, stage="loading checkpoint 500"), NOW)
+    assert body["status"]["progress"] == {"trainIters": 10, "stage": "loading checkpoint 500",
+                                          "updateTime": "2026-11-21T10:00:00Z"}
+    long = build_patch("j", "ns", Progress(iteration=1, train_iters=10, stage="x" * 999), NOW)
+    assert len(long["status"]["progress"]["stage"]) == 256  # the CRD's maxLength
+
+
+def test_lifecycle_reports_each_stage():
+    from megatron_trainer.exitcodes import Lifecycle
+
+    seen = []
+    life = Lifecycle(on_stage=seen.append)
+    for stage in ("initialising", "loading checkpoint 500", "training"):
+        life.enter(stage)
+    assert seen == ["initialising", "loading checkpoint 500", "training"] and life.stage == "training"

@@ -270,3 +270,15 @@ def test_future_or_garbage_times_elsewhere_do_not_freeze_the_status():
     assert s["phase"] == "Running" and s["startTime"] == iso(NOW)
     assert cond(s, "Running")["lastTransitionTime"] == iso(NOW)
     assert s["lastProgressTime"] == iso(NOW)  # a future time restarts the stall clock now, never freezes it
+
+
+@pytest.mark.parametrize("stage, message", [
+    ("loading checkpoint 500", "2 pods running; trainer: loading checkpoint 500"),
+    ("building the data index", "2 pods running; trainer: building the data index"),
+    ("training", "2 pods running"),
+    (None, "2 pods running"),
+])
+def test_running_message_shows_the_trainers_start_up_stage(stage, message):
+    previous = {"phase": "Running", "progress": {"trainIters": 100, **({"stage": stage} if stage else {})}}
+    s, _ = derive(obs(jobset=js(), pods=pods(2), previous=previous), NOW)
+    assert s["message"] == message

@@ -151,6 +151,7 @@ class Checkpointer:
         self._num_saves = 0
         self._warmed = False
         self.on_published = None  # callback(iteration, total_seconds)
+        self.on_loading = None  # callback(iteration): a resume is about to load that checkpoint
 
     # ------------------------------------------------------------------ setup / teardown
     def start_workers(self) -> None:
@@ -399,6 +400,8 @@ class Checkpointer:
             log.info("checkpoint: no complete checkpoint under %s: starting from scratch", self.load_dir)
             return None
         path = chosen.path
+        if self.on_loading:
+            self.on_loading(chosen.iteration)
         common = dist_checkpointing.load_common_state_dict(str(path))
         content = dist_checkpointing.load_content_metadata(str(path)) or {}
         saved_layout = common.get("parallel_layout", {})

@@ -19,7 +19,7 @@ import enum
 import fcntl
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 #: Where the kubelet reads the container's termination message (the pod's default path).
@@ -57,10 +57,17 @@ class Fatal(Exception):
 
 @dataclass
 class Lifecycle:
-    """How far the worker got: the stage a fatal error is reported in, and whether an OOM is at start-up."""
+    """How far the worker got: the stage a fatal error is reported in (and status.progress.stage shows),
+    and whether an OOM is at start-up."""
 
     stage: str = "start-up"
     first_iteration_done: bool = False
+    on_stage: Callable[[str], None] | None = None  # rank 0: writes the stage to status.progress
+
+    def enter(self, stage: str) -> None:
+        self.stage = stage
+        if self.on_stage is not None:
+            self.on_stage(stage)
 
 
 #: Errors that mean the data or tokenizer files are missing or malformed (not a storage hiccup).

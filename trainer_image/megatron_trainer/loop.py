@@ -63,6 +63,7 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.cfg, self.runtime = cfg, runtime
+        self.loaded_iteration: int | None = None  # the iteration training starts from, once known
         self.lifecycle = lifecycle or Lifecycle()  # the stage a fatal error is reported in
         t, m = cfg.training, cfg.model
         # set up below; here so that close() works whatever stage set-up reached
@@ -75,11 +76,15 @@ class Trainer:
         self.t_start = time.monotonic() - self.started_age_s
 
         # --- distributed --------------------------------------------------------------------
-        self.lifecycle.stage = "initialising"
+        self.lifecycle.enter("initialising")
         try:
             self.env: DistEnv = init_distributed(cfg)
         except ValueError as exc:  # the layout does not divide the world size
             raise Fatal(ExitCode.BAD_ARGUMENTS, str(exc)) from exc
+        if self.env.is_rank0 and runtime.job_name and runtime.job_namespace and runtime.progress_interval_s > 0:
+            # Start-up stages go to status.progress.stage at once: minutes of loading look hung otherwise.
+            self.progress = ProgressWriter.in_cluster(runtime.job_name, runtime.job_namespace)
+            self.lifecycle.on_stage = self._report_stage
         layout = self.env.layout
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.is_logging_rank = self.env.rank == self.env.world_size - 1  # last stage: holds the loss
@@ -93,7 +98,7 @@ class Trainer:
         with data_errors_are_fatal("--tokenizer-model"):
             tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, m.vocab_size)
         self.vocab_size = tokenizer.vocab_size
-        self.lifecycle.stage = "building the model"
+        self.lifecycle.enter("building the model")
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.num_params_rank = count_parameters(self.model)
@@ -150,20 +155,22 @@ class Trainer:
 
         t, m = cfg.training, cfg.model
         self.checkpointer.start_workers()
-        self.lifecycle.stage = "loading the checkpoint"
+        self.lifecycle.enter("looking for a checkpoint")
+        self.checkpointer.on_loading = lambda iteration: self.lifecycle.enter(f"loading checkpoint {iteration}")
         self.loaded = self.checkpointer.load()
         if self.loaded is not None:
             self.state.iteration = self.loaded.iteration
             self.state.consumed_samples = self.loaded.consumed_samples
+        self.loaded_iteration = self.state.iteration  # from here on status.progress.iteration is known
 
         # --- data (resumes from consumed samples) ---------------------------------------------
         from .data import build_data
 
-        self.lifecycle.stage = "building the data index"
+        self.lifecycle.enter("building the data index")
         with data_errors_are_fatal("--data-path"):
             _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
                                                 runtime.data_cache_shared)
-        self.lifecycle.stage = "the first iteration"
+        self.lifecycle.enter("running the first iteration")
 
         # --- throughput arithmetic -------------------------------------------------------------
         self.tokens_per_iteration = gbs * m.seq_length
@@ -182,8 +189,6 @@ class Trainer:
         self.metrics = Metrics(runtime.metrics_port, serve)
         self.metrics.set("train_iters", t.train_iters)
         self.metrics.set("restarts", runtime.restart_attempt)
-        if self.env.is_rank0 and runtime.job_name and runtime.job_namespace and runtime.progress_interval_s > 0:
-            self.progress = ProgressWriter.in_cluster(runtime.job_name, runtime.job_namespace)
         self.progress_cadence = Cadence(runtime.progress_interval_s)
         self.tensorboard = None
         if cfg.logging.tensorboard_dir and self.is_logging_rank:
@@ -306,7 +311,13 @@ class Trainer:
         with self.profiler.session(self.state.iteration) as profiler:
             while self.state.iteration < self.cfg.training.train_iters:
                 t0 = time.monotonic()
+                capture = self.cfg.training.cuda_graph_impl == "full_iteration" and \
+                    self.state.iteration == self.loaded_iteration + self.cfg.training.cuda_graph_warmup_steps
+                if capture:
+                    self.lifecycle.enter("capturing the CUDA graph")
                 loss, grad_norm, ok = self.train_step()
+                if capture:
+                    self.lifecycle.enter("training")
                 self._advance(loss, ok, window)
                 self.state.iteration_times_s.append(time.monotonic() - t0)
                 profiler.step(self.state.iteration)
@@ -345,7 +356,8 @@ class Trainer:
         self.checkpointer.warm_writer_memory()
         torch.cuda.synchronize()
         self.first_iteration_age_s = time.monotonic() - self.t_start
-        self.lifecycle.first_iteration_done, self.lifecycle.stage = True, "training"
+        self.lifecycle.first_iteration_done = True
+        self.lifecycle.enter("training")
         self.mem_after_first_step = torch.cuda.memory_allocated()
         if self.env.is_rank0:
             log.info("startup: process start -> first %siteration done: %.1f s",
@@ -392,13 +404,21 @@ class Trainer:
                     seconds_per_iteration, tp["tflops_per_gpu"], torch.cuda.memory_stats()))
         self._write_progress()
 
+    def _report_stage(self, stage: str) -> None:
+        """A start-up stage (or training again after a capture) to status.progress, right away."""
+        if self.progress is None:
+            return
+        self.progress.submit(Progress(iteration=None if self.loaded_iteration is None else self.state.iteration,
+                                      train_iters=self.cfg.training.train_iters, stage=stage))
+
     def _write_progress(self, force: bool = False) -> None:
         if self.progress is None or not (force or self.progress_cadence.due()):
             return
         snapshot = Progress(iteration=self.state.iteration, train_iters=self.cfg.training.train_iters,
                             loss=self.last_log["loss"], tokens_per_second=self.last_log["tokens_per_second"],
                             tflops_per_gpu=self.last_log["tflops_per_gpu"], mfu=self.last_log["mfu"],
-                            last_checkpoint_iteration=self.checkpointer.stats.last_published)
+                            last_checkpoint_iteration=self.checkpointer.stats.last_published,
+                            stage=self.lifecycle.stage)
         if force:
             self.progress.write_now(snapshot)
         else:

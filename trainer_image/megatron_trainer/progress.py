@@ -36,13 +36,14 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 class Progress:
     """One snapshot of training progress (the fields of status.progress)."""
 
-    iteration: int
+    iteration: int | None  # None before the checkpoint is loaded (the field is then left out)
     train_iters: int
     loss: float | None = None
     tokens_per_second: float | None = None
     tflops_per_gpu: float | None = None
     mfu: float | None = None
     last_checkpoint_iteration: int | None = None
+    stage: str | None = None  # what the trainer is doing: "loading checkpoint 500", "training", ...
 
 
 def _finite(value: float | None, digits: int) -> float | None:
@@ -55,7 +56,8 @@ def build_patch(name: str, namespace: str, progress: Progress, now: datetime | N
     """The apply-patch body. Unknown or non-finite figures are left out (the CRD types them as numbers)."""
     now = now or datetime.now(UTC)
     body = {
-        "iteration": int(progress.iteration),
+        "iteration": None if progress.iteration is None else int(progress.iteration),
+        "stage": progress.stage[:256] if progress.stage else None,
         "trainIters": int(progress.train_iters),
         "loss": _finite(progress.loss, 6),
         "tokensPerSecond": _finite(progress.tokens_per_second, 1),
