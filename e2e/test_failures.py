@@ -71,5 +71,7 @@ def test_retriable_failure_restarts_and_last_failure_outlives_the_pods(cluster, 
     lf = st["lastFailure"]  # ... and the cause is still there
     assert (lf["pod"], lf["node"], lf["exitCode"], lf["reason"], lf["retriable"], lf["restartAttempt"]) == (
         victim.metadata.name, victim.spec.node_name, 137, "OOMKilled", True, 0)
-    (ev,) = [e for e in jobs.events("oomkill") if e.reason == "PodFailed"]
+    evs = [e for e in jobs.events("oomkill") if e.reason == "PodFailed"]
+    assert len(evs) == 1, [e.message for e in evs]
+    (ev,) = evs
     assert "exit code 137, OOMKilled (killed for exceeding its memory limit; retried)" in ev.message

@@ -312,7 +312,9 @@ def _last_failure(o: Observation) -> tuple[dict[str, Any] | None, PodFailure | N
     failed by themselves, and within an attempt the failure recorded first stays unless one finished
     strictly earlier. The previous one is kept once the failed pods are gone (the gang was recreated)."""
     previous = o.previous.get("lastFailure")
-    failed = [p for p in o.pods if p.failure is not None]
+    # A pod being deleted that exited on SIGTERM was stopped by the teardown of the gang, not its cause
+    # (kwok removes the pod that failed within a second, so its follower can be all that is left).
+    failed = [p for p in o.pods if p.failure is not None and not (p.terminating and p.failure.exit_code == 143)]
     if not failed:
         return previous, None
     latest = max(p.failure.restart_attempt or 0 for p in failed)  # type: ignore[union-attr]

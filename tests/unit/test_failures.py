@@ -129,3 +129,13 @@ def test_a_pod_stopped_by_the_teardown_does_not_replace_the_cause():
     # seen together for the first time: the pod that was not being deleted is the cause
     s, _ = derive(obs(jobset=js(), pods=[PodView.from_pod(torn), cause], previous={"phase": "Running"}), NOW)
     assert s["lastFailure"]["pod"] == "cause"
+
+
+def test_a_teardown_sigterm_alone_is_not_recorded_as_the_cause():
+    torn = pod("follower", code=143, message="terminated on pod deletion (SIGTERM)")
+    torn["metadata"]["deletionTimestamp"] = "2026-11-23T04:59:31Z"
+    s, events = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(torn)], previous={"phase": "Running"}), NOW)
+    assert "lastFailure" not in s and "PodFailed" not in [e.reason for e in events]
+    alive = pod("stopped", code=143)  # a SIGTERM the pod got without being deleted is a failure of its own
+    s, _ = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(alive)], previous={"phase": "Running"}), NOW)
+    assert s["lastFailure"]["pod"] == "stopped"
