@@ -21,7 +21,7 @@ from megatron_operator.crd import to_yaml
 from megatron_operator.render import render
 from megatron_operator.settings import Settings
 from megatron_operator.validation import SpecError, parse_job
-from spec_table import CASES
+from spec_table import CASES, SCHEMA_CASES
 
 pytestmark = pytest.mark.e2e
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
@@ -74,6 +74,14 @@ def test_structural_errors_rejected(cluster, crd, namespace, mutate, expected):
     mutate(doc["spec"])
     verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, doc)
     assert verdict is not None and expected in verdict, verdict
+
+
+@pytest.mark.parametrize("case_id,doc,server_says", SCHEMA_CASES, ids=[c[0] for c in SCHEMA_CASES])
+def test_schema_level_refusals_on_the_api_server(cluster, crd, namespace, case_id, doc, server_says):
+    with pytest.raises(SpecError):
+        parse_job(doc)
+    verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, doc)
+    assert verdict is not None and server_says in verdict, verdict
 
 
 def test_name_too_long_rejected(cluster, crd, namespace):

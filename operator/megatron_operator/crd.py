@@ -72,8 +72,8 @@ def _convert(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
     if node.get("x-kubernetes-int-or-string"):
         variants = node.pop("anyOf", [])
         out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
-        for v in variants:  # keep the string branch's pattern (ignored by the server for ints)
-            for key in ("pattern", "maxLength"):
+        for v in variants:  # the string branch's pattern, the int branch's bounds (each ignored for the other)
+            for key in ("pattern", "maxLength", "minimum", "maximum"):
                 if key in v:
                     out[key] = v[key]
         if "description" in node:

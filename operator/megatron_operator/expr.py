@@ -319,6 +319,19 @@ class Filter(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Size(Expr):
+    """CEL ``list.size()``."""
+
+    items: Expr
+
+    def cel(self) -> str:
+        return f"{self.items.cel()}.size()"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return len(self.items.eval(env))
+
+
+@dataclass(frozen=True, eq=False)
 class Index(Expr):
     """``list[i]`` with a literal index."""
 

@@ -25,6 +25,7 @@ from .expr import (
     Lit,
     Matches,
     Missing,
+    Size,
     Var,
     cond,
     fmt,
@@ -32,7 +33,7 @@ from .expr import (
     lookup,
 )
 from .presets import MODEL_PRESETS
-from .spec import MAX_NAME_LENGTH
+from .spec import MAX_NAME_LENGTH, RFC1035_LABEL
 
 # --------------------------------------------------------------------------------------------
 # Values every rule shares (each is an expression: CEL and Python at once)
@@ -166,7 +167,17 @@ RESERVED_ENV_RE = r"^(MEGATRON_.*|PET_.*|TORCHELASTIC_.*|" + "|".join(RESERVED_E
 RESERVED_RESOURCE_RE = (r"^([^/]*|([^/]*\.)?kubernetes\.io/.*|nvidia\.com/(gpu|mig-).*|amd\.com/gpu|"
                         r"vpc\.amazonaws\.com/efa)$")
 # Pod label keys the operator and JobSet set themselves.
-RESERVED_LABEL_RE = r"^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kubernetes\.io/|batch\.kubernetes\.io/)"
+# Also the Job controller's own (job-name, controller-uid: a pod carrying them joins another Job's
+# selector) and Kueue's; case variants too (the API server compares keys exactly, people do not).
+RESERVED_LABEL_RE = (r"(?i)^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kubernetes\.io/|"
+                     r"batch\.kubernetes\.io/|kueue\.x-k8s\.io/|job-name$|controller-uid$)")
+# Label, annotation, nodeSelector and taint keys: [DNS subdomain prefix/]name, the name at most 63
+# characters, alphanumeric at both ends (Kubernetes' IsQualifiedName).
+QUALIFIED_NAME_RE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# One replicated job per tensor-parallel group when a group spans pods (render.replicated_job_plan):
+# each costs about 4.3 kB of the JobSet, and etcd stores at most 1.5 MiB per object.
+MAX_TP_GROUP_JOBS = 256
 
 
 def multiple_hint(value: Expr, m: Expr) -> Expr:
@@ -384,6 +395,73 @@ SPEC_RULES: list[Rule] = [
          has("checkpoint"), when=f("logging.tensorboard"),
          message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC; set "
                      "spec.checkpoint, or tensorboard: false")),
+    Rule("pod-label-keys", "podMetadata.labels",
+         All(f("podMetadata.labels"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
+         message=fmt("spec.podMetadata.labels: ",
+                     Index(Filter(f("podMetadata.labels"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
+                     " is not a valid label key; use [prefix/]name: name at most 63 characters of letters, "
+                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
+                     "subdomain (lower case)")),
+    Rule("pod-annotation-keys", "podMetadata.annotations",
+         All(f("podMetadata.annotations"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
+         message=fmt("spec.podMetadata.annotations: ",
+                     Index(Filter(f("podMetadata.annotations"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
+                     " is not a valid annotation key; use [prefix/]name: name at most 63 characters of letters, "
+                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
+                     "subdomain (lower case)")),
+    Rule("node-selector-keys", "resources.nodeSelector",
+         All(f("resources.nodeSelector"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
+         message=fmt("spec.resources.nodeSelector: ",
+                     Index(Filter(f("resources.nodeSelector"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
+                     " is not a valid node label key; use [prefix/]name: name at most 63 characters of letters, "
+                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
+                     "subdomain (lower case)")),
+    Rule("toleration-combination", "resources.tolerations",
+         All(f("resources.tolerations"), "t",
+             cond(Has(Field("operator", "t")), Field("operator", "t").eq("Exists"), False).eq(False)
+             | ~Has(Field("value", "t")) | Field("value", "t").eq("")),
+         message=lit("spec.resources.tolerations: operator Exists takes no value; use operator Equal with the "
+                     "value, or drop the value")),
+    Rule("toleration-key-or-exists", "resources.tolerations",
+         All(f("resources.tolerations"), "t",
+             (Has(Field("key", "t")) & Field("key", "t").ne(""))
+             | cond(Has(Field("operator", "t")), Field("operator", "t").eq("Exists"), False)),
+         message=lit("spec.resources.tolerations: a toleration without a key must have operator Exists "
+                     "(it then tolerates every taint)")),
+    Rule("toleration-seconds-noexecute", "resources.tolerations",
+         All(f("resources.tolerations"), "t",
+             ~Has(Field("tolerationSeconds", "t"))
+             | cond(Has(Field("effect", "t")), Field("effect", "t").eq("NoExecute"), False)),
+         message=lit("spec.resources.tolerations: tolerationSeconds needs effect NoExecute (it says how long a "
+                     "pod stays on a node after such a taint appears)")),
+    Rule("toleration-keys", "resources.tolerations",
+         All(f("resources.tolerations"), "t",
+             ~Has(Field("key", "t")) | Field("key", "t").eq("") | Matches(Field("key", "t"), QUALIFIED_NAME_RE)),
+         message=lit("spec.resources.tolerations: key is not a valid taint key; use [prefix/]name as for labels")),
+    Rule("env-value-or-value-from", "env",
+         All(f("env"), "e", ~(Has(Field("value", "e")) & Has(Field("valueFrom", "e")))),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e")) & Has(Field("valueFrom", "e"))), 0),
+                          "name"),
+                     " has both value and valueFrom; give one")),
+    Rule("env-one-source", "env",
+         All(f("env"), "e", ~Has(Field("valueFrom", "e"))
+             | Has(Field("valueFrom.secretKeyRef", "e")).ne(Has(Field("valueFrom.configMapKeyRef", "e")))),
+         message=lit("spec.env: valueFrom needs exactly one source: secretKeyRef or configMapKeyRef")),
+    Rule("env-names-unique", "env",
+         All(f("env"), "e", Size(Filter(f("env"), "x", Field("name", "x").eq(Field("name", "e")))).eq(1)),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e",
+                                       Size(Filter(f("env"), "x", Field("name", "x").eq(Field("name", "e")))) > 1),
+                                0), "name"),
+                     " is given more than once; keep one (the pod would silently use the last)")),
+    Rule("tensor-groups-fit-one-jobset", "parallelism.tensor",
+         nodes // (tp // gpn) <= MAX_TP_GROUP_JOBS, when=tp > gpn,
+         message=fmt("spec.parallelism.tensor: ", tp.str(), " is larger than spec.gpusPerNode ", gpn.str(),
+                     ", so each tensor-parallel group spans pods that are placed together by one replicated job "
+                     "per group: ", (nodes // (tp // gpn)).str(), " groups exceed the ", lit(MAX_TP_GROUP_JOBS).str(),
+                     " that fit in one JobSet object (etcd stores at most 1.5 MiB); use tensor <= gpusPerNode "
+                     "(tensor parallelism inside a node, the usual layout) or fewer nodes")),
     Rule("data-exactly-one", "data",
          cond(has("data.mock"), f("data.mock"), False).ne(has("data.pvc")),
          message=lit("spec.data: give exactly one of mock: true or pvc (with paths)")),
@@ -404,8 +482,10 @@ SPEC_RULES: list[Rule] = [
 
 # Rules on the whole object (``self`` is the MegatronJob): only metadata.name is visible there.
 NAME_RULE = {
-    "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
-    "message": f"metadata.name: at most {MAX_NAME_LENGTH} characters (the JobSet, its Jobs and the pod host "
+    "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches({RFC1035_LABEL!r})",
+    "message": f"metadata.name: at most {MAX_NAME_LENGTH} characters, an RFC 1035 label (lower-case letters, "
+               "digits and '-', starting with a letter, ending with a letter or digit; no '.') (the JobSet, its "
+               "Jobs and the pod host "
                "names are built from it)",
 }
 

@@ -32,15 +32,24 @@ MAX_NAME_LENGTH = 40
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 RFC1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-# A relative path inside a volume: no leading slash, no '..' component, no empty components.
-REL_PATH = r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$"
-QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+# A relative path inside a volume: no leading slash, no empty components, and no component that is
+# only dots: "../tmp/ckpt" would leave the volume for the pod's ephemeral /tmp (resume silently
+# lost), "." would put a job's checkpoints beside every other job's (retention deletes them).
+REL_PATH = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*)*$"
+# A quantity the API server can store and a pod can use: at most 15 digits, suffixes up to P/Pi.
+QUANTITY = r"^[0-9]{1,15}(\.[0-9]{1,9})?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
+# Label values: at most 63 characters, alphanumeric at both ends (Kubernetes' IsValidLabelValue).
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# ConfigMap and Secret keys (Kubernetes' IsConfigMapKey).
+CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"
+# The largest integer a CRD schema bound can state exactly (the API server reads bounds as float64).
+MAX_SAFE_INT = 2**53 - 1
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # Extended resource names: a domain-prefixed name, e.g. rdma/hca_shared_devices_a.
 RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 Quantity = Annotated[
-    int | Annotated[str, Field(pattern=QUANTITY, max_length=32)],
+    Annotated[int, Field(ge=0, le=2**50)] | Annotated[str, Field(pattern=QUANTITY, max_length=32)],
     Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
 ]
 
@@ -279,9 +288,10 @@ class Toleration(ApiModel):
 
     key: str | None = Field(None, max_length=316)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=63)
+    value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=0)
+    toleration_seconds: int | None = Field(None, ge=0, le=MAX_SAFE_INT, description="Seconds the pod "
+                                           "stays bound after a NoExecute taint appears (at most 2^53-1).")
 
 
 GpuType = Literal["A100-40GB", "A100-80GB", "H100-80GB", "H100-94GB", "H200", "B200", "L40S"]
@@ -305,7 +315,8 @@ class Resources(ApiModel):
     shm_size: Quantity | None = Field(None, description="Size of the memory-backed /dev/shm (NCCL, data "
                                       "loaders, async checkpoints). Default from the operator (8Gi per GPU, "
                                       "at least 16Gi).")
-    node_selector: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63)]] = Field(
+    node_selector: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63,
+                                                                                   pattern=LABEL_VALUE)]] = Field(
         default_factory=dict, max_length=32, description="Node labels the pods require.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Extra tolerations "
                                           "(the nvidia.com/gpu taint is always tolerated).")
@@ -324,7 +335,7 @@ class RestartSpec(ApiModel):
 
 class SecretKeyRef(ApiModel):
     name: str = Field(..., max_length=253, pattern=DNS_LABEL)
-    key: str = Field(..., max_length=253)
+    key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
     optional: bool | None = None
 
 
@@ -344,7 +355,7 @@ class EnvVar(ApiModel):
 class PodMetadata(ApiModel):
     """Extra labels and annotations for the trainer pods (e.g. for sidecars or monitoring)."""
 
-    labels: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63)]] = Field(
+    labels: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
         default_factory=dict, max_length=32, description="Pod labels; the operator's and JobSet's own keys "
         "(megatron-operator.io/*, jobset.sigs.k8s.io/*, app.kubernetes.io/*) are refused.")
     annotations: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=4096)]] = Field(

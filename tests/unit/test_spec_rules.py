@@ -10,7 +10,7 @@ from factory import make_job
 from megatron_operator import crd
 from megatron_operator.rules import SPEC_RULES
 from megatron_operator.validation import SpecError, parse_job
-from spec_table import CASES
+from spec_table import CASES, SCHEMA_CASES
 
 ROOT = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 RULE_NAMES = {r.name for r in SPEC_RULES}
@@ -108,3 +108,31 @@ def test_every_rule_is_documented():
     doc = (Path(__file__).parents[2] / "docs" / "validation.md").read_text()
     missing = [r.name for r in SPEC_RULES if f"`{r.name}`" not in doc]
     assert not missing, f"document these rules in docs/validation.md: {missing}"
+
+
+@pytest.mark.parametrize("case_id,doc,server_says", SCHEMA_CASES, ids=[c[0] for c in SCHEMA_CASES])
+def test_schema_level_refusals_in_the_models_and_the_crd(case_id, doc, server_says):
+    """What the schema (not a spec rule) refuses, the models refuse too; the CRD's schema (checked
+    with jsonschema, plus the CEL rule on the object for metadata.name) refuses it as well."""
+    import jsonschema
+
+    assert python_problems(doc), f"the models accept {case_id}"
+    defaulted = apply_defaults(ROOT, copy.deepcopy(doc))
+    schema_errors = list(jsonschema.Draft4Validator(ROOT).iter_errors(defaulted))
+    assert schema_errors or cel_errors(ROOT, defaulted), f"the CRD accepts {case_id}"
+
+
+def test_re2_semantics_in_python():
+    from megatron_operator.expr import Matches, Var
+    m = Matches(Var("s"), "^--save$")
+    assert m.eval({"s": "--save"}) and not m.eval({"s": "--save\n"})  # Python's re would say yes
+
+
+def test_the_crd_schema_check_accepts_every_valid_case():
+    """The control for the test above: the same jsonschema check finds nothing in the valid table."""
+    import jsonschema
+
+    for case_id, doc, rule in CASES:
+        if rule is None:
+            errors = list(jsonschema.Draft4Validator(ROOT).iter_errors(apply_defaults(ROOT, copy.deepcopy(doc))))
+            assert not errors, (case_id, [e.message for e in errors])
