@@ -74,9 +74,15 @@ class Controller:
         self.kube = kube
         self.settings = settings
         self.metrics = metrics
-        # Observations of one job are serialised (events and the resync loop may trigger it at once).
+        # Observations of one job are serialised (events and the resync loop may trigger it at once),
+        # and coalesced: while one observation waits for the job's lock, another would only read the
+        # same caches after it, so it is dropped (the waiter reads the caches once it holds the lock).
         self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._waiting: set[tuple[str, str]] = set()
         self._locks_guard = threading.Lock()
+        # The MegatronJob uid whose children this process created (or found) per job: the create
+        # handler that follows the first observation of a new job then has nothing left to do.
+        self._ensured: dict[tuple[str, str], str] = {}
         # The status this operator last wrote per job. Watch caches lag behind our own writes; without
         # this a second observation could re-derive from a stale status and repeat events.
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
@@ -102,7 +108,14 @@ class Controller:
     def observe_key(self, key: tuple[str, str], snapshot: Snapshot, emit_for: Callable[[dict], EmitFn],
                     resync: bool = False) -> None:
         """Observe one job under its lock, reading the caches only once the lock is held."""
-        with self._lock(key):
+        with self._locks_guard:
+            if key in self._waiting and not resync:  # a resync also compares with the stored status
+                return  # an observation of this job is already waiting and will see these caches
+            self._waiting.add(key)
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            with self._locks_guard:
+                self._waiting.discard(key)
             body, jobset, pods = snapshot()
             if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
                 return
@@ -120,8 +133,10 @@ class Controller:
         assert parsed.job is not None
         if (body.get("status") or {}).get("phase") in st.TERMINAL:
             return  # a finished job is never restarted (resume after an operator restart)
+        meta = body["metadata"]
+        if self._ensured.get((meta["namespace"], meta["name"])) == meta["uid"]:
+            return  # the observation of this very event created the children a moment ago
         if not self.ensure_children(parsed.job, body, emit):
-            meta = body["metadata"]
             with self._lock((meta["namespace"], meta["name"])):
                 self.observe(body, None, [], emit, parsed=parsed)  # report the conflict now
 
@@ -149,6 +164,7 @@ class Controller:
                               (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
                                f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
         self._not_owned.pop(key, None)
+        self._ensured[key] = meta["uid"]
         return True
 
     # ---- the level-based loop -------------------------------------------------------------------
@@ -249,5 +265,6 @@ class Controller:
         self._written.pop((ns, name), None)
         self._parsed.pop((ns, name), None)
         self._not_owned.pop((ns, name), None)
+        self._ensured.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)

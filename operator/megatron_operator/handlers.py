@@ -63,16 +63,21 @@ def _emitter(body: dict[str, Any]):
 
 # ---- indexes (watch-fed caches) -------------------------------------------------------------------
 
+def _slim(metadata: Any) -> dict[str, Any]:
+    """Metadata without managedFields: most of an object's size, and nothing the status needs."""
+    return {k: v for k, v in metadata.items() if k != "managedFields"}
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
 def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
     return {(namespace, name): {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                                "metadata": dict(body.metadata), "spec": dict(body.spec),
+                                "metadata": _slim(body.metadata), "spec": dict(body.spec),
                                 "status": dict(body.status)}}
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels=MANAGED)
 def jobsets_by_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
-    return {(namespace, name): {"metadata": dict(body.metadata), "spec": {"suspend": body.spec.get("suspend")},
+    return {(namespace, name): {"metadata": _slim(body.metadata), "spec": {"suspend": body.spec.get("suspend")},
                                 "status": dict(body.status)}}
 
 

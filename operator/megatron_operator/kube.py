@@ -79,6 +79,11 @@ _PLURALS = {"ServiceAccount": ("", "v1", "serviceaccounts"),
             "JobSet": (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)}
 
 
+# HTTP connections kept open to the API server: at least one per handler thread (kopf's executor),
+# or urllib3 discards and re-opens (new TLS handshake) a connection on every call of a busy burst.
+POOL_CONNECTIONS = 32
+
+
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
     if kubeconfig:
         config.load_kube_config(config_file=kubeconfig)
@@ -87,7 +92,9 @@ def load_config(kubeconfig: str | None = None) -> client.ApiClient:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-    return client.ApiClient()
+    cfg = client.Configuration.get_default_copy()
+    cfg.connection_pool_maxsize = POOL_CONNECTIONS
+    return client.ApiClient(cfg)
 
 
 def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:

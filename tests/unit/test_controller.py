@@ -9,6 +9,8 @@ of the operator's own writes between resyncs, and refuse an invalid spec with on
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -111,8 +113,54 @@ def test_reconcile_creates_every_child_once_and_409_is_success(ctl, kube):
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
     assert [e.reason for e in events] == ["JobSetCreated"]
     events.clear()
-    ctl.reconcile(body(), events.append)  # resume after an operator restart: everything exists
+    restarted = Controller(kube, Settings(), Metrics())  # type: ignore[arg-type]
+    restarted.reconcile(body(), events.append)  # resume after an operator restart: everything exists
     assert len(kube.of("create")) == 8 and events == []
+
+
+def test_create_after_the_first_observation_of_a_new_job_creates_nothing_more(ctl, kube):
+    # kopf runs the event handlers of a new object before its create handler: the first observation
+    # creates the children, and the create handler must not repeat four creates that all answer 409.
+    events = observe(ctl, body(), None)
+    assert [c[1] for c in kube.of("create")] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+    ctl.reconcile(body(), events.append)
+    assert len(kube.of("create")) == 4
+    other = body()
+    other["metadata"]["uid"] = "00000000-0000-0000-0000-000000000002"  # a new object with the same name
+    ctl.reconcile(other, events.append)
+    assert len(kube.of("create")) == 8
+
+
+def test_observations_waiting_for_one_job_coalesce(ctl):
+    """While one observation of a job runs and a second waits, a third is dropped: the waiting one
+    reads the caches after it, so it sees everything the third would have seen."""
+    inside, release = threading.Event(), threading.Event()
+    snapshots: list[str] = []
+
+    def snapshot():
+        snapshots.append(threading.current_thread().name)
+        if len(snapshots) == 1:
+            inside.set()
+            assert release.wait(10)
+        return None, None, []  # no job in the cache: nothing to do after the snapshot
+
+    key = ("ns", "job")
+    first = threading.Thread(target=ctl.observe_key, args=(key, snapshot, None), name="first")
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=ctl.observe_key, args=(key, snapshot, None), name="second")
+    second.start()
+    deadline = time.monotonic() + 10
+    while key not in ctl._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert key in ctl._waiting
+    ctl.observe_key(key, snapshot, None)  # returns at once: "second" is waiting
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert snapshots == ["first", "second"]
+    ctl.observe_key(key, snapshot, None)  # nothing waiting any more: observed again
+    assert snapshots == ["first", "second", "MainThread"]
 
 
 def test_reconcile_of_a_finished_job_creates_nothing(ctl, kube):
