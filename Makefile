@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build helm cluster-up cluster-down demo run lint constraints clean images images-full
+.PHONY: help venv test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
 
 venv: $(STAMP)
 
-unit: helm  # the chart tests need the pinned helm, and nothing else from Go
+unit: helm promtool  # the chart and alert tests need the pinned helm and promtool, nothing else from Go
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
 	$(PY) -m pytest tests -q
 
@@ -34,6 +34,9 @@ cluster-build: $(STAMP)
 
 helm: $(STAMP)
 	$(PY) e2e/cluster/cluster.py build helm
+
+promtool: $(STAMP)
+	$(PY) e2e/cluster/cluster.py build promtool
 
 e2e: cluster-build
 	$(PY) -m pytest e2e -q -m e2e

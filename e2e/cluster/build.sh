@@ -3,8 +3,8 @@
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, kwokctl, jobset, kueue,
 # helm.
 # Binaries land in $CACHE/bin/<component>-<version>/ and are skipped when already built.
-# Prints how long each step took. `build.sh helm` (or any subset of: etcd kubernetes kwok jobset kueue helm)
-# builds only those components: the unit tests need helm alone.
+# Prints how long each step took. `build.sh helm` (or any subset of: etcd kubernetes kwok jobset kueue
+# helm promtool) builds only those components: the unit tests need helm and promtool.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
@@ -104,6 +104,15 @@ build_helm() {
     -o "$BIN_DIR.tmp/helm" "helm.sh/helm/v$major/cmd/helm"
 }
 
+build_promtool() {
+  # remove_all_sd: no service-discovery plugins (`promtool test rules` needs none; the proxy refuses
+  # the pseudo-version of github.com/hashicorp/nomad/api that the Nomad plugin pins).
+  GOFLAGS="$GOFLAGS -tags=remove_all_sd" wrapper "promtool-$PROMETHEUS_MODULE_VERSION" \
+    "github.com/prometheus/prometheus/cmd/promtool@v$PROMETHEUS_MODULE_VERSION"
+  $GO build -tags=remove_all_sd -trimpath -ldflags="-s -w" -o "$BIN_DIR.tmp/promtool" \
+    github.com/prometheus/prometheus/cmd/promtool
+}
+
 total0=$SECONDS
 echo "[build] cache: $CACHE ($GOVER)"
 wanted=${*:-etcd kubernetes kwok jobset kueue helm}
@@ -116,7 +125,8 @@ for c in $wanted; do
     jobset)     BIN_DIR=$CACHE/bin/jobset-$JOBSET_VERSION;   step jobset "$BIN_DIR" jobset -- build_jobset ;;
     kueue)      BIN_DIR=$CACHE/bin/kueue-$KUEUE_VERSION;     step kueue "$BIN_DIR" kueue -- build_kueue ;;
     helm)       BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;       step helm "$BIN_DIR" helm -- build_helm ;;
-    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm)" >&2; exit 2 ;;
+    promtool)   BIN_DIR=$CACHE/bin/promtool-$PROMETHEUS_MODULE_VERSION; step promtool "$BIN_DIR" promtool -- build_promtool ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool)" >&2; exit 2 ;;
   esac
 done
 echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"

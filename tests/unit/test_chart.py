@@ -511,7 +511,15 @@ def test_monitoring_objects(tmp_path):
     assert pm["spec"]["selector"]["matchLabels"].items() <= labels_for("job").items()
     ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and ports["metrics"] == 9400
-    relabel = pm["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
+    keep, relabel = pm["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    # Only the pod of node rank 0 serves (the trainer's global rank 0); JobSet labels it job-global-index 0.
+    from megatron_operator.names import JOBSET_GLOBAL_INDEX_LABEL
+
+    assert keep == {"sourceLabels": ["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_",
+                                                                              JOBSET_GLOBAL_INDEX_LABEL)],
+                    "regex": "0", "action": "keep"}
+    # The operator's per-job series keep the job's namespace (not exported_namespace).
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
     assert relabel["targetLabel"] == "megatron_job"
     label = "megatron-operator.io/job-name"
     assert label in pod["metadata"]["labels"]
@@ -568,3 +576,12 @@ def test_dashboard_is_valid_and_uses_only_metrics_that_exist(tmp_path):
     assert cm["metadata"]["namespace"] == "monitoring"
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["megatron-operator.json"]) == dash
+
+
+def test_every_metric_is_listed_in_install_md():
+    """docs/install.md's metric table names every metric the operator and the trainer export, and no other."""
+    text = (Path(__file__).parents[2] / "docs" / "install.md").read_text()
+    listed = set(re.findall(r"^\| `(megatron_[a-z_]+)`", text, flags=re.M))
+    exported = {f"megatron_trainer_{name}" for name in TRAINER_GAUGES} | {
+        m.name + ("_total" if m.type == "counter" else "") for m in Metrics().registry.collect()}
+    assert listed == exported

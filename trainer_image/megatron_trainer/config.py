@@ -370,7 +370,7 @@ class RuntimeConfig:
     progress_interval_s: float = 30.0
     """MEGATRON_PROGRESS_INTERVAL_S: seconds between status.progress writes (0 disables)."""
     metrics_port: int = 9400
-    """MEGATRON_METRICS_PORT: Prometheus port on rank 0 and the last stage's first rank (0 disables)."""
+    """MEGATRON_METRICS_PORT: Prometheus port of global rank 0 (0 disables)."""
     checkpoint_keep: int = 0
     """MEGATRON_CHECKPOINT_KEEP: complete checkpoints to keep (0 = all)."""
     shutdown_grace_s: float = 30.0

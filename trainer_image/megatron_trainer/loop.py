@@ -145,14 +145,12 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.env, self.model, self.optimizer, self.scheduler,
                                          keep=runtime.checkpoint_keep)
         try:
-            self._init_after_checkpointer(cfg, runtime, gbs, local_world)
+            self._init_after_checkpointer(cfg, runtime, gbs)
         except BaseException:
             self.close(abort=True)
             raise
 
-    def _init_after_checkpointer(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int, local_world: int) -> None:
-        from megatron.core import parallel_state
-
+    def _init_after_checkpointer(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int) -> None:
         t, m = cfg.training, cfg.model
         self.checkpointer.start_workers()
         self.lifecycle.enter("looking for a checkpoint")
@@ -182,13 +180,13 @@ class Trainer:
             gbs, m.seq_length, m.num_layers, m.hidden_size, self.vocab_size)
 
         # --- observability: metrics, progress, preemption -------------------------------------
-        node_rank = self.env.rank // local_world
-        first_of_last_stage = self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and \
-            parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-        serve = self.env.is_rank0 or (first_of_last_stage and node_rank != 0)  # one server per node
-        self.metrics = Metrics(runtime.metrics_port, serve)
+        # Only global rank 0 serves (it receives the loss from the last stage in log_iterations): one
+        # target per job, the pod of node rank 0, which is what the chart's PodMonitor scrapes.
+        self.metrics = Metrics(runtime.metrics_port, self.env.is_rank0)
         self.metrics.set("train_iters", t.train_iters)
         self.metrics.set("restarts", runtime.restart_attempt)
+        if self.loaded is not None:
+            self.metrics.set("checkpoint_load_seconds", self.loaded.seconds)
         self.progress_cadence = Cadence(runtime.progress_interval_s)
         self.tensorboard = None
         if cfg.logging.tensorboard_dir and self.is_logging_rank:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the trainer (served by global rank 0 and the last stage's first rank).
+"""Prometheus metrics of the trainer (served by global rank 0 only: one target per job).
 
 No torch. prometheus-client is a dependency of the trainer image; without it the metrics are a no-op.
 """
