@@ -180,3 +180,27 @@ def test_operator_renders_the_trainers_non_retriable_exit_codes():
     from megatron_trainer.exitcodes import NON_RETRIABLE
 
     assert sorted(NON_RETRIABLE_EXIT_CODES) == sorted(int(c) for c in NON_RETRIABLE)
+
+
+def test_the_operators_flag_table_is_the_trainers_parser():
+    """extraArgs are checked at admission against operator/megatron_operator/trainer_flags.py; it must
+    be exactly the trainer's parser (regenerate: python scripts/gen-trainer-flags.py)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gen-trainer-flags.py"), "--check"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_flag_admission_accepts_is_accepted_by_the_trainer():
+    from megatron_operator.trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
+    from megatron_trainer.config import build_parser
+
+    actions = build_parser()._option_string_actions
+    for name in SWITCH_FLAGS:
+        assert actions[f"--{name}"].nargs == 0, name
+    for name in VALUE_FLAGS:
+        assert actions[f"--{name}"].nargs != 0, name
+    assert "--help" not in SWITCH_FLAGS + VALUE_FLAGS

@@ -32,6 +32,19 @@ OPERATOR_ONLY = {
     "tokenizer-path": "the spec's data section shape (nothing to render)",
     "model-complete": "an incomplete model cannot be rendered",
     "tensorboard-needs-checkpoint": "where the event files go (nothing to render without a checkpoint PVC)",
+    "extra-args-known": "the trainer refuses unknown and abbreviated flags too, but --help makes argparse exit 0",
+    "extended-resources-not-reserved": "pod resources",
+    "pod-label-keys": "pod labels",
+    "pod-annotation-keys": "pod annotations",
+    "node-selector-keys": "pod placement",
+    "toleration-combination": "pod tolerations",
+    "toleration-key-or-exists": "pod tolerations",
+    "toleration-seconds-noexecute": "pod tolerations",
+    "toleration-keys": "pod tolerations",
+    "env-value-or-value-from": "pod environment",
+    "env-one-source": "pod environment",
+    "env-names-unique": "pod environment",
+    "tensor-groups-fit-one-jobset": "the size of the JobSet object",
 }
 
 

@@ -34,6 +34,7 @@ from .expr import (
 )
 from .presets import MODEL_PRESETS
 from .spec import MAX_NAME_LENGTH, RFC1035_LABEL
+from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
 
 # --------------------------------------------------------------------------------------------
 # Values every rule shares (each is an expression: CEL and Python at once)
@@ -149,6 +150,12 @@ ALIAS_FLAGS: tuple[str, ...] = (
 )
 MANAGED_FLAGS: tuple[str, ...] = RENDERED_FLAGS + ALIAS_FLAGS
 MANAGED_FLAG_RE = r"^--(" + "|".join(fl.replace(".", r"\.") for fl in MANAGED_FLAGS) + r")(=.*)?$"
+# The trainer's own flag table (trainer_flags.py, generated from its parser): an extraArgs item that
+# starts with "-" must be one of them, spelled out (the trainer refuses abbreviations; --help is not
+# in the table: it would exit 0 and the job would be Succeeded without training). Items that do not
+# start with "-", or are negative numbers, are values.
+KNOWN_FLAG_RE = (r"^--(" + "|".join(VALUE_FLAGS) + r")(=.*)?$|^--(" + "|".join(SWITCH_FLAGS) + r")$|^[^-]|^-[0-9.]|"
+                 r"[\s\x00-\x1f\x7f]")  # (whitespace: extra-args-one-token reports it)
 
 # Environment the operator sets in the trainer container; spec.env may not override it.
 # The device plugin decides which GPUs a container sees: NVIDIA_VISIBLE_DEVICES=all (the CUDA images'
@@ -371,6 +378,12 @@ SPEC_RULES: list[Rule] = [
          # not echoed: the API server drops a messageExpression result that contains a line break
          message=lit("spec.training.extraArgs: an item contains whitespace or a control character (space, tab, "
                      "line break); give each flag and each value as its own list item, e.g. [\"--seed\", \"5\"]")),
+    Rule("extra-args-known", "training.extraArgs",
+         All(f("training.extraArgs"), "a", Matches(Var("a"), KNOWN_FLAG_RE)),
+         message=fmt("spec.training.extraArgs: ",
+                     Index(Filter(f("training.extraArgs"), "a", ~Matches(Var("a"), KNOWN_FLAG_RE)), 0),
+                     " is not a flag the trainer accepts (flags are spelled out in full: no abbreviations, no "
+                     "--help; a switch takes no =value); docs/trainer-contract.md lists them")),
     Rule("env-not-reserved", "env",
          All(f("env"), "e", ~Matches(Field("name", "e"), RESERVED_ENV_RE)),
          message=fmt("spec.env: ",
