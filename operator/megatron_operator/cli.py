@@ -126,10 +126,13 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .advice import spec_warnings
     from .memory import fit_report
 
     jobs, failures = _jobs(args.files, sys.stderr)
     for where, job in jobs:
+        for warning in spec_warnings(job):
+            print(f"{where}: warning: {warning}", file=sys.stderr)
         report = fit_report(job)
         if report is not None and report.fits is False:
             level = "error" if job.spec.resources.memory_fit == "Reject" else "warning"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import status as st
+from .advice import spec_warnings
 from .kube import Kube, NotOwned, controller_uid
 from .kueue import WorkloadView
 from .memory import FitReport, fit_report
@@ -157,6 +158,8 @@ class Controller:
                 self._not_owned[key] = (meta["uid"], str(exc))
                 return False
             if obj["kind"] == "JobSet" and created:
+                for warning in spec_warnings(job, self.settings):
+                    emit(st.Event("Warning", st.Reason.SPEC_WARNING, warning))
                 self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
                 recreated = bool((body.get("status") or {}).get("jobSetName"))
                 emit(st.Event("Normal" if not recreated else "Warning",

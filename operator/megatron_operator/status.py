@@ -75,6 +75,7 @@ class Reason:
     PREDICTED_OUT_OF_MEMORY = "PredictedOutOfMemory"
     # event-only reasons
     JOBSET_RECREATED = "JobSetRecreated"
+    SPEC_WARNING = "SpecWarning"  # admitted, but may not run as meant (advice.spec_warnings)
     POD_FAILED = "PodFailed"
     STALLED = "Stalled"
 

@@ -282,3 +282,20 @@ def test_echoed_values_are_truncated(tmp_path):
     r = cli("validate", write(tmp_path, "long.yaml", [make_job(image="x" * 100_000)]))
     assert_refused(r, "more characters)")
     assert len(r.stderr) < 2000
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (dict(numNodes=4, gpusPerNode=8, parallelism={"tensor": 16}, model__numAttentionHeads=16,
+          training__globalBatchSize=4), "must share one node with at least 16 GPUs"),
+    (dict(resources={"memory": "64Gi", "shmSize": "128Gi"}), "/dev/shm (128Gi) is larger than the pod's memory limit"),
+    (dict(resources={"memory": "32Gi"}), "/dev/shm (64Gi) is larger"),  # the default: 8Gi per GPU
+])
+def test_warnings_for_specs_that_may_not_run_as_meant(tmp_path, overrides, needle):
+    r = cli("validate", write(tmp_path, "warn.yaml", [make_job(**overrides)]))
+    assert r.returncode == 0 and ": valid" in r.stdout, r.stderr
+    assert "warning: " in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_no_warning_when_shm_fits_in_memory(tmp_path):
+    r = cli("validate", write(tmp_path, "ok.yaml", [make_job(resources={"memory": "1Ti"})]))
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr

@@ -346,3 +346,10 @@ def test_foreign_fields_reads_managed_fields_defensively():
                                                                                       "f:nonsense": {}}}},
                               {"manager": "megatron-operator", "fieldsV1": {"f:status": {"f:phase": {}}}},
                               "junk", {"manager": "x", "fieldsV1": None}]) == {"restarts"}
+
+
+def test_spec_warnings_are_events_when_the_jobset_is_created(ctl, kube):
+    events: list[st.Event] = []
+    ctl.reconcile(body(resources={"memory": "8Gi"}), events.append)
+    (w,) = [e for e in events if e.reason == "SpecWarning"]
+    assert w.type == "Warning" and "/dev/shm" in w.message
