@@ -53,9 +53,10 @@ build_etcd() {
   $GO build -trimpath -ldflags='-s -w' -o "$BIN_DIR.tmp/etcd" go.etcd.io/etcd/server/v3
 }
 
-build_kube() {
-  local d=$SRC/kubernetes-$KUBE_VERSION; mkdir -p "$d"; cd "$d"
-  local minor=${KUBE_VERSION#1.}
+# A main module that requires k8s.io/kubernetes at $KUBE_VERSION and the given commands as tools.
+kube_module() { # kube_module DIR CMD...
+  local d=$SRC/$1; shift; mkdir -p "$d"; cd "$d"
+  local minor=${KUBE_VERSION#1.} cmd tools=()
   if [ ! -f .resolved ]; then
     printf 'module local/k8sbuild\n\ngo 1.26\n' > go.mod; rm -f go.sum
     local up; up=$($GO mod download -json "k8s.io/kubernetes@v$KUBE_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
@@ -65,17 +66,31 @@ build_kube() {
     for m in $(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/src/.*#\1#p' "$up"); do
       $GO mod edit -replace="$m=$m@v0.$minor"
     done
-    $GO get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$KUBE_VERSION" "k8s.io/kubernetes/cmd/kube-controller-manager@v$KUBE_VERSION" \
-      "k8s.io/kubernetes/cmd/kube-scheduler@v$KUBE_VERSION" "k8s.io/kubernetes/cmd/kubectl@v$KUBE_VERSION"
+    for cmd in "$@"; do tools+=("k8s.io/kubernetes/cmd/$cmd@v$KUBE_VERSION"); done
+    $GO get -tool "${tools[@]}"
     touch .resolved
   fi
-  local p='-X k8s.io/component-base/version' c='-X k8s.io/client-go/pkg/version' kv
+}
+
+kube_build() { # kube_build CMD...: the commands, with the version stamped as upstream does
+  local minor=${KUBE_VERSION#1.} p='-X k8s.io/component-base/version' c='-X k8s.io/client-go/pkg/version' kv cmd pkgs=()
   local flags="-s -w"
   for kv in "gitVersion=v$KUBE_VERSION" "gitMajor=1" "gitMinor=${minor%%.*}" "gitTreeState=clean" "buildDate=1970-01-01T00:00:00Z"; do
     flags="$flags $p.$kv $c.$kv"
   done
-  $GO build -trimpath -ldflags "$flags" -o "$BIN_DIR.tmp/" k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+  for cmd in "$@"; do pkgs+=("k8s.io/kubernetes/cmd/$cmd"); done
+  $GO build -trimpath -ldflags "$flags" -o "$BIN_DIR.tmp/" "${pkgs[@]}"
+}
+
+build_kube() {
+  kube_module "kubernetes-$KUBE_VERSION" kube-apiserver kube-controller-manager kube-scheduler kubectl
+  kube_build kube-apiserver kube-controller-manager kube-scheduler kubectl
+}
+
+# The real node (e2e/cluster/node.py): the kubelet from the same Kubernetes modules. Built only on request.
+build_kubelet() {
+  kube_module "kubelet-$KUBE_VERSION" kubelet
+  kube_build kubelet
 }
 
 build_install() { # go install MODULE/PKG@VERSION... into $BIN_DIR.tmp
@@ -126,7 +141,8 @@ for c in $wanted; do
     kueue)      BIN_DIR=$CACHE/bin/kueue-$KUEUE_VERSION;     step kueue "$BIN_DIR" kueue -- build_kueue ;;
     helm)       BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;       step helm "$BIN_DIR" helm -- build_helm ;;
     promtool)   BIN_DIR=$CACHE/bin/promtool-$PROMETHEUS_MODULE_VERSION; step promtool "$BIN_DIR" promtool -- build_promtool ;;
-    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool)" >&2; exit 2 ;;
+    kubelet)    BIN_DIR=$CACHE/bin/kubelet-$KUBE_VERSION;    step kubelet "$BIN_DIR" kubelet -- build_kubelet ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool kubelet)" >&2; exit 2 ;;
   esac
 done
 echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"

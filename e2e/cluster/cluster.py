@@ -571,6 +571,11 @@ def kwokctl_config() -> list[dict]:
                 # finalizers subresource (the chart's RBAC grants exactly that; e2e/test_helm.py proves it).
                 {"name": "kube-apiserver", "extraArgs": [
                     {"key": "enable-admission-plugins", "value": "OwnerReferencesPermissionEnforcement"}]},
+                # kwok fakes only its own nodes (annotated kwok.x-k8s.io/node=fake): a real kubelet's
+                # node (e2e/cluster/node.py) and its pods are left to that kubelet.
+                {"name": "kwok-controller", "extraArgs": [
+                    {"key": "manage-all-nodes", "value": "false"},
+                    {"key": "manage-nodes-with-annotation-selector", "value": "kwok.x-k8s.io/node=fake"}]},
             ],
         },
         *kwok_stages(),
