@@ -26,7 +26,8 @@ Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` 
   tensorboard  issue 17: the pp2 job of `pods` alone (spec.logging.tensorboard): Megatron-LM's scalar
              names read back from the event files with tensorboard's reader, lm loss = the log lines
   deterministic  issue 17: --deterministic-mode at TP, PP, DP = N: kill -9 at 25, resume from 20, losses
-             of 21-40 bit-identical to the uninterrupted run; its speed cost on the benchmark model
+             of 21-40 bit-identical to the uninterrupted run
+  detcost    issue 17: the speed cost of --deterministic-mode on the benchmark model at TP=N
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -1046,7 +1047,7 @@ def summary_losses(log: Path) -> dict[int, float]:
 def scenario_deterministic(ctx) -> dict:
     """issue 17: --deterministic-mode at TP, PP and DP (async checkpoints every 10): kill -9 a rank at
     iteration 25, restart -> resumes from the newest complete checkpoint -> every later loss is
-    bit-identical (==) to the uninterrupted run's. Then the cost: GPT-1.35B at TP=N, deterministic vs default, same call."""
+    bit-identical (==) to the uninterrupted run's."""
     gpus = ctx["gpus"]
     out: dict = {}
     layouts = [(n, tp, pp) for n, tp, pp in layouts_for(gpus) if n in (f"tp{gpus}", f"pp{gpus}", f"dp{gpus}")]
@@ -1085,26 +1086,31 @@ def scenario_deterministic(ctx) -> dict:
         r.update({"ok": not failures, "resumed_from": resumed.group(2) if resumed else None,
                   "compared_iterations": [later[0], later[-1]] if later else None, "bit_identical": not differing,
                   "first_differences": differing[:3], "ops_without_deterministic_kernel": warned})
-    # the cost, on the benchmark model (no checkpoints)
-    if time.monotonic() < DEADLINE[0] - 150:
-        model, tp = ctx.get("bench_model", "gpt1b"), gpus
-        mb = MODELS[model]["mbs"]
-        cost = {}
-        for variant, extra in (("default", []), ("deterministic", ["--deterministic-mode"])):
-            run = Run(f"detcost_{variant}", gpus, trainer_args(model, tp=tp, mbs=mb, gbs=mb, iters=16, lr="3e-4",
-                                                               warmup=2, extra=extra),
-                      env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
-            rc = run.wait(300)
-            run.close()
-            ms = run.iteration_ms()
-            steady = [ms[i] for i in sorted(ms) if 4 <= i <= 16]
-            cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
-                             "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)]}
-        d, n = cost["deterministic"]["median_iter_ms"], cost["default"]["median_iter_ms"]
-        cost["slowdown"] = round(d / n, 3) if d and n else None
-        out["cost"] = {"model": model, "layout": f"TP{tp}", **cost}
     out["ok"] = all(out[n]["ok"] for n, _, _ in layouts) and bool(layouts)
     return out
+
+
+def scenario_detcost(ctx) -> dict:
+    """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic,
+    16 iterations each, median iteration time of 4-16, same call."""
+    gpus = ctx["gpus"]
+    model, tp = ctx.get("bench_model", "gpt1b"), gpus
+    mb = MODELS[model]["mbs"]
+    cost: dict = {"model": model, "layout": f"TP{tp}"}
+    for variant, extra in (("default", []), ("deterministic", ["--deterministic-mode"])):
+        run = Run(f"detcost_{variant}", gpus, trainer_args(model, tp=tp, mbs=mb, gbs=mb, iters=16, lr="3e-4",
+                                                           warmup=2, extra=extra),
+                  env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+        rc = run.wait(300)
+        run.close()
+        ms = run.iteration_ms()
+        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 16]
+        cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
+                         "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)]}
+    d, n = cost["deterministic"]["median_iter_ms"], cost["default"]["median_iter_ms"]
+    cost["slowdown"] = round(d / n, 3) if d and n else None
+    cost["ok"] = cost["slowdown"] is not None
+    return cost
 
 
 def pods_arg(cmd: list[str], flag: str) -> str:
@@ -1205,7 +1211,7 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
-             "deterministic": scenario_deterministic}
+             "deterministic": scenario_deterministic, "detcost": scenario_detcost}
 
 
 def main() -> int:
@@ -1256,7 +1262,8 @@ def main() -> int:
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240,
-                  "tensorboard": 100, "deterministic": 300}
+                  "tensorboard": 100, "deterministic": 300,
+                  "detcost": 110}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):

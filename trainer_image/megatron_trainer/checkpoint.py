@@ -433,6 +433,10 @@ class Checkpointer:
                 unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
+            from .compat import unshare_adam_steps
+
+            if unshare_adam_steps(self.optimizer):
+                log.info("checkpoint: optimizer step counters unshared (Megatron-Core 0.19 shares one; compat.py)")
         else:
             self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         self.scheduler.load_state_dict(state["scheduler"])

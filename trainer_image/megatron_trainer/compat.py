@@ -37,6 +37,33 @@ def patch_fully_reshardable_load_with_torch_adam(optimizer) -> int:
     return patched
 
 
+def unshare_adam_steps(optimizer) -> int:
+    """Give every parameter its own torch.optim.AdamW `step` tensor after a checkpoint load.
+
+    Without TE/apex, `DistributedOptimizer.load_state_dict` (distrib_optimizer.py ~1024-1032, 0.19)
+    puts ONE `step` tensor into every parameter's state, and torch's `Optimizer.load_state_dict`
+    keeps it as it is (no copy for `step` unless capturable/fused). AdamW then increments that shared
+    tensor once per parameter (`_foreach_add_(state_steps, 1)`), so from the first step after a
+    resume the bias correction uses step + number of parameters instead of step + 1: the resumed run
+    departs from the uninterrupted one at its second iteration (found by the bit-identical resume test,
+    2 x H200, 2026-11-23). Returns the number of state entries given their own tensor.
+    """
+    fixed = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        seen: set[int] = set()
+        for state in inner.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.detach().clone()
+                    fixed += 1
+                seen.add(id(state["step"]))
+    return fixed
+
+
 def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for `amp_C.multi_tensor_l2norm` that stays on the device.
 
