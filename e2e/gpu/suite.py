@@ -1092,19 +1092,19 @@ def scenario_deterministic(ctx) -> dict:
 
 def scenario_detcost(ctx) -> dict:
     """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic,
-    16 iterations each, median iteration time of 4-16, same call."""
+    12 iterations each, median iteration time of 4-12, same call."""
     gpus = ctx["gpus"]
     model, tp = ctx.get("bench_model", "gpt1b"), gpus
     mb = MODELS[model]["mbs"]
     cost: dict = {"model": model, "layout": f"TP{tp}"}
     for variant, extra in (("default", []), ("deterministic", ["--deterministic-mode"])):
-        run = Run(f"detcost_{variant}", gpus, trainer_args(model, tp=tp, mbs=mb, gbs=mb, iters=16, lr="3e-4",
+        run = Run(f"detcost_{variant}", gpus, trainer_args(model, tp=tp, mbs=mb, gbs=mb, iters=12, lr="3e-4",
                                                            warmup=2, extra=extra),
                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
         rc = run.wait(300)
         run.close()
         ms = run.iteration_ms()
-        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 16]
+        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 12]
         cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
                          "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)]}
     d, n = cost["deterministic"]["median_iter_ms"], cost["default"]["median_iter_ms"]
@@ -1262,8 +1262,8 @@ def main() -> int:
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240,
-                  "tensorboard": 100, "deterministic": 300,
-                  "detcost": 110}
+                  "tensorboard": 95, "deterministic": 300,
+                  "detcost": 60}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
