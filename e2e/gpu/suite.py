@@ -1036,11 +1036,12 @@ def scenario_tensorboard(ctx) -> dict:
 
 
 def summary_losses(log: Path) -> dict[int, float]:
-    """The exact losses (TRAINER_SUMMARY) of a run: the log line has 7 significant digits only."""
-    found = {}
+    """The exact losses (TRAINER_SUMMARY) of a run: the log line has 7 significant digits only. With
+    PP, rank 0 prints a summary too (no losses): the ranks' summaries are merged."""
+    found: dict = {}
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith("TRAINER_SUMMARY "):
-            found = json.loads(line[len("TRAINER_SUMMARY "):]).get("losses", {})
+            found.update(json.loads(line[len("TRAINER_SUMMARY "):]).get("losses", {}))
     return {int(k): float(v) for k, v in found.items()}
 
 
