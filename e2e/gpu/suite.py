@@ -28,6 +28,8 @@ Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` 
   deterministic  issue 17: --deterministic-mode at TP, PP, DP = N: kill -9 at 25, resume from 20, losses
              of 21-40 bit-identical to the uninterrupted run
   detcost    issue 17: the speed cost of --deterministic-mode on the benchmark model at TP=N
+  threeway   issue 17: ours / Megatron-LM's pretrain_gpt.py (.run/mlm_peer.sh, source in .run/mlm) / the
+             guides' loop, one layout per call (--threeway dp1|tp2|dp2|pp2), benchmark model
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -1114,6 +1116,78 @@ def scenario_detcost(ctx) -> dict:
     return cost
 
 
+# issue 17's three-way benchmark, one layout per device call: (GPUs, TP, PP); DP is what is left.
+THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2)}
+MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
+
+
+def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, visible: str) -> dict:
+    """Megatron-LM's own pretrain_gpt.py (../shared/bench/mlm_peer.sh, carried as .run/mlm_peer.sh) on
+    the same model, layout and global batch; Megatron-LM's source at core_v0.19.0 in .run/mlm."""
+    m = MODELS[model]
+    wheel = sorted((REPO / ".whl").glob("megatron_core-*.whl"))
+    env = dict(os.environ, MLM_DIR=str(REPO / ".run" / "mlm"), WHL=str(wheel[0]) if wheel else "", GPUS=str(gpus),
+               TP=str(tp), PP=str(pp), LAYERS=str(m["layers"]), HIDDEN=str(m["hidden"]), HEADS=str(m["heads"]),
+               FFN=str(m["ffn"]), SEQ=str(m["seq"]), VOCAB=str(m["vocab"]), MBS=str(m["mbs"]), GBS=str(gbs),
+               ITERS="26", CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()))
+    try:
+        p = subprocess.run(["bash", str(REPO / ".run" / "mlm_peer.sh")], capture_output=True, text=True, env=env,
+                           timeout=bounded(420))
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), -999
+    (LOGS / f"{name}.log").write_text(text)
+    mm = MLM_RE.search(text)
+    if not mm:
+        return {"rc": rc, "error": text[-800:]}
+    return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct": float(mm.group(2)), "losses_1_5": json.loads(mm.group(3))}
+
+
+def scenario_threeway(ctx) -> dict:
+    """issue 17: ours (the default configuration the operator renders) / Megatron-LM's pretrain_gpt.py /
+    the guides' loop (mcore_peer.py; TP x DP only) on the benchmark model, one layout (--threeway),
+    same call, same global batch; iteration time = median of iterations 4-20; MFU by the classic formula
+    for all three."""
+    layout = ctx.get("threeway") or "tp2"
+    gpus, tp, pp = THREEWAY[layout]
+    model = ctx.get("bench_model", "gpt1b")
+    m = MODELS[model]
+    dp = gpus // (tp * pp)
+    gbs = m["mbs"] * dp * (4 if pp > 1 else 1)  # PP=2: 4 micro-batches (global batch 16 at mbs 4)
+    visible = ",".join(str(i) for i in range(gpus))
+    out: dict = {"layout": layout, "gpus": gpus, "model": model, "global_batch": gbs}
+    extra = ["--overlap-grad-reduce", "--overlap-param-gather"] if dp > 1 else []
+    ours = Run(f"threeway_ours_{layout}", gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26,
+                                                             lr="3e-4", warmup=4, extra=extra),
+               env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}, gpus=visible)
+    rc = ours.wait(400)
+    ours.close()
+    ms = ours.iteration_ms()
+    steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
+    ours_ms = statistics.median(steady) if steady else None
+    out["ours"] = {"rc": rc, "iter_ms": ours_ms, "losses_1_5": [ours.losses().get(i) for i in range(1, 6)]}
+    if ours_ms:
+        from megatron_trainer import flops
+
+        classic = flops.classic_flops_per_iteration(gbs, m["seq"], m["layers"], m["hidden"], m["vocab"])
+        thr = flops.throughput(classic, gbs * m["seq"], ours_ms / 1000, gpus)
+        out["ours"].update({"mfu_pct_classic": round(100 * thr["mfu"], 2),
+                            "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
+    out["megatron_lm"] = mlm = run_mlm_peer(f"threeway_mlm_{layout}", gpus, model, tp, pp, gbs, visible)
+    if pp == 1:
+        out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
+    failures: list[str] = []
+    check(ours_ms is not None, f"ours rc={rc}", failures)
+    check("iter_ms" in mlm, "Megatron-LM did not run", failures)
+    if ours_ms and "iter_ms" in mlm:
+        out["ours_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / ours_ms, 3)
+    peer = out.get("guides_loop", {})
+    if ours_ms and "iter_ms" in peer:
+        out["ours_speedup_vs_guides_loop"] = round(peer["iter_ms"] / ours_ms, 3)
+    out["ok"], out["failures"] = not failures, failures
+    return out
+
+
 def pods_arg(cmd: list[str], flag: str) -> str:
     return cmd[cmd.index(flag) + 1]
 
@@ -1212,7 +1286,7 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
-             "deterministic": scenario_deterministic, "detcost": scenario_detcost}
+             "deterministic": scenario_deterministic, "detcost": scenario_detcost, "threeway": scenario_threeway}
 
 
 def main() -> int:
@@ -1233,6 +1307,7 @@ def main() -> int:
     ap.add_argument("--bench-variant", default="foreach",
                     help="PERF_VARIANTS entry ours runs in the benchmark, or 'auto': the fastest one perf measured")
     ap.add_argument("--ours-extra", default="", help="flags appended to every trainer command line (space separated)")
+    ap.add_argument("--threeway", default="tp2", choices=sorted(THREEWAY), help="layout of the threeway scenario")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
@@ -1255,7 +1330,7 @@ def main() -> int:
            "reshard_to": args.reshard_to.split(",") if args.reshard_to else None,
            "perf_variants": args.perf_variants.split(",") if args.perf_variants else None,
            "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp,
-           "bench_variant": args.bench_variant}
+           "bench_variant": args.bench_variant, "threeway": args.threeway}
     OURS_EXTRA[:] = args.ours_extra.split()
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
@@ -1264,7 +1339,7 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 300,
-                  "detcost": 60}
+                  "detcost": 60, "threeway": 240}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
