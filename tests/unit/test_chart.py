@@ -135,8 +135,9 @@ def test_helm_lint_strict(values, tmp_path):
 
 def test_default_render_has_exactly_the_operator_objects(default_objs):
     kinds = sorted(o["kind"] for o in default_objs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Service",
-                     "ServiceAccount"]
+    # the operator's ClusterRole, and the two aggregated into the built-in edit/admin and view roles
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment", "Service", "ServiceAccount"]
     for o in default_objs:
         if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
             assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
@@ -287,8 +288,14 @@ def assert_least_privilege(rules: list[dict[str, Any]]) -> None:
         assert "resourceNames" not in r and "nonResourceURLs" not in r
 
 
+def operator_cluster_roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's own ClusterRoles (not the ones aggregated into the built-in user roles)."""
+    return [o for o in by_kind(objs, "ClusterRole")
+            if not any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in o["metadata"]["labels"])]
+
+
 def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(default_objs):
-    role = one(default_objs, "ClusterRole")
+    (role,) = operator_cluster_roles(default_objs)
     assert_least_privilege(role["rules"])
     binding = one(default_objs, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -315,7 +322,7 @@ def test_the_operator_holds_every_permission_it_grants_a_job():
 def test_namespaced_mode_has_roles_in_each_namespace_and_no_cluster_role(tmp_path):
     objs = render_chart({"watchNamespaces": ["team-a", "team-b"],
                          "metrics": {"podMonitor": {"enabled": True}}}, tmp_path)
-    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    assert not operator_cluster_roles(objs) and not by_kind(objs, "ClusterRoleBinding")
     roles, bindings = by_kind(objs, "Role"), by_kind(objs, "RoleBinding")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
@@ -330,7 +337,8 @@ def test_namespaced_mode_has_roles_in_each_namespace_and_no_cluster_role(tmp_pat
 
 
 def test_rbac_and_serviceaccount_can_be_brought_by_the_admin(tmp_path):
-    objs = render_chart({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)
+    objs = render_chart({"rbac": {"create": False, "aggregateToDefaultRoles": False},
+                         "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)
     assert {o["kind"] for o in objs} == {"CustomResourceDefinition", "Deployment", "Service"}
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "mo"
     proc = render_chart({"serviceAccount": {"create": False}}, tmp_path, check=False)
@@ -585,3 +593,20 @@ def test_every_metric_is_listed_in_install_md():
     exported = {f"megatron_trainer_{name}" for name in TRAINER_GAUGES} | {
         m.name + ("_total" if m.type == "counter" else "") for m in Metrics().registry.collect()}
     assert listed == exported
+
+
+def test_user_roles_aggregate_megatronjobs_but_never_their_status(default_objs, tmp_path):
+    agg = {o["metadata"]["name"].rsplit("-", 1)[-1]: o for o in by_kind(default_objs, "ClusterRole")
+           if o not in operator_cluster_roles(default_objs)}
+    assert set(agg) == {"edit", "view"}
+    assert agg["edit"]["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert agg["edit"]["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert agg["view"]["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    for role in agg.values():
+        for rule in role["rules"]:
+            assert rule["resources"] == ["megatronjobs"] and rule["apiGroups"] == ["megatron-operator.io"]
+    assert set(agg["view"]["rules"][0]["verbs"]) == {"get", "list", "watch"}
+    assert not operator_cluster_roles(render_chart({"rbac": {"create": False, "aggregateToDefaultRoles": False},
+                                                    "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)) \
+        and not by_kind(render_chart({"rbac": {"create": True, "aggregateToDefaultRoles": False}}, tmp_path),
+                        "ClusterRole")[1:]
