@@ -374,6 +374,25 @@ def test_helm_install_cluster_wide_runs_jobs_with_the_charts_identity(cluster, r
         assert_forbidden_outside_rbac(cluster, kubeconfig, namespace)
         run_jobs_through_every_api_call(cluster, Jobs(cluster, namespace), op)
 
+    # the built-in user roles pick up MegatronJobs by aggregation, never their status
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
+    for role, user in (("edit", "alice"), ("view", "bob")):
+        rbac.create_namespaced_role_binding(namespace, {
+            "metadata": {"name": f"{user}-{role}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]})
+
+    def user_can(user: str, *request: str) -> bool:
+        out = cluster.kubectl("auth", "can-i", *request, "-n", namespace, f"--as={user}", check=False)
+        return out.stdout.strip() == "yes"
+
+    cluster.wait_for(lambda: user_can("alice", "create", "megatronjobs") and user_can("bob", "list", "megatronjobs"),
+                     30, "edit/view aggregated the chart's MegatronJob rules", namespace=namespace)
+    assert not user_can("bob", "create", "megatronjobs")
+    for user in ("alice", "bob"):
+        assert not user_can(user, "patch", "megatronjobs", "--subresource=status")
+        assert not user_can(user, "update", "megatronjobs", "--subresource=status")
+
     # helm upgrade changes the operator's settings through the Deployment (Recreate rollout)
     release.run("upgrade", release.name, str(CHART), "--namespace", release.namespace, "--reuse-values",
                 "--set", "config.maxRestarts=5")
