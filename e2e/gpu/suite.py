@@ -3,7 +3,8 @@
 
     python3 e2e/gpu/suite.py --out $OUT --gpus 2 --only layouts,resume,sigterm,bench,memory
 
-Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>` like the JobSet pods):
+Scenarios (each launches `torchrun ... -m megatron_trainer <Megatron-LM flags>`; pods, preempt and
+tensorboard run the rendered pods' own command, `python -m megatron_trainer.launch ...`):
   probe      torch/torchrun facts (SIGTERM forwarding and its SIGKILL timeout), Megatron-LM's own
              parser on a rendered command line, SDPA backends vs unfused attention
   indexed    preprocess JSONL -> .bin/.idx (no torch), read back with Megatron's IndexedDataset
