@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from . import attemptlog
 from .config import parse_args, runtime_from_env
 from .exitcodes import ExitCode, Lifecycle, classify, fatal_message, write_termination_message
 
@@ -27,6 +28,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"megatron_trainer: {e}", file=sys.stderr)
         return int(ExitCode.BAD_ARGUMENTS)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    attemptlog.start(cfg.checkpoint.save, runtime.restart_attempt, rank)  # before logging picks its stream
     setup_logging(rank, world)
 
     from .distributed import destroy_distributed, reap_children
