@@ -7,7 +7,8 @@
 #   scripts/images.sh tools                 install buildah, podman, runc, mmdebstrap (root) or say which
 #   scripts/images.sh base                  the stand-in base image (cached tarball)
 #   scripts/images.sh operator              megatron-operator:dev  (wheelhouse of the operator extra)
-#   scripts/images.sh trainer               megatron-trainer:dev   (wheelhouse of the trainer extra, torch)
+#   scripts/images.sh trainer               megatron-trainer:dev   (wheelhouse of the trainer extra, torch),
+#                                           then check-trainer: --help and preprocess as uid 1000
 #
 # Caches live outside the repository, keyed by version: $CACHE/images/base-<suite>-py<version>-<key>.tar
 # and $CACHE/wheelhouse/<extra>-py<version>-<key>/ (key: a hash of what feeds them).
@@ -116,6 +117,7 @@ wheelhouse() {
       --constraint constraints.txt ".[$extra]" 'setuptools>=68' wheel >&2
     rm -f "$dir"/megatron_operator-*.whl   # the project itself is built inside the image
     touch "$dir/.complete"
+    find "$CACHE/wheelhouse" -mindepth 1 -maxdepth 1 -name "$extra-py*" ! -path "$dir" -exec rm -rf {} +   # superseded keys
   fi
   echo "$dir"
 }
@@ -133,11 +135,48 @@ build() {
   log "build: localhost/$name:$TAG in $((SECONDS - start)) s, $(podman image inspect -f '{{.Size}}' "localhost/$name:$TAG") bytes"
 }
 
+# podman as a kubelet would run the image: runc (crun refuses this machine's hybrid cgroup v1),
+# explicit limits (the sandbox refuses to raise RLIMIT_NPROC), no passwd entry added, no network.
+run_image() { # run_image UID IMAGE ARGS...
+  local uid=$1; shift
+  podman --runtime runc run --rm --read-only --user "$uid" --passwd=false --network none \
+    --ulimit nproc=4096:4096 --ulimit nofile=20000:20000 --tmpfs /tmp:rw,size=256m,mode=1777 "$@"
+}
+
+# The trainer image as uid 1000: its CLI, and `preprocess` of a small JSONL corpus with a tokenizer
+# trained in the container, read back with the trainer's own IndexedDataset reader.
+check_trainer() {
+  local image=localhost/megatron-trainer:$TAG
+  run_image 1000 --entrypoint python "$image" -m megatron_trainer --help >/dev/null \
+    || die "python -m megatron_trainer --help failed in $image"
+  run_image 1000 --entrypoint python "$image" -c '
+import json, os, subprocess, sys
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from megatron_trainer.indexed import read_indexed_dataset
+texts = [f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(50)]
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+os.makedirs("/tmp/tok"); os.makedirs("/tmp/out")
+tok.save("/tmp/tok/tokenizer.json")
+with open("/tmp/docs.jsonl", "w") as f:
+    f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+subprocess.run([sys.executable, "-m", "megatron_trainer", "preprocess", "--input", "/tmp/docs.jsonl",
+                "--output-prefix", "/tmp/out/corpus", "--tokenizer-model", "/tmp/tok", "--append-eod"], check=True)
+view = read_indexed_dataset("/tmp/out/corpus_text_document")
+assert len(view.sequence_lengths) == len(texts), len(view.sequence_lengths)
+eod = tok.token_to_id("<|endoftext|>")
+assert all(int(view.sequence(i)[-1]) == eod for i in range(len(texts)))
+print(f"preprocess as uid {os.getuid()}: {len(texts)} documents, {int(view.sequence_lengths.sum())} tokens")
+' || die "preprocess failed in $image"
+}
+
 case ${1:-} in
   tools) cmd_tools ;;
   base) cmd_tools; cmd_base ;;
   wheelhouse) wheelhouse "${2:?extra}" ;;
   operator) cmd_tools; build megatron-operator Dockerfile.operator PYTHON_IMAGE operator ;;
-  trainer) cmd_tools; build megatron-trainer Dockerfile.trainer BASE_IMAGE trainer ;;
-  *) die "usage: scripts/images.sh tools | base | wheelhouse EXTRA | operator | trainer" ;;
+  trainer) cmd_tools; build megatron-trainer Dockerfile.trainer BASE_IMAGE trainer; check_trainer ;;
+  check-trainer) check_trainer ;;
+  *) die "usage: scripts/images.sh tools | base | wheelhouse EXTRA | operator | trainer | check-trainer" ;;
 esac
