@@ -359,6 +359,51 @@ def chart_operator(cluster: Cluster, rel: Release, tmp_path: Path, log_name: str
             op.stop()
 
 
+def assert_trainer_identities_may_write_only_progress(cluster: Cluster, namespace: str) -> None:
+    """The chart's ValidatingAdmissionPolicy on the real API server: a <job>-trainer token may patch
+    status.progress of the job its Role names, and is refused on the operator's fields."""
+    api = cluster.api_client()
+    core, rbac = kubernetes.client.CoreV1Api(api), kubernetes.client.RbacAuthorizationV1Api(api)
+    Jobs(cluster, namespace).create(small_job("probe"))  # no operator: nothing else writes its status
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "probe-trainer"}})
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "probe-trainer"}, "rules": [{
+        "apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": ["probe"], "verbs": ["get", "patch"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "probe-trainer"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "probe-trainer"},
+        "subjects": [{"kind": "ServiceAccount", "name": "probe-trainer", "namespace": namespace}]})
+    token = core.create_namespaced_service_account_token(
+        "probe-trainer", namespace, {"spec": {"expirationSeconds": 600}}).status.token
+    cfg = kubernetes.client.Configuration.get_default_copy()
+    kubernetes.config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=cfg)
+    cfg.api_key, cfg.api_key_prefix = {"authorization": token}, {"authorization": "Bearer"}
+    cfg.cert_file = cfg.key_file = None
+    trainer = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(cfg))
+
+    def patch(status: dict[str, Any], **kw: Any) -> None:
+        trainer.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, "probe", {"status": status},
+                                                      field_manager="megatron-trainer", **kw)
+
+    def policy_in_force() -> bool:  # the API server loads a new policy within seconds (dry run: nothing stored)
+        try:
+            patch({"phase": "Failed"}, dry_run="All")
+            return False
+        except kubernetes.client.ApiException as e:
+            return e.status in (403, 422) and "only status.progress" in e.body
+
+    cluster.wait_for(policy_in_force, 30, "the trainer-status policy refusing a forged phase", namespace=namespace)
+    patch({"progress": {"iteration": 3}})  # allowed
+    for forged in ({"phase": "Succeeded"}, {"startTime": "2999-01-01T00:00:00Z"},
+                   {"restarts": 7, "progress": {"iteration": 4}},
+                   {"conditions": [{"type": "Failed", "status": "True", "reason": "Forged",
+                                    "lastTransitionTime": "2026-01-01T00:00:00Z"}]}):
+        with pytest.raises(kubernetes.client.ApiException) as e:
+            patch(forged)
+        assert e.value.status == 403 and "may write only status.progress" in e.value.body, forged
+    status = Jobs(cluster, namespace).status("probe")
+    assert status.get("progress") == {"iteration": 3} and "phase" not in status and "startTime" not in status
+
+
 def test_helm_install_cluster_wide_runs_jobs_with_the_charts_identity(cluster, release, namespace, tmp_path):
     release.install(e2e_values())
     dep = release.deployment()
@@ -393,6 +438,8 @@ def test_helm_install_cluster_wide_runs_jobs_with_the_charts_identity(cluster, r
         assert not user_can(user, "patch", "megatronjobs", "--subresource=status")
         assert not user_can(user, "update", "megatronjobs", "--subresource=status")
 
+    assert_trainer_identities_may_write_only_progress(cluster, namespace)
+
     # helm upgrade changes the operator's settings through the Deployment (Recreate rollout)
     release.run("upgrade", release.name, str(CHART), "--namespace", release.namespace, "--reuse-values",
                 "--set", "config.maxRestarts=5")
@@ -412,7 +459,8 @@ def test_helm_install_namespaced_watches_only_its_namespaces(cluster, release, n
     release.install(e2e_values(watchNamespaces=[namespace]))
     rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
     names = [r.metadata.name for r in rbac.list_cluster_role(label_selector=f"app.kubernetes.io/instance={release.name}").items]
-    assert names == []
+    # the operator holds no cluster-wide role; only the user roles aggregated into edit/view are cluster-scoped
+    assert sorted(names) == [f"{release.name}-megatron-operator-edit", f"{release.name}-megatron-operator-view"]
     assert rbac.read_namespaced_role(f"{release.name}-megatron-operator", namespace).rules
 
     with chart_operator(cluster, release, tmp_path, "operator-helm-namespaced", namespace) as (op, sa_api, kubeconfig):

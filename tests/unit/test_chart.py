@@ -137,9 +137,11 @@ def test_default_render_has_exactly_the_operator_objects(default_objs):
     kinds = sorted(o["kind"] for o in default_objs)
     # the operator's ClusterRole, and the two aggregated into the built-in edit/admin and view roles
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "Service", "ServiceAccount"]
+                     "Deployment", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicyBinding"]
     for o in default_objs:
-        if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
+        if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
             assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
         assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
 
@@ -338,6 +340,7 @@ def test_namespaced_mode_has_roles_in_each_namespace_and_no_cluster_role(tmp_pat
 
 def test_rbac_and_serviceaccount_can_be_brought_by_the_admin(tmp_path):
     objs = render_chart({"rbac": {"create": False, "aggregateToDefaultRoles": False},
+                         "trainerStatusPolicy": {"enabled": False},
                          "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)
     assert {o["kind"] for o in objs} == {"CustomResourceDefinition", "Deployment", "Service"}
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "mo"
@@ -610,3 +613,16 @@ def test_user_roles_aggregate_megatronjobs_but_never_their_status(default_objs, 
                                                     "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)) \
         and not by_kind(render_chart({"rbac": {"create": True, "aggregateToDefaultRoles": False}}, tmp_path),
                         "ClusterRole")[1:]
+
+
+def test_trainer_status_policy_guards_every_operator_field(default_objs, tmp_path):
+    from megatron_operator.status import OPERATOR_FIELDS
+
+    policy = one(default_objs, "ValidatingAdmissionPolicy")
+    guarded = [v["message"].split(" ")[0].removeprefix("status.") for v in policy["spec"]["validations"]]
+    assert guarded == list(OPERATOR_FIELDS), "update the field list in templates/trainer-status-policy.yaml"
+    assert "progress" not in guarded
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["megatronjobs/status"]
+    binding = one(default_objs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert not by_kind(render_chart({"trainerStatusPolicy": {"enabled": False}}, tmp_path), "ValidatingAdmissionPolicy")
