@@ -58,6 +58,11 @@ POD_RUN_ANNOTATIONS = (
 POD_FAIL_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
 POD_FAIL_EXIT_CODE_ANNOTATION = "pod-container-running-failed.stage.kwok.x-k8s.io/exit-code"
 
+# Label a node with this ("true") and kwok stops its heartbeats and never sets it Ready again: set its
+# Ready condition False and kube-controller-manager's node lifecycle controller taints it as for a dead
+# kubelet (not-ready NoSchedule and NoExecute). Remove the label and set Ready True to revive it.
+NODE_FAILED_LABEL = "e2e.megatron-operator.io/node-failed"
+
 _CHILDREN: list[subprocess.Popen] = []
 PORTS_LOCK = Path(tempfile.gettempdir()) / "megatron-operator-e2e-ports.lock"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -528,6 +533,11 @@ def kwok_stages() -> list[dict]:
         if stage["metadata"]["name"] == "pod-complete":
             stage["spec"]["delay"]["durationMilliseconds"] = POD_RUN_MIN_MS
             stage["spec"]["delay"]["jitterDurationMilliseconds"] = POD_RUN_MAX_MS
+        if stage["metadata"]["name"] in ("node-initialize", "node-heartbeat-with-lease"):
+            # a node labelled NODE_FAILED_LABEL gets no more heartbeats and is not made Ready again:
+            # its kubelet is gone (pods on it are still terminated on deletion, as by a shutdown)
+            stage["spec"]["selector"]["matchExpressions"].append(
+                {"key": f'.metadata.labels["{NODE_FAILED_LABEL}"]', "operator": "DoesNotExist"})
         if stage["metadata"]["name"] == "pod-delete":
             # delete soon after the finalizers are gone (the stock jitter runs up to the end of the
             # termination grace period, which the operator sets to minutes)

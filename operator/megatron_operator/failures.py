@@ -50,6 +50,7 @@ class PodFailure:
     message: str | None  # termination message: the trainer's fatal error or the log's last lines
     finished_at: str | None
     restart_attempt: int | None = None
+    disruption: str | None = None  # DisruptionTarget "reason: message": evicted, preempted, node lost
 
     @property
     def retriable(self) -> bool:
@@ -67,6 +68,8 @@ class PodFailure:
                 term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
         term = term or {}
         message = (term.get("message") or status.get("message") or "").strip()
+        target = next((c for c in status.get("conditions") or []
+                       if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
         return cls(
             pod=(pod.get("metadata") or {}).get("name", ""),
             node=(pod.get("spec") or {}).get("nodeName"),
@@ -75,6 +78,7 @@ class PodFailure:
             message=message[-MAX_LAST_LINES:] or None,
             finished_at=term.get("finishedAt"),
             restart_attempt=restart_attempt,
+            disruption=f"{target.get('reason')}: {target.get('message')}" if target else None,
         )
 
     def meaning(self) -> str:
@@ -92,6 +96,8 @@ class PodFailure:
         code = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code"
         reason = f", {self.reason}" if self.reason else ""
         action = "not retried" if not self.retriable else "retried"
+        if self.disruption:
+            return f"{where} was disrupted ({self.disruption}): {code}{reason} (retried, not counted)"
         return f"{where} failed: {code}{reason} ({self.meaning()}; {action})"
 
     def describe(self) -> str:
@@ -102,6 +108,6 @@ class PodFailure:
         """``status.lastFailure`` (camelCase, unset fields left out)."""
         out = {"pod": self.pod, "node": self.node, "exitCode": self.exit_code, "reason": self.reason,
                "retriable": self.retriable, "message": self.message, "time": self.finished_at,
-               "restartAttempt": self.restart_attempt}
+               "restartAttempt": self.restart_attempt, "disruption": self.disruption}
         return {k: v for k, v in out.items() if v is not None}
 

@@ -486,6 +486,9 @@ class LastFailure(StatusModel):
                                 "it printed (terminationMessagePolicy FallbackToLogsOnError).")
     time: datetime | None = None
     restart_attempt: int | None = Field(None, ge=0, description="The gang restart the pod belonged to.")
+    disruption: str | None = Field(None, max_length=1024, description="The pod's DisruptionTarget condition "
+                                   "(reason: message) when it was evicted, preempted or lost its node: such a "
+                                   "restart does not count against restart.maxRestarts.")
 
 
 class MegatronJobStatus(StatusModel):
@@ -501,6 +504,8 @@ class MegatronJobStatus(StatusModel):
     layout: str | None = Field(None, max_length=64, description="TP/PP/DP for kubectl get.")
     job_set_name: str | None = Field(None, max_length=63)
     restarts: int = Field(0, ge=0)
+    disruptions: int = Field(0, ge=0, description="Gang restarts caused by evictions, preemptions or lost nodes "
+                             "(JobSet's restarts not counted towards maxRestarts).")
     progress: Progress | None = None
     last_progress_iteration: int | None = Field(None, ge=0, description="The iteration the operator last saw "
                                                 "advance (for the Stalled condition).")

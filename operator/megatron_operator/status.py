@@ -61,6 +61,7 @@ class Reason:
     QUEUED = "Queued"
     PREEMPTED = "Preempted"  # Kueue evicted the admitted job for a higher-priority one
     GANG_RESTART = "GangRestart"
+    DISRUPTION = "Disruption"  # a gang restart after an eviction, preemption or lost node (not counted)
     ALL_PODS_RUNNING = "AllPodsRunning"
     UNSCHEDULABLE = "Unschedulable"
     WAITING = "Waiting"
@@ -173,6 +174,7 @@ class JobSetView:
     restarts: int
     conditions: dict[str, dict[str, str]]
     created: str | None
+    disruptions: int = 0  # restarts JobSet did not count towards maxRestarts (status.restartsCountTowardsMax)
 
     @classmethod
     def from_jobset(cls, js: dict[str, Any]) -> JobSetView:
@@ -181,6 +183,7 @@ class JobSetView:
             name=js["metadata"]["name"],
             suspended=bool((js.get("spec") or {}).get("suspend")),
             restarts=int(status.get("restarts") or 0),
+            disruptions=max(0, int(status.get("restarts") or 0) - int(status.get("restartsCountTowardsMax") or 0)),
             conditions={c["type"]: {"status": c.get("status", ""), "reason": c.get("reason", ""),
                                     "message": c.get("message", "")} for c in status.get("conditions") or []},
             created=js["metadata"].get("creationTimestamp"),
@@ -254,6 +257,11 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
     if js.restarts > int(o.previous.get("restarts") or 0) and o.previous.get("phase"):
         # A gang restart since the last observation is reported as Restarting at least once, even when
         # the new pods are already running by now: the phase history and the event show every restart.
+        if js.disruptions > int(o.previous.get("disruptions") or 0):
+            return Phase.RESTARTING, Reason.DISRUPTION, (
+                f"restart {js.restarts}: a pod was evicted, preempted or lost its node; the whole gang is restarted "
+                f"and resumes from the last checkpoint; this does not count against maxRestarts "
+                f"({js.restarts - js.disruptions} counted)")
         return Phase.RESTARTING, Reason.GANG_RESTART, (f"restart {js.restarts}: the whole gang is restarted and resumes "
                                              f"from the last checkpoint")
     current = [p for p in o.pods if not p.terminating and (p.restart_attempt is None or
@@ -267,6 +275,12 @@ def _phase(o: Observation, now: datetime) -> tuple[str, str, str]:
     waiting = next((p for p in current if p.waiting_reason), None)
     if js.restarts > 0:
         detail = f"; {unsched.unschedulable}" if unsched else ""
+        disrupted = js.disruptions == js.restarts or (o.previous.get("reason") == Reason.DISRUPTION and
+                                                      js.restarts == int(o.previous.get("restarts") or 0))
+        if disrupted:
+            return Phase.RESTARTING, Reason.DISRUPTION, (
+                f"restart {js.restarts} after a disruption (does not count against maxRestarts): "
+                f"{len(running)}/{o.num_nodes} pods running, resuming from the last checkpoint{detail}")
         return Phase.RESTARTING, Reason.GANG_RESTART, (f"restart {js.restarts}: {len(running)}/{o.num_nodes} pods running, "
                                              f"resuming from the last checkpoint{detail}")
     if unsched:
@@ -314,13 +328,16 @@ def _last_failure(o: Observation) -> tuple[dict[str, Any] | None, PodFailure | N
     strictly earlier. The previous one is kept once the failed pods are gone (the gang was recreated)."""
     previous = o.previous.get("lastFailure")
     # A pod being deleted that exited on SIGTERM was stopped by the teardown of the gang, not its cause
-    # (kwok removes the pod that failed within a second, so its follower can be all that is left).
-    failed = [p for p in o.pods if p.failure is not None and not (p.terminating and p.failure.exit_code == 143)]
+    # (kwok removes the pod that failed within a second, so its follower can be all that is left) -- unless
+    # it carries DisruptionTarget: then it was evicted, and that is the cause.
+    failed = [p for p in o.pods if p.failure is not None and (p.failure.disruption or not (
+        p.terminating and p.failure.exit_code == 143))]
     if not failed:
         return previous, None
     latest = max(p.failure.restart_attempt or 0 for p in failed)  # type: ignore[union-attr]
     cause = min((p for p in failed if (p.failure.restart_attempt or 0) == latest),  # type: ignore[union-attr]
-                key=lambda p: (p.terminating, p.failure.finished_at or "9999", p.failure.retriable, p.name))
+                key=lambda p: (p.terminating and not p.failure.disruption,  # type: ignore[union-attr]
+                               p.failure.finished_at or "9999", p.failure.retriable, p.name))  # type: ignore[union-attr]
     found = cause.failure
     assert found is not None
     if previous:
@@ -352,7 +369,8 @@ def _explain(phase: str, reason: str, message: str, failure: dict[str, Any] | No
 def _describe_wire(failure: dict[str, Any]) -> str:
     return PodFailure(pod=failure.get("pod", ""), node=failure.get("node"), exit_code=failure.get("exitCode"),
                       reason=failure.get("reason"), message=failure.get("message"),
-                      finished_at=failure.get("time"), restart_attempt=failure.get("restartAttempt")).describe()
+                      finished_at=failure.get("time"), restart_attempt=failure.get("restartAttempt"),
+                      disruption=failure.get("disruption")).describe()
 
 
 def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
@@ -370,7 +388,8 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     message = message[:MAX_MESSAGE]
     if phase != prev.get("phase") or reason != prev.get("reason"):
         warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART,
-                                                                      Reason.NOT_OWNED, Reason.PREEMPTED)
+                                                                      Reason.NOT_OWNED, Reason.PREEMPTED,
+                                                                      Reason.DISRUPTION)
         events.append(Event("Warning" if warn else "Normal", reason if phase != Phase.RUNNING else Phase.RUNNING,
                             f"{phase}: {message}"))
 
@@ -435,6 +454,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
         **{k: v for k, v in optional.items() if v not in (None, "")},
         phase=phase, reason=reason, message=message, observed_generation=o.generation,
         restarts=o.jobset.restarts if o.jobset else int(prev.get("restarts") or 0),
+        disruptions=o.jobset.disruptions if o.jobset else int(prev.get("disruptions") or 0),
         conditions=conditions.items,
     )
     return status.model_dump(by_alias=True, exclude_none=True, mode="json"), events

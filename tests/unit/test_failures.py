@@ -139,3 +139,18 @@ def test_a_teardown_sigterm_alone_is_not_recorded_as_the_cause():
     alive = pod("stopped", code=143)  # a SIGTERM the pod got without being deleted is a failure of its own
     s, _ = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(alive)], previous={"phase": "Running"}), NOW)
     assert s["lastFailure"]["pod"] == "stopped"
+
+
+def test_a_disrupted_pod_says_so_and_is_not_counted():
+    evicted = pod("job-worker-0-0-x", code=143, reason="Error", message="terminated on pod deletion (SIGTERM)")
+    evicted["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True",
+                                        "reason": "EvictionByEvictionAPI", "message": "Eviction API: evicting"}]
+    f = PodFailure.from_pod(evicted, "trainer", 0)
+    assert f is not None and f.disruption == "EvictionByEvictionAPI: Eviction API: evicting"
+    assert f.summary() == ("pod job-worker-0-0-x on node gpu-p5-3 was disrupted (EvictionByEvictionAPI: Eviction "
+                           "API: evicting): exit code 143, Error (retried, not counted)")
+    assert f.wire()["disruption"] == "EvictionByEvictionAPI: Eviction API: evicting"
+
+    evicted["metadata"]["deletionTimestamp"] = "2026-11-23T04:59:31Z"  # deleted by the eviction: still the cause
+    s, _ = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(evicted)], previous={"phase": "Running"}), NOW)
+    assert s["lastFailure"]["disruption"] == "EvictionByEvictionAPI: Eviction API: evicting"

@@ -147,6 +147,19 @@ def test_kueue_messages_in_queued_and_preempted():
     assert [(e.type, e.reason) for e in events] == [("Warning", "Preempted")]
 
 
+def test_disruption_restart_is_reported_and_not_counted():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    evicted = JobSetView(name="job", suspended=False, restarts=1, disruptions=1, conditions={}, created=iso(NOW))
+    s, events = derive(obs(jobset=evicted, pods=pods(2, attempt=1), previous=running), NOW)
+    assert (s["phase"], s["reason"], s["restarts"], s["disruptions"]) == ("Restarting", "Disruption", 1, 1)
+    assert "does not count against maxRestarts (0 counted)" in s["message"]
+    assert [(e.type, e.reason) for e in events] == [("Warning", "Disruption")]
+    # a failure afterwards is a counted gang restart
+    failed = JobSetView(name="job", suspended=False, restarts=2, disruptions=1, conditions={}, created=iso(NOW))
+    f, _ = derive(obs(jobset=failed, pods=pods(2, attempt=2), previous=s), NOW)
+    assert (f["reason"], f["restarts"], f["disruptions"]) == ("GangRestart", 2, 1)
+
+
 def test_deadline_exceeded():
     running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
     s, _ = derive(obs(jobset=js(), pods=pods(2), previous=running, deadline_s=60), NOW + timedelta(seconds=61))
