@@ -20,6 +20,7 @@ from typing import Any
 
 from . import status as st
 from .advice import spec_warnings
+from .guardrails import guardrail_problems
 from .kube import Kube, NotOwned, controller_uid
 from .kueue import WorkloadView
 from .memory import FitReport, fit_report
@@ -50,8 +51,9 @@ class Parsed:
     fit: FitReport | None = None
 
 
-def parse_body(body: dict[str, Any]) -> Parsed:
-    """Validate the object as the API server gave it (status and server metadata stripped)."""
+def parse_body(body: dict[str, Any], settings: Settings | None = None) -> Parsed:
+    """Validate the object as the API server gave it (status and server metadata stripped), and
+    check the cluster admin's guardrails (``settings``)."""
     doc = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
            "metadata": {k: v for k, v in (body.get("metadata") or {}).items()
                         if k in ("name", "namespace", "labels", "annotations", "uid", "generation")},
@@ -60,6 +62,8 @@ def parse_body(body: dict[str, Any]) -> Parsed:
         job = parse_job(doc)
     except SpecError as exc:
         return Parsed(None, exc.problems)
+    if settings is not None and (problems := guardrail_problems(job, settings)):
+        return Parsed(job, problems)
     report = fit_report(job)
     if report is not None and report.fits is False and job.spec.resources.memory_fit == "Reject":
         return Parsed(job, [Problem("spec.resources", "spec.resources.memoryFit is Reject and the job does not "
@@ -99,7 +103,7 @@ class Controller:
         version = (meta.get("uid") or "", int(meta.get("generation") or 0))
         cached = self._parsed.get(key)
         if cached is None or cached[0] != version:
-            cached = self._parsed[key] = (version, parse_body(body))
+            cached = self._parsed[key] = (version, parse_body(body, self.settings))
         return cached[1]
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:

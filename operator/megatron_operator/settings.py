@@ -42,6 +42,26 @@ class Settings:
     metrics_host: str = "0.0.0.0"
     #: Namespaces to watch (comma-separated); empty watches the whole cluster.
     namespaces: str = ""
+    # Guardrails (guardrails.py): what a job may ask for on this cluster. Empty/0/false: no limit.
+    #: Image registries (comma-separated prefixes, e.g. nvcr.io,registry.example.com/ml) spec.image may use.
+    allowed_image_registries: str = ""
+    #: PriorityClasses spec.priorityClassName may name (comma-separated).
+    allowed_priority_classes: str = ""
+    #: Toleration keys spec.resources.tolerations may use (comma-separated).
+    allowed_toleration_keys: str = ""
+    #: Node label keys spec.resources.nodeSelector may use (comma-separated).
+    allowed_node_selector_keys: str = ""
+    #: The largest spec.terminationGracePeriodSeconds (0: the schema's 86400).
+    max_termination_grace_period_s: int = 0
+    #: Every job must name a Kueue LocalQueue (spec.queueName): no Kueue bypass.
+    require_queue_name: bool = False
+    #: Refuse spec.env entries with valueFrom.secretKeyRef.
+    deny_secret_env: bool = False
+    #: Refuse spec.imagePullSecrets.
+    deny_image_pull_secrets: bool = False
+    #: Pod label/annotation key prefixes spec.podMetadata may not use (comma-separated, case-insensitive),
+    #: e.g. container.apparmor.security.beta.kubernetes.io/,eks.amazonaws.com/,app
+    denied_metadata_keys: str = ""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:
@@ -53,7 +73,13 @@ class Settings:
             if key in env:
                 raw = env[key]
                 try:
-                    values[f.name] = type(getattr(cls, f.name))(raw)
+                    kind = type(getattr(cls, f.name))
+                    if kind is bool:  # bool("false") is True
+                        if raw.strip().lower() not in ("true", "false", "1", "0", ""):
+                            raise ValueError("use true or false")
+                        values[f.name] = raw.strip().lower() in ("true", "1")
+                        continue
+                    values[f.name] = kind(raw)
                 except ValueError as exc:
                     raise ValueError(f"{key}={raw!r}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -626,3 +626,17 @@ def test_trainer_status_policy_guards_every_operator_field(default_objs, tmp_pat
     binding = one(default_objs, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
     assert not by_kind(render_chart({"trainerStatusPolicy": {"enabled": False}}, tmp_path), "ValidatingAdmissionPolicy")
+
+
+def test_guardrail_values_reach_the_operators_settings(tmp_path):
+    objs = render_chart({"guardrails": {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml"],
+                                        "requireQueueName": True, "maxTerminationGracePeriodSeconds": 900,
+                                        "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/"]}},
+                        tmp_path)
+    settings = Settings.from_env(env_of(objs))
+    assert settings.allowed_image_registries == "nvcr.io,registry.example.com/ml"
+    assert settings.require_queue_name is True and settings.deny_secret_env is False
+    assert settings.max_termination_grace_period_s == 900
+    assert settings.denied_metadata_keys == "container.apparmor.security.beta.kubernetes.io/"
+    defaults = Settings.from_env(env_of(render_chart({}, tmp_path)))
+    assert defaults.require_queue_name is False and defaults.allowed_image_registries == ""

@@ -353,3 +353,48 @@ def test_spec_warnings_are_events_when_the_jobset_is_created(ctl, kube):
     ctl.reconcile(body(resources={"memory": "8Gi"}), events.append)
     (w,) = [e for e in events if e.reason == "SpecWarning"]
     assert w.type == "Warning" and "/dev/shm" in w.message
+
+
+# ---- the cluster admin's guardrails ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("settings", "overrides", "rule"), [
+    (dict(allowed_image_registries="nvcr.io,registry.example.com/ml"), dict(image="docker.io/evil/img:1"),
+     "guardrail-image-registry"),
+    (dict(allowed_image_registries="registry.example.com/ml"), dict(image="registry.example.com/mlx/img"),
+     "guardrail-image-registry"),  # a prefix is a whole path segment
+    (dict(allowed_priority_classes="batch-low"), dict(priorityClassName="system-node-critical"),
+     "guardrail-priority-class"),
+    (dict(allowed_toleration_keys="nvidia.com/gpu"), dict(resources={"tolerations": [{"operator": "Exists"}]}),
+     "guardrail-toleration-key"),
+    (dict(allowed_node_selector_keys="node.kubernetes.io/instance-type"),
+     dict(resources={"nodeSelector": {"kubernetes.io/hostname": "n1"}}), "guardrail-node-selector-key"),
+    (dict(max_termination_grace_period_s=900), dict(terminationGracePeriodSeconds=86400), "guardrail-grace-period"),
+    (dict(require_queue_name=True), {}, "guardrail-queue-name"),
+    (dict(deny_secret_env=True), dict(env=[{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+     "guardrail-secret-env"),
+    (dict(deny_image_pull_secrets=True), dict(imagePullSecrets=["regcred"]), "guardrail-image-pull-secrets"),
+    (dict(denied_metadata_keys="container.apparmor.security.beta.kubernetes.io/,app"),
+     dict(podMetadata={"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+     "guardrail-metadata-key"),
+    (dict(denied_metadata_keys="eks.amazonaws.com/,app"), dict(podMetadata={"labels": {"app": "frontend"}}),
+     "guardrail-metadata-key"),
+])
+def test_guardrails_refuse_before_any_child(kube, settings, overrides, rule):
+    ctl = Controller(kube, Settings(**settings), Metrics())  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec) as err:
+        ctl.reconcile(body(**overrides), lambda e: None)
+    assert [p.rule for p in err.value.problems] == [rule]
+    assert err.value.problems[0].message.startswith(err.value.problems[0].field + ":")
+    assert kube.of("create") == [] and kube.of("status") == [("status", "Failed", "InvalidSpec")]
+
+
+def test_guardrails_allow_what_they_list(kube):
+    settings = Settings(allowed_image_registries="nvcr.io", allowed_priority_classes="batch-low",
+                        allowed_toleration_keys="nvidia.com/gpu", require_queue_name=True, deny_secret_env=True,
+                        max_termination_grace_period_s=900, denied_metadata_keys="app")
+    ctl = Controller(kube, settings, Metrics())  # type: ignore[arg-type]
+    ctl.reconcile(body(image="nvcr.io/nvidia/pytorch:25.01", priorityClassName="batch-low", queueName="q",
+                       terminationGracePeriodSeconds=900, resources={"tolerations": [
+                           {"key": "nvidia.com/gpu", "operator": "Exists"}]},
+                       podMetadata={"labels": {"team": "nlp"}}), lambda e: None)
+    assert [c[1] for c in kube.of("create")] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]

@@ -19,3 +19,13 @@ def test_metrics_host_is_a_setting():
 def test_a_bad_value_names_the_variable():
     with pytest.raises(ValueError, match="MEGATRON_OPERATOR_METRICS_PORT='x'"):
         Settings.from_env({"MEGATRON_OPERATOR_METRICS_PORT": "x"})
+
+
+def test_boolean_settings_read_true_and_false():
+    from megatron_operator.settings import Settings
+
+    assert Settings.from_env({"MEGATRON_OPERATOR_REQUIRE_QUEUE_NAME": "false"}).require_queue_name is False
+    assert Settings.from_env({"MEGATRON_OPERATOR_REQUIRE_QUEUE_NAME": "true"}).require_queue_name is True
+    import pytest
+    with pytest.raises(ValueError, match="use true or false"):
+        Settings.from_env({"MEGATRON_OPERATOR_DENY_SECRET_ENV": "maybe"})
