@@ -622,6 +622,13 @@ def test_trainer_status_policy_guards_every_operator_field(default_objs, tmp_pat
     guarded = [v["message"].split(" ")[0].removeprefix("status.") for v in policy["spec"]["validations"]]
     assert guarded == list(OPERATOR_FIELDS), "update the field list in templates/trainer-status-policy.yaml"
     assert "progress" not in guarded
+    # fields the CRD defaults (the API server adds them with the first status write) compare absent == default
+    from megatron_operator.spec import MegatronJobStatus
+    defaulted = sorted((f.alias or n) for n, f in MegatronJobStatus.model_fields.items()
+                       if f.default_factory is not None or f.default not in (None,))
+    text = (CHART / "templates" / "trainer-status-policy.yaml").read_text()
+    for name in defaulted:
+        assert f'"{name}"' in text.split("$fields")[0], f"add {name} to $defaults in trainer-status-policy.yaml"
     assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["megatronjobs/status"]
     binding = one(default_objs, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
