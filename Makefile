@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full
+.PHONY: help venv test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -65,6 +65,14 @@ images:
 # The trainer image too (torch from the wheelhouse: several GB, not in CI; docs/benchmarks.md).
 images-full: images
 	scripts/images.sh trainer
+
+# Benchmarks (never in CI; docs/benchmarks.md). The peer, Kubeflow Trainer's controller manager, is
+# built from the Go module proxy by exact version into the shared cache (about 9 minutes, once).
+bench-peer:
+	nice -n 10 bash bench/build_trainer.sh
+
+bench: cluster-build bench-peer
+	$(PY) bench/operator_latency.py --jobs 100 500 --out bench/results/operator_throughput.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts

@@ -1,43 +1,72 @@
 #!/usr/bin/env python3
-"""Operator latency at scale on the local control plane (a benchmark, not a test).
+"""Operator throughput against the floor and a peer, on the local control plane (a benchmark, not a test).
 
-Creates N MegatronJobs at once (1 pod x 1 GPU each, running long enough to be observed) and reports
-p50/p99 of (a) creation to JobSet created and (b) creation to all of the job's pods Running, plus
-the operator's peak RSS (VmHWM). Times are client-side: t0 is when the create call returned;
-JobSet ADDED and pod Running are taken from watch streams opened before the burst. Extra kwok GPU
-nodes are added for the run (and removed afterwards) so every pod can be scheduled.
+For each burst size N, in ONE run on the same cluster and interleaved (floor, ours, peer for 100 jobs,
+then the same for 500), creates N jobs of 1 pod x 1 GPU at once and reports p50/p99 of
+(a) creation to JobSet created and (b) creation to all of the job's pods Running:
 
-    .venv/bin/python bench/operator_latency.py --jobs 100 500
+- ``floor``: the objects ``render()`` produces for each job (ServiceAccount, Role, RoleBinding,
+  JobSet), created directly by this client: what the cluster itself costs, no operator.
+- ``ours``: N MegatronJobs, with the operator running as a host process.
+- ``peer``: N TrainJobs of the same shape (Kubeflow Trainer's torch-distributed
+  ClusterTrainingRuntime), with its controller manager running as a host process, its webhooks on
+  loopback. Built by ``bench/build_trainer.sh`` (``make bench-peer``); skipped when not built.
+
+A fresh controller process is started for each burst, so its peak RSS (VmHWM) and its CPU seconds
+(utime + stime, from just before the first create to the last pod Running) belong to that burst.
+Times are client side: t0 is taken just before the create call; JobSet ADDED, the JobSet's first Job,
+its pod's creation and pod Running come from watch streams opened before the burst. The machine's load average is recorded before and after
+each burst (the machine is shared; compare ratios from one run, not absolute figures across runs).
+Extra kwok GPU nodes are added for the run (and removed afterwards) so every pod can be scheduled.
+
+    .venv/bin/python bench/operator_latency.py --jobs 100 500 --out bench/results/operator_throughput.json
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import concurrent.futures as cf
 import json
 import os
 import platform
-import statistics
+import signal
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import kubernetes
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator")]
 
-from k8s import Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
+from k8s import GPU_TOLERATION, Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
+from megatron_operator.render import render  # noqa: E402
+from megatron_operator.settings import Settings  # noqa: E402
+from megatron_operator.validation import parse_job  # noqa: E402
 from mjob import CRD_FILE, GROUP, PLURAL, VERSION, OperatorProcess, free_port  # noqa: E402
+
+CACHE = Path(os.environ.get("MEGATRON_OPERATOR_CACHE") or
+             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-operator")
+TRAINER_VERSION = os.environ.get("TRAINER_VERSION", "2.3.0")
+PEER_DIR = CACHE / "bin" / f"kubeflow-trainer-{TRAINER_VERSION}"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+NODE_LABEL = "megatron-bench"
+RUN_S = 3600  # kwok keeps every pod Running this long (longer than any burst)
+SETTLE_TIMEOUT_S = 300  # namespace deletion between bursts
 
 
 def bench_nodes(count: int) -> list[dict]:
     return [{
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": f"bench-{i:03d}", "annotations": {"kwok.x-k8s.io/node": "fake"},
-                     "labels": {"type": "kwok", "kubernetes.io/hostname": f"bench-{i:03d}", "megatron-bench": "true"}},
+                     "labels": {"type": "kwok", "kubernetes.io/hostname": f"bench-{i:03d}", NODE_LABEL: "true"}},
         "spec": {"podCIDR": f"10.250.{i}.0/24", "podCIDRs": [f"10.250.{i}.0/24"],
                  "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
         "status": {"capacity": {"cpu": "192", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": "8"},
@@ -45,14 +74,34 @@ def bench_nodes(count: int) -> list[dict]:
     } for i in range(count)]
 
 
-def job(name: str) -> dict:
+def megatron_job(name: str) -> dict:
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "MegatronJob", "metadata": {"name": name},
             "spec": {"numNodes": 1, "gpusPerNode": 1,
                      "model": {"numLayers": 2, "hiddenSize": 256, "numAttentionHeads": 4, "seqLength": 256,
                                "vocabSize": 1000},
                      "training": {"microBatchSize": 1, "trainIters": 10},
-                     "resources": {"nodeSelector": {"megatron-bench": "true"}},
-                     "podMetadata": {"annotations": pod_runtime_annotations(3600)}}}
+                     "resources": {"nodeSelector": {NODE_LABEL: "true"}},
+                     "podMetadata": {"annotations": pod_runtime_annotations(RUN_S)}}}
+
+
+def floor_objects(name: str, namespace: str) -> list[dict]:
+    """What the operator would create for ``megatron_job(name)``: render() of the validated spec."""
+    doc = megatron_job(name)
+    doc["metadata"]["namespace"] = namespace
+    return render(parse_job(doc), Settings())
+
+
+def train_job(name: str) -> dict:
+    """The peer's TrainJob of the same shape: 1 node x 1 GPU, same node selector, toleration, kwok run time."""
+    pod_patch = {"metadata": {"annotations": pod_runtime_annotations(RUN_S)},
+                 "spec": {"nodeSelector": {NODE_LABEL: "true"}, "tolerations": [GPU_TOLERATION]}}
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": name},
+            "spec": {"runtimeRef": {"name": "torch-distributed"},
+                     "trainer": {"numNodes": 1, "numProcPerNode": 1,
+                                 "resourcesPerNode": {"limits": {"nvidia.com/gpu": 1}}},
+                     "runtimePatches": [{"manager": "megatron-operator.io/bench", "trainingRuntimeSpec": {"template": {
+                         "spec": {"replicatedJobs": [{"name": "node", "template": {
+                             "spec": {"template": pod_patch}}}]}}}}]}}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -60,21 +109,209 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def run_one(cluster: Cluster, n: int, timeout_s: float) -> dict:
-    api = cluster.api_client()
-    core = kubernetes.client.CoreV1Api(api)
-    custom = kubernetes.client.CustomObjectsApi(api)
-    ns = f"bench-{n}-{int(time.time())}"
-    core.create_namespace({"metadata": {"name": ns}})
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def proc_stats(pid: int) -> dict[str, float]:
+    """Peak RSS (VmHWM, MiB) and CPU seconds (utime + stime) of a process."""
+    hwm = float("nan")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {"peak_rss_mib": hwm, "cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
+
+
+# ---- the controllers under test ------------------------------------------------------------------
+
+class Ours:
+    name = "ours"
+
+    def __init__(self, cluster: Cluster, profile_dir: Path | None):
+        self.cluster = cluster
+        self.profile_dir = profile_dir
+        self.op: OperatorProcess | None = None
+        self.spy: subprocess.Popen | None = None
+
+    def start(self, label: str) -> int:
+        self.op = OperatorProcess(self.cluster, free_port(), {})
+        self.op.start()
+        pid = self.op.proc.pid
+        if self.profile_dir is not None:  # py-spy (pip install py-spy) attached for this burst
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
+            self.spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
+                                         "--threads", "--format", "speedscope", "--rate", "50",
+                                         "-o", str(self.profile_dir / f"ours-{label}.speedscope.json")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return pid
+
+    def stop(self) -> None:
+        if self.spy is not None:
+            self.spy.send_signal(signal.SIGINT)
+            self.spy.wait(timeout=120)
+            self.spy = None
+        if self.op is not None:
+            self.op.stop()
+            self.op = None
+
+    def create(self, custom: Any, ns: str, name: str) -> None:
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, megatron_job(name))
+
+    def metrics(self) -> dict[str, float]:
+        """The operator's own counters of API writes (from its /metrics), cumulative for this burst."""
+        out = {}
+        for line in self.op.metrics().splitlines():
+            if line.startswith("megatron_operator_status_writes_total"):
+                out["operator_status_writes"] = float(line.split()[-1])
+        return out
+
+
+class Floor:
+    name = "floor"
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.dyn: Any = None
+
+    def start(self, label: str) -> None:
+        return None  # no controller
+
+    def stop(self) -> None:
+        return None
+
+    def create(self, custom: Any, ns: str, name: str) -> None:
+        api = custom.api_client
+        for obj in floor_objects(name, ns):
+            kind = obj["kind"]
+            if kind == "JobSet":
+                custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets", obj)
+            elif kind == "ServiceAccount":
+                kubernetes.client.CoreV1Api(api).create_namespaced_service_account(ns, obj)
+            elif kind == "Role":
+                kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role(ns, obj)
+            elif kind == "RoleBinding":
+                kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(ns, obj)
+            else:
+                raise ValueError(f"floor: render() produced a {kind}; teach the benchmark to create it")
+
+
+class Peer:
+    """Kubeflow Trainer's controller manager, out of cluster, webhooks on 127.0.0.1 with a self-signed cert."""
+
+    name = "peer"
+
+    def __init__(self, cluster: Cluster, work: Path):
+        self.cluster = cluster
+        self.work = work
+        self.proc: subprocess.Popen | None = None
+        self.webhook_port = free_port()
+        self.health_port = free_port()
+
+    @staticmethod
+    def available() -> bool:
+        return (PEER_DIR / "trainer-controller-manager").is_file()
+
+    def install(self) -> None:
+        """CRDs, a serving certificate, webhook configurations aimed at loopback, the runtime (once per run)."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        certs = self.work / "tmp" / "k8s-webhook-server" / "serving-certs"  # controller-runtime's default dir
+        certs.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(certs / "tls.key"), "-out", str(certs / "tls.crt")],
+                       check=True, capture_output=True)
+        ca = base64.b64encode((certs / "tls.crt").read_bytes()).decode()
+        for crd in sorted((PEER_DIR / "manifests" / "base" / "crds").glob("trainer.kubeflow.org_*.yaml")):
+            self.cluster.apply(crd)
+        for crd in ("clustertrainingruntimes", "trainingruntimes", "trainjobs"):
+            self.cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.trainer.kubeflow.org",
+                                 "--timeout=60s")
+        hooks = list(yaml.safe_load_all((PEER_DIR / "manifests" / "base" / "webhook" / "manifests.yaml").read_text()))
+        for doc in hooks:
+            doc["metadata"]["name"] = "kubeflow-trainer-bench-" + doc["kind"].lower()
+            for hook in doc["webhooks"]:
+                path = hook["clientConfig"]["service"]["path"]
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.webhook_port}{path}", "caBundle": ca}
+        self.cluster.apply(hooks)
+        config = {"apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
+                  "health": {"healthProbeBindAddress": f"127.0.0.1:{self.health_port}",
+                             "readinessEndpointName": "readyz", "livenessEndpointName": "healthz"},
+                  "metrics": {"bindAddress": "0"},
+                  "webhook": {"port": self.webhook_port, "host": "127.0.0.1"},
+                  "leaderElection": {"leaderElect": False},
+                  "certManagement": {"enable": False}}
+        (self.work / "config.yaml").write_text(yaml.safe_dump(config))
+        self.start("install")
+        try:
+            self.cluster.apply(PEER_DIR / "manifests" / "base" / "runtimes" / "torch_distributed.yaml")
+        finally:
+            self.stop()
+
+    def start(self, label: str) -> int:
+        log = open(self.cluster.logs_dir / "kubeflow-trainer.log", "a")
+        log.write(f"\n===== trainer-controller-manager ({label}) =====\n")
+        log.flush()
+        self.proc = subprocess.Popen(
+            [str(PEER_DIR / "trainer-controller-manager"), f"--config={self.work / 'config.yaml'}"],
+            env=self.cluster.env(TMPDIR=str(self.work / "tmp")), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.cluster.wait_for(self.ready, 120, "the peer's /readyz")
+        return self.proc.pid
+
+    def ready(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"the peer exited (rc={self.proc.returncode if self.proc else None}); "
+                                 f"log: {self.cluster.logs_dir / 'kubeflow-trainer.log'}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/readyz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.proc = None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def create(self, custom: Any, ns: str, name: str) -> None:
+        custom.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", ns, "trainjobs", train_job(name))
+
+
+# ---- one burst -----------------------------------------------------------------------------------
+
+def new_namespace(core: Any, name: str) -> None:
+    core.create_namespace({"metadata": {"name": name}})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # KCM creates the default ServiceAccount
         try:
-            core.read_namespaced_service_account("default", ns)
-            break
+            core.read_namespaced_service_account("default", name)
+            return
         except kubernetes.client.ApiException:
             time.sleep(0.5)
+    raise TimeoutError(f"namespace {name}: no default ServiceAccount after 60 s")
+
+
+def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
+    api = cluster.api_client()
+    core = kubernetes.client.CoreV1Api(api)
+    custom = kubernetes.client.CustomObjectsApi(api)
+    ns = f"bench-{system.name}-{n}-{int(time.time())}"
+    new_namespace(core, ns)
+    pid = system.start(str(n))
     created: dict[str, float] = {}
     jobset_at: dict[str, float] = {}
+    job_at: dict[str, float] = {}
+    pod_at: dict[str, float] = {}
     running_at: dict[str, float] = {}
     stop = threading.Event()
 
@@ -91,56 +328,114 @@ def run_one(cluster: Cluster, n: int, timeout_s: float) -> dict:
         w = kubernetes.watch.Watch()
         for ev in w.stream(core.list_namespaced_pod, ns, timeout_seconds=int(timeout_s) + 60):
             p = ev["object"]
+            job = (p.metadata.labels or {}).get(JOBSET_NAME_LABEL)  # one pod per job, its JobSet has the job's name
+            pod_at.setdefault(job, time.monotonic())
             if p.status and p.status.phase == "Running":
-                running_at.setdefault(p.metadata.labels.get("megatron-operator.io/job-name"), time.monotonic())
+                running_at.setdefault(job, time.monotonic())
             if stop.is_set():
                 break
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (watch_jobsets, watch_pods)]
+    def watch_jobs():
+        w = kubernetes.watch.Watch()
+        batch = kubernetes.client.BatchV1Api(api)
+        for ev in w.stream(batch.list_namespaced_job, ns, timeout_seconds=int(timeout_s) + 60):
+            job_at.setdefault((ev["object"].metadata.labels or {}).get(JOBSET_NAME_LABEL), time.monotonic())
+            if stop.is_set():
+                break
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (watch_jobsets, watch_jobs, watch_pods)]
     for t in threads:
         t.start()
     time.sleep(1.0)
     names = [f"bench-{i:04d}" for i in range(n)]
 
     def create(name: str) -> None:
-        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job(name))
         created[name] = time.monotonic()
+        system.create(custom, ns, name)
 
+    load_before = loadavg()
+    stats0 = proc_stats(pid) if pid else None
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(create, names))
     burst_s = time.monotonic() - t0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and (len(jobset_at) < n or len(running_at) < n):
-        time.sleep(1)
+        time.sleep(0.5)
+    stats1 = proc_stats(pid) if pid else None
+    load_after = loadavg()
     stop.set()
     to_jobset = [jobset_at[k] - created[k] for k in names if k in jobset_at]
     to_running = [running_at[k] - created[k] for k in names if k in running_at]
+    to_pod = [pod_at[k] - created[k] for k in names if k in pod_at]
+    to_job = [job_at[k] - created[k] for k in names if k in job_at]
+    extra = system.metrics() if pid else {}
+
+    def q(values: list[float], p: float) -> float | None:
+        return round(pct(values, p), 2) if values else None
+
     result = {
-        "jobs": n, "create_burst_s": round(burst_s, 2),
+        "system": system.name, "jobs": n, "create_burst_s": round(burst_s, 2),
         "jobsets_created": len(to_jobset), "all_pods_running": len(to_running),
-        "to_jobset_p50_s": round(pct(to_jobset, 0.5), 2) if to_jobset else None,
-        "to_jobset_p99_s": round(pct(to_jobset, 0.99), 2) if to_jobset else None,
-        "to_running_p50_s": round(pct(to_running, 0.5), 2) if to_running else None,
-        "to_running_p99_s": round(pct(to_running, 0.99), 2) if to_running else None,
-        "to_running_mean_s": round(statistics.mean(to_running), 2) if to_running else None,
+        "to_jobset_p50_s": q(to_jobset, 0.5), "to_jobset_p99_s": q(to_jobset, 0.99),
+        "to_running_p50_s": q(to_running, 0.5), "to_running_p99_s": q(to_running, 0.99),
+        "to_job_created_p50_s": q(to_job, 0.5), "to_job_created_p99_s": q(to_job, 0.99),
+        "to_pod_created_p50_s": q(to_pod, 0.5), "to_pod_created_p99_s": q(to_pod, 0.99),
+        **extra,
+        "controller_peak_rss_mib": round(stats1["peak_rss_mib"], 1) if stats1 else None,
+        "controller_cpu_s": round(stats1["cpu_s"] - stats0["cpu_s"], 2) if stats1 else None,
+        "loadavg_before": load_before, "loadavg_after": load_after,
     }
+    # Clean up with the controller still running (as it would be), then stop it.
     core.delete_namespace(ns)
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespace(ns)
+            time.sleep(1)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                break
+            raise
+    system.stop()
     return result
 
 
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def ratios(results: list[dict]) -> list[dict]:
+    """Ours / floor and ours / peer per size, from the same run."""
+    out = []
+    for n in sorted({r["jobs"] for r in results}):
+        by = {r["system"]: r for r in results if r["jobs"] == n}
+        ours = by.get("ours")
+        if not ours:
+            continue
+        row: dict[str, Any] = {"jobs": n}
+        for ref in ("floor", "peer"):
+            if ref not in by:
+                continue
+            for k in ("to_jobset_p50_s", "to_jobset_p99_s", "to_running_p50_s", "to_running_p99_s",
+                      "controller_peak_rss_mib", "controller_cpu_s"):
+                a, b = ours.get(k), by[ref].get(k)
+                if a is not None and b:
+                    row[f"ours_over_{ref}_{k}"] = round(a / b, 2)
+        out.append(row)
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, nargs="+", default=[100, 500])
+    ap.add_argument("--systems", nargs="+", default=["floor", "ours", "peer"], choices=["floor", "ours", "peer"])
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for each burst")
+    ap.add_argument("--profile", default=None, help="record py-spy profiles of the operator into this directory")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -149,26 +444,39 @@ def main() -> int:
     cluster = Cluster(kubeconfig=Path(state["kubeconfig"]), run_dir=local.run_dir(), kubectl_path=Path(state["kubectl"]))
     cluster.apply(CRD_FILE)
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
-    nodes_needed = max(args.jobs) // 8 + 2
-    cluster.apply(bench_nodes(nodes_needed))
-    op = OperatorProcess(cluster, free_port(), {})
-    op.start()
+    systems: list[Any] = []
+    for s in args.systems:
+        if s == "floor":
+            systems.append(Floor(cluster))
+        elif s == "ours":
+            systems.append(Ours(cluster, Path(args.profile) if args.profile else None))
+        elif Peer.available():
+            systems.append(Peer(cluster, local.run_dir() / "kubeflow-trainer"))
+        else:
+            print(f"peer skipped: {PEER_DIR / 'trainer-controller-manager'} not built (make bench-peer)",
+                  file=sys.stderr)
+    cluster.apply(bench_nodes(max(args.jobs) // 8 + 2))
     results = []
     try:
+        for s in systems:
+            if isinstance(s, Peer):
+                s.install()
         for n in args.jobs:
-            r = run_one(cluster, n, args.timeout)
-            r["operator_peak_rss_mib"] = round(peak_rss_mib(op.proc.pid), 1)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            for s in systems:
+                r = run_burst(cluster, s, n, args.timeout)
+                results.append(r)
+                print(json.dumps(r), flush=True)
     finally:
-        op.stop()
-        cluster.kubectl("delete", "nodes", "-l", "megatron-bench=true", "--wait=false", check=False)
-    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine":
-            f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
-            "command": " ".join(sys.argv)}
-    print(json.dumps({"meta": meta, "results": results}, indent=2))
+        for s in systems:
+            s.stop()
+        cluster.kubectl("delete", "nodes", "-l", f"{NODE_LABEL}=true", "--wait=false", check=False)
+    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+            "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}), shared with other work",
+            "command": " ".join(sys.argv), "peer": f"kubeflow trainer v{TRAINER_VERSION}"}
+    doc = {"meta": meta, "results": results, "ratios": ratios(results)}
+    print(json.dumps(doc, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 
