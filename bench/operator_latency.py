@@ -173,7 +173,6 @@ class Floor:
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
-        self.dyn: Any = None
 
     def start(self, label: str) -> None:
         return None  # no controller

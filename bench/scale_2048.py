@@ -66,26 +66,14 @@ def big_job(name: str, num_nodes: int, tensor: int, pipeline: int, pool: str) ->
 
 
 class Watcher:
-    """Pods of one job (by name and restart attempt) and its JobSet's ADDED time, from watch streams."""
+    """The job's JobSet ADDED time from a watch stream; its pods by listing (a long pod watch can end)."""
 
     def __init__(self, api: Any, ns: str):
         self.core = kubernetes.client.CoreV1Api(api)
         self.custom = kubernetes.client.CustomObjectsApi(api)
         self.ns = ns
-        self.pods: dict[str, Any] = {}
         self.jobset_at: float | None = None
-        self.lock = threading.Lock()
-        for f in (self._pods, self._jobsets):
-            threading.Thread(target=f, daemon=True).start()
-
-    def _pods(self) -> None:
-        for ev in kubernetes.watch.Watch().stream(self.core.list_namespaced_pod, self.ns, timeout_seconds=3600):
-            p = ev["object"]
-            with self.lock:
-                if ev["type"] == "DELETED":
-                    self.pods.pop(p.metadata.name, None)
-                else:
-                    self.pods[p.metadata.name] = p
+        threading.Thread(target=self._jobsets, daemon=True).start()
 
     def _jobsets(self) -> None:
         for ev in kubernetes.watch.Watch().stream(self.custom.list_namespaced_custom_object, "jobset.x-k8s.io",
@@ -94,10 +82,8 @@ class Watcher:
                 self.jobset_at = time.monotonic()
 
     def running(self, attempt: int) -> list[Any]:
-        with self.lock:
-            return [p for p in self.pods.values() if p.status and p.status.phase == "Running"
-                    and not p.metadata.deletion_timestamp
-                    and (p.metadata.labels or {}).get(RESTART_LABEL) == str(attempt)]
+        pods = self.core.list_namespaced_pod(self.ns, label_selector=f"{RESTART_LABEL}={attempt}").items
+        return [p for p in pods if p.status and p.status.phase == "Running" and not p.metadata.deletion_timestamp]
 
 
 def wait(pred, timeout: float, what: str, interval: float = 0.5):
@@ -139,7 +125,7 @@ def run_big(cluster: Cluster, op: OperatorProcess, n_pods: int, timeout_s: float
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, big_job("big", n_pods, 8, 4, "big"))
     wait(lambda: w.jobset_at, timeout_s, "the JobSet")
     to_jobset = w.jobset_at - t0
-    wait(lambda: len(w.running(0)) == n_pods, timeout_s, f"{n_pods} pods Running")
+    wait(lambda: len(w.running(0)) == n_pods, timeout_s, f"{n_pods} pods Running", interval=1)
     to_running = time.monotonic() - t0
     st = wait(lambda: (s := status(custom, ns, "big")).get("phase") == "Running" and s, 120, "phase Running")
     to_status = time.monotonic() - t0
@@ -161,7 +147,8 @@ def run_big(cluster: Cluster, op: OperatorProcess, n_pods: int, timeout_s: float
     s2, t1 = proc_stats(pid), time.monotonic()
     core.patch_namespaced_pod(victim, ns, {"metadata": {"labels": {POD_FAIL_LABEL: "true"},
                                                          "annotations": {POD_FAIL_EXIT_CODE: "137"}}})
-    wait(lambda: len(w.running(1)) == n_pods, timeout_s, f"{n_pods} pods of restart attempt 1 Running")
+    wait(lambda: len(w.running(1)) == n_pods, timeout_s, f"{n_pods} pods of restart attempt 1 Running",
+         interval=1)
     restart_running = time.monotonic() - t1
     st2 = wait(lambda: (s := status(custom, ns, "big")).get("phase") == "Running" and s.get("restarts") == 1 and s,
                120, "phase Running with restarts 1")
@@ -201,7 +188,7 @@ def run_tp16(cluster: Cluster, timeout_s: float) -> dict:
     time.sleep(1)
     t0 = time.monotonic()
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, big_job("tp16", 32, 16, 1, "tp16"))
-    wait(lambda: len(w.running(0)) == 32, timeout_s, "32 pods Running")
+    wait(lambda: len(w.running(0)) == 32, timeout_s, "32 pods Running", interval=1)
     to_running = time.monotonic() - t0
     groups: dict[str, set[str]] = defaultdict(set)
     for p in w.running(0):
