@@ -7,9 +7,11 @@ each as a Warning event when it creates the job's children.
 
 from __future__ import annotations
 
+import json
 import re
 
-from .render import shm_size
+from .render import render_jobset, shm_size
+from .rules import Problem
 from .settings import Settings
 from .spec import MegatronJob
 
@@ -42,3 +44,19 @@ def spec_warnings(job: MegatronJob, settings: Settings | None = None) -> list[st
                    f"limit spec.resources.memory ({spec.resources.memory}); memory-backed /dev/shm counts against "
                    f"that limit, so filling it gets the pod OOM-killed; raise memory or lower shmSize")
     return out
+
+
+# etcd refuses objects over 1.5 MiB; leave room for the JobSet's status and managedFields.
+MAX_JOBSET_BYTES = 1024 * 1024
+
+
+def size_problems(job: MegatronJob, settings: Settings | None = None) -> list[Problem]:
+    """The rendered JobSet must be storable. The spec rule tensor-groups-fit-one-jobset bounds the
+    number of replicated jobs; large env values and pod annotations repeat in each of them."""
+    size = len(json.dumps(render_jobset(job, settings or Settings(), owner_uid="0" * 36)))
+    if size <= MAX_JOBSET_BYTES:
+        return []
+    return [Problem("spec", f"spec: the JobSet would be {size / 2**20:.1f} MiB, more than the {MAX_JOBSET_BYTES // 2**20} "
+                    f"MiB an object may have (etcd stores at most 1.5 MiB); spec.env and spec.podMetadata are "
+                    f"repeated in each of its replicated jobs: shorten them (e.g. a ConfigMap through valueFrom) "
+                    f"or use tensor <= gpusPerNode (one replicated job)", "jobset-size")]

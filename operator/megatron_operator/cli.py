@@ -126,11 +126,14 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .advice import spec_warnings
+    from .advice import size_problems, spec_warnings
     from .memory import fit_report
 
     jobs, failures = _jobs(args.files, sys.stderr)
     for where, job in jobs:
+        for p in size_problems(job):
+            print(f"{where}: {p.message}", file=sys.stderr)
+            failures += 1
         for warning in spec_warnings(job):
             print(f"{where}: warning: {warning}", file=sys.stderr)
         report = fit_report(job)

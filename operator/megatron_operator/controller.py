@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import status as st
-from .advice import spec_warnings
+from .advice import size_problems, spec_warnings
 from .guardrails import guardrail_problems
 from .kube import Kube, NotOwned, controller_uid
 from .kueue import WorkloadView
@@ -62,7 +62,7 @@ def parse_body(body: dict[str, Any], settings: Settings | None = None) -> Parsed
         job = parse_job(doc)
     except SpecError as exc:
         return Parsed(None, exc.problems)
-    if settings is not None and (problems := guardrail_problems(job, settings)):
+    if settings is not None and (problems := guardrail_problems(job, settings) or size_problems(job, settings)):
         return Parsed(job, problems)
     report = fit_report(job)
     if report is not None and report.fits is False and job.spec.resources.memory_fit == "Reject":

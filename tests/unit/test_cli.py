@@ -299,3 +299,10 @@ def test_warnings_for_specs_that_may_not_run_as_meant(tmp_path, overrides, needl
 def test_no_warning_when_shm_fits_in_memory(tmp_path):
     r = cli("validate", write(tmp_path, "ok.yaml", [make_job(resources={"memory": "1Ti"})]))
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+def test_validate_refuses_a_jobset_too_large_to_store(tmp_path):
+    doc = make_job(numNodes=64, parallelism={"tensor": 16}, model__numAttentionHeads=16, training__globalBatchSize=64,
+                   env=[{"name": f"E{i}", "value": "x" * 4096} for i in range(64)])
+    r = cli("validate", write(tmp_path, "big.yaml", [doc]))
+    assert_refused(r, "spec: the JobSet would be", "MiB")

@@ -398,3 +398,14 @@ def test_guardrails_allow_what_they_list(kube):
                            {"key": "nvidia.com/gpu", "operator": "Exists"}]},
                        podMetadata={"labels": {"team": "nlp"}}), lambda e: None)
     assert [c[1] for c in kube.of("create")] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
+
+
+def test_a_jobset_too_large_to_store_is_refused_before_any_child(ctl, kube):
+    # 32 groups x 64 env values of 4 KiB: about 8 MiB, over what etcd stores
+    big_env = [{"name": f"E{i}", "value": "x" * 4096} for i in range(64)]
+    b = body(numNodes=64, parallelism={"tensor": 16}, model__numAttentionHeads=16, training__globalBatchSize=64,
+             env=big_env)
+    with pytest.raises(InvalidSpec) as err:
+        ctl.reconcile(b, lambda e: None)
+    assert [p.rule for p in err.value.problems] == ["jobset-size"]
+    assert "MiB" in err.value.problems[0].message and kube.of("create") == []
