@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import kubernetes
 import pytest
+from k8s import load_cluster_module
 from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone
 
 pytestmark = pytest.mark.e2e
@@ -166,3 +167,35 @@ def test_suspend_and_resume_under_kueue_go_through_the_workload(cluster, operato
         done = jobs.wait_phase(name, "Succeeded", timeout=2 * KUEUE_TIMEOUT_S)
         assert done["restarts"] == 0
         assert kueue.workload(jobs, name)["spec"].get("active") is not False
+
+
+def test_topology_aware_scheduling_keeps_the_job_in_one_rack(cluster, operator, jobs, kueue):
+    """Kueue's TAS from the MegatronJob: podset-required-topology (through spec.podMetadata) on a flavor
+    with a Topology of racks and hosts; the kwok nodes carry the rack label."""
+    rack = load_cluster_module().RACK_LABEL
+    topology, flavor = "e2e-racks", "e2e-tas-p5"
+    cluster.apply([
+        {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Topology", "metadata": {"name": topology},
+         "spec": {"levels": [{"nodeLabel": rack}, {"nodeLabel": "kubernetes.io/hostname"}]}},
+        {"apiVersion": "/".join(KUEUE), "kind": "ResourceFlavor", "metadata": {"name": flavor},
+         "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "p5.48xlarge"}, "topologyName": topology,
+                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
+        {"apiVersion": "/".join(KUEUE), "kind": "ClusterQueue", "metadata": {"name": kueue.cluster_queue},
+         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": jobs.ns}},
+                  "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
+                      {"name": flavor, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": 32}]}]}]}},
+    ])
+    jobs.create(small_job("racked", queueName=QUEUE, numNodes=3, gpusPerNode=8, parallelism={"tensor": 8},
+                          podMetadata={"annotations": {**run_for(5)["annotations"],
+                                                       "kueue.x-k8s.io/podset-required-topology": rack}}))
+    jobs.wait_phase("racked", ("Running", "Succeeded"), timeout=KUEUE_TIMEOUT_S)
+    wl = kueue.workload(jobs, "racked")
+    (assignment,) = wl["status"]["admission"]["podSetAssignments"]
+    assert assignment["flavors"] == {"nvidia.com/gpu": flavor} and assignment.get("topologyAssignment"), assignment
+    # Kueue, not chance, placed them: its topology ungater pinned each pod to the host it assigned
+    for pod in jobs.pods("racked"):
+        assert (pod.spec.node_selector or {}).get("kubernetes.io/hostname") == pod.spec.node_name, pod.spec.node_selector
+    nodes = {p.spec.node_name for p in jobs.pods("racked")}
+    racks = {jobs.core.read_node(n).metadata.labels[rack] for n in nodes}
+    assert len(nodes) == 3 and len(racks) == 1, (nodes, racks)
+    jobs.wait_phase("racked", "Succeeded", timeout=KUEUE_TIMEOUT_S)

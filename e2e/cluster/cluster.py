@@ -63,6 +63,9 @@ POD_FAIL_EXIT_CODE_ANNOTATION = "pod-container-running-failed.stage.kwok.x-k8s.i
 # kubelet (not-ready NoSchedule and NoExecute). Remove the label and set Ready True to revive it.
 NODE_FAILED_LABEL = "e2e.megatron-operator.io/node-failed"
 
+# The rack of each node (4 nodes per rack and pool): a topology level for Kueue's TAS tests.
+RACK_LABEL = "e2e.megatron-operator.io/rack"
+
 _CHILDREN: list[subprocess.Popen] = []
 PORTS_LOCK = Path(tempfile.gettempdir()) / "megatron-operator-e2e-ports.lock"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -454,6 +457,8 @@ def gpu_nodes() -> list[dict]:
                             "kubernetes.io/arch": "amd64",
                             "node.kubernetes.io/instance-type": pool.instance_type,
                             "topology.kubernetes.io/zone": "local-a",
+                            # racks of 4 nodes per pool, for Kueue's topology-aware scheduling
+                            RACK_LABEL: f"{pool.prefix}-rack-{i // 4}",
                             "nvidia.com/gpu.present": "true",
                             "nvidia.com/gpu.product": H100,
                             "nvidia.com/gpu.count": str(pool.gpus),
