@@ -209,6 +209,7 @@ class Controller:
             fit=parsed.fit,
             deadline_s=spec.active_deadline_seconds if spec else None,
             stall_timeout_s=self.settings.stall_timeout_s,
+            restart_on_stall=spec.restart.on_stall if spec else False,
             not_owned=self.not_owned(meta),
             workload=workload,
         )
@@ -230,6 +231,8 @@ class Controller:
             elif js_view is not None:
                 if phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
                     self.kube.delete_jobset(ns, js_view.name)
+                elif int(desired.get("stallRestarts") or 0) > int(previous.get("stallRestarts") or 0):
+                    self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name), workload)
 

@@ -129,6 +129,12 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 def job_event(type: str, namespace: str, name: str, memo: kopf.Memo, jobs_by_key: kopf.Index,
               jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
     memo.indexed.set()  # event handlers only run once every index is filled
+    if "ctx" not in memo.event_context:
+        # kopf.event() needs the posting context kopf sets for object handlers (the operator-wide event
+        # queue and loop); the resync loop borrows it: the startup context lacks it, and events of
+        # resync passes (Stalled, StallRestart, ...) were lost with a LookupError. memo is copied per
+        # object, so the holder is a dict made at startup and shared by every copy.
+        memo.event_context["ctx"] = contextvars.copy_context()
     if type == "DELETED":
         memo.controller.forget(namespace, name)
         return
@@ -158,7 +164,8 @@ async def _resync_loop(memo: kopf.Memo, jobs: kopf.Index, jobsets: kopf.Index, p
     while True:
         await asyncio.sleep(interval)
         for key in list(jobs):
-            ctx = contextvars.copy_context()
+            base = memo.event_context.get("ctx")
+            ctx = base.copy() if base is not None else contextvars.copy_context()
             try:
                 await loop.run_in_executor(None, ctx.run, _observe, memo, key, jobs, jobsets, pods, True)
             except Exception:  # a bug on one job must not stop the loop for the others
@@ -169,6 +176,7 @@ async def _resync_loop(memo: kopf.Memo, jobs: kopf.Index, jobsets: kopf.Index, p
 async def start_resync(memo: kopf.Memo, jobs_by_key: kopf.Index, jobsets_by_job: kopf.Index,
                        pods_by_job: kopf.Index, **_: Any) -> None:
     memo.indexed = asyncio.Event()
+    memo.event_context = {}
     memo.resync_task = asyncio.create_task(_resync_loop(memo, jobs_by_key, jobsets_by_job, pods_by_job))
 
 

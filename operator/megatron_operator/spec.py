@@ -331,6 +331,9 @@ class RestartSpec(ApiModel):
 
     max_restarts: int | None = Field(None, ge=0, le=10000, description="Gang restarts before the job is Failed. "
                                      "Default from the operator (3).")
+    on_stall: bool = Field(False, description="Restart the whole gang from the last checkpoint when the job is "
+                           "Stalled (no new iteration for the operator's stall timeout, 30 minutes by default). "
+                           "Counted in status.stallRestarts, not against maxRestarts.")
 
 
 class SecretKeyRef(ApiModel):
@@ -506,6 +509,8 @@ class MegatronJobStatus(StatusModel):
     restarts: int = Field(0, ge=0)
     disruptions: int = Field(0, ge=0, description="Gang restarts caused by evictions, preemptions or lost nodes "
                              "(JobSet's restarts not counted towards maxRestarts).")
+    stall_restarts: int | None = Field(None, ge=0, description="Gang restarts the operator made because the job "
+                                       "was Stalled (spec.restart.onStall).")
     progress: Progress | None = None
     last_progress_iteration: int | None = Field(None, ge=0, description="The iteration the operator last saw "
                                                 "advance (for the Stalled condition).")

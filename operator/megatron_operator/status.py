@@ -79,6 +79,7 @@ class Reason:
     SPEC_WARNING = "SpecWarning"  # admitted, but may not run as meant (advice.spec_warnings)
     POD_FAILED = "PodFailed"
     STALLED = "Stalled"
+    STALL_RESTART = "StallRestart"
 
     @staticmethod
     def not_(condition_type: str) -> str:
@@ -212,6 +213,7 @@ class Observation:
     fit: FitReport | None = None
     deadline_s: int | None = None
     stall_timeout_s: int = 1800
+    restart_on_stall: bool = False  # spec.restart.onStall
     not_owned: str | None = None  # why the children cannot be created (kube.NotOwned's message)
     workload: WorkloadView | None = None  # Kueue's, looked up while the job is queued or suspended
 
@@ -420,15 +422,24 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     last_it, last_t = prev.get("lastProgressIteration"), prev.get("lastProgressTime")
     if (it is not None and it != last_it) or (last_it is not None and past_time(last_t, now) is None):
         last_it, last_t = it, iso(now)
+    stall_restarts = int(prev.get("stallRestarts") or 0)
     if phase == Phase.RUNNING:
         since = past_time(last_t, now) or past_time(start, now) or now
         idle = (now - since).total_seconds()
         if idle > o.stall_timeout_s:
             msg = (f"no new iteration for {int(idle)} s (last reported: {last_it if last_it is not None else 'none'}); "
                    f"check the trainer logs for a hang (NCCL timeout, data loader, storage)")
-            conditions.set(ConditionType.STALLED, True, Reason.NO_PROGRESS, msg)
             if not conditions.was_true(ConditionType.STALLED):
                 events.append(Event("Warning", Reason.STALLED, msg))
+            if o.restart_on_stall:
+                # The controller deletes the JobSet when stallRestarts goes up; it is recreated and
+                # resumes from the last checkpoint. The stall clock starts again with the new gang.
+                stall_restarts += 1
+                last_t = iso(now)
+                msg += (f"; spec.restart.onStall: restarting the gang from the last checkpoint "
+                        f"(stall restart {stall_restarts})")
+                events.append(Event("Warning", Reason.STALL_RESTART, msg))
+            conditions.set(ConditionType.STALLED, True, Reason.NO_PROGRESS, msg)
         else:
             conditions.set(ConditionType.STALLED, False, Reason.PROGRESSING,
                            f"iteration {last_it}" if last_it is not None else "waiting for the first progress report")
@@ -445,8 +456,8 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                 events.append(Event("Warning", Reason.PREDICTED_OUT_OF_MEMORY, est.summary()))
 
     optional = dict(job_set_name=jobset_name, start_time=start, completion_time=completion, memory=memory,
-                    last_failure=failure,
-                    last_progress_iteration=last_it, last_progress_time=last_t if last_it is not None else None,
+                    last_failure=failure, stall_restarts=stall_restarts or None,
+                    last_progress_iteration=last_it, last_progress_time=last_t if (last_it is not None or stall_restarts) else None,
                     world_size=o.world_size,
                     parallelism={k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")} if lay else None,
                     layout=f"{lay['tensor']}/{lay['pipeline']}/{lay['data']}" if lay else None)

@@ -409,3 +409,16 @@ def test_a_jobset_too_large_to_store_is_refused_before_any_child(ctl, kube):
         ctl.reconcile(b, lambda e: None)
     assert [p.rule for p in err.value.problems] == ["jobset-size"]
     assert "MiB" in err.value.problems[0].message and kube.of("create") == []
+
+
+@pytest.mark.parametrize("on_stall, deletes", [(True, 1), (False, 0)])
+def test_on_stall_deletes_the_jobset_once_so_that_it_is_recreated(ctl, kube, on_stall, deletes):
+    long_ago = datetime.now(UTC) - timedelta(hours=2)
+    status = {"phase": "Running", "reason": "AllPodsRunning", "startTime": st.iso(long_ago),
+              "progress": {"iteration": 5}, "lastProgressIteration": 5, "lastProgressTime": st.iso(long_ago)}
+    b = body(status=status, restart={"onStall": on_stall})
+    events = observe(ctl, b, jobset(created=long_ago), running_pods())
+    assert len(kube.of("delete")) == deletes
+    assert any(e.reason == "StallRestart" for e in events) is on_stall
+    observe(ctl, b, jobset(created=long_ago), running_pods())  # the own-write cache: no second restart
+    assert len(kube.of("delete")) == deletes

@@ -295,3 +295,32 @@ def test_running_message_shows_the_trainers_start_up_stage(stage, message):
     previous = {"phase": "Running", "progress": {"trainIters": 100, **({"stage": stage} if stage else {})}}
     s, _ = derive(obs(jobset=js(), pods=pods(2), previous=previous), NOW)
     assert s["message"] == message
+
+
+def test_on_stall_restarts_the_gang_once_per_stall_and_counts_it():
+    prev = {"phase": "Running", "reason": "AllPodsRunning", "startTime": iso(NOW - timedelta(hours=2)),
+            "progress": {"iteration": 5}, "lastProgressIteration": 5,
+            "lastProgressTime": iso(NOW - timedelta(hours=1))}
+    off, events = derive(obs(jobset=js(), pods=pods(2), previous=prev, stall_timeout_s=1800), NOW)
+    assert "stallRestarts" not in off and "StallRestart" not in [e.reason for e in events]
+    s, events = derive(obs(jobset=js(), pods=pods(2), previous=prev, stall_timeout_s=1800,
+                           restart_on_stall=True), NOW)
+    assert s["stallRestarts"] == 1 and s["lastProgressTime"] == iso(NOW)  # the clock restarts with the gang
+    assert "restarting the gang from the last checkpoint (stall restart 1)" in cond(s, "Stalled")["message"]
+    assert [e.reason for e in events if e.reason.startswith("Stall")] == ["Stalled", "StallRestart"]
+    # the next pass (new gang starting) does not restart again until the timeout passes once more
+    again, events = derive(obs(jobset=js(), pods=pods(2), previous=s, stall_timeout_s=1800, restart_on_stall=True),
+                           NOW + timedelta(minutes=10))
+    assert again["stallRestarts"] == 1 and cond(again, "Stalled")["status"] == "False"
+    later, _ = derive(obs(jobset=js(), pods=pods(2), previous=again, stall_timeout_s=1800, restart_on_stall=True),
+                      NOW + timedelta(minutes=31))
+    assert later["stallRestarts"] == 2
+
+
+def test_on_stall_without_any_progress_report_does_not_loop():
+    prev = {"phase": "Running", "reason": "AllPodsRunning", "startTime": iso(NOW - timedelta(hours=2))}
+    s, _ = derive(obs(jobset=js(), pods=pods(2), previous=prev, stall_timeout_s=1800, restart_on_stall=True), NOW)
+    assert s["stallRestarts"] == 1
+    again, _ = derive(obs(jobset=js(), pods=pods(2), previous=s, stall_timeout_s=1800, restart_on_stall=True),
+                      NOW + timedelta(seconds=30))
+    assert again["stallRestarts"] == 1
