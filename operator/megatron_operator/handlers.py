@@ -68,10 +68,22 @@ def _slim(metadata: Any) -> dict[str, Any]:
     return {k: v for k, v in metadata.items() if k != "managedFields"}
 
 
+def _status_writers(metadata: Any) -> list[dict[str, Any]]:
+    """Who wrote which top-level status field (from managedFields, a few bytes): the operator does not
+    believe its own fields when another writer changed them (status.foreign_fields)."""
+    out = []
+    for entry in metadata.get("managedFields") or []:
+        fields = ((entry.get("fieldsV1") or {}).get("f:status") or {}) if entry.get("subresource") == "status" else {}
+        if fields:
+            out.append({"manager": entry.get("manager"), "fieldsV1": {"f:status": {k: {} for k in fields}}})
+    return out
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
 def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
     return {(namespace, name): {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                                "metadata": _slim(body.metadata), "spec": dict(body.spec),
+                                "metadata": {**_slim(body.metadata), "managedFields": _status_writers(body.metadata)},
+                                "spec": dict(body.spec),
                                 "status": dict(body.status)}}
 
 
