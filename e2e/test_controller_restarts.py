@@ -1,6 +1,7 @@
 """Controllers of the control plane restarted under running jobs: the JobSet controller killed in the
 middle of a gang restart, and etcd restarted while jobs run. No job is lost or duplicated and each
-ends correctly. Runs near the end of a session (file name): it stops real components."""
+ends correctly. Each component comes back with the same command line and ports, and the jobs that
+follow prove it (so these tests may run in any order among the others)."""
 
 from __future__ import annotations
 
