@@ -11,6 +11,11 @@ from dataclasses import dataclass, fields
 
 from . import __version__
 
+#: Pod annotation/label key prefixes refused by default: AppArmor and seccomp profile annotations
+#: (e.g. `unconfined`), kube2iam/kiam's IAM role annotation, Azure Workload Identity's pod label.
+DEFAULT_DENIED_METADATA_KEYS = ("container.apparmor.security.beta.kubernetes.io/,seccomp.security.alpha.kubernetes.io/,"
+                                "iam.amazonaws.com/,azure.workload.identity/")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -43,6 +48,8 @@ class Settings:
     #: Namespaces to watch (comma-separated); empty watches the whole cluster.
     namespaces: str = ""
     # Guardrails (guardrails.py): what a job may ask for on this cluster. Empty/0/false: no limit.
+    # The defaults close what is dangerous on any shared cluster and needed by no training job (pod
+    # identity and confinement annotations, hour-long grace periods); the rest is the admin's choice.
     #: Image registries (comma-separated prefixes, e.g. nvcr.io,registry.example.com/ml) spec.image may use.
     allowed_image_registries: str = ""
     #: PriorityClasses spec.priorityClassName may name (comma-separated).
@@ -52,7 +59,7 @@ class Settings:
     #: Node label keys spec.resources.nodeSelector may use (comma-separated).
     allowed_node_selector_keys: str = ""
     #: The largest spec.terminationGracePeriodSeconds (0: the schema's 86400).
-    max_termination_grace_period_s: int = 0
+    max_termination_grace_period_s: int = 3600
     #: Every job must name a Kueue LocalQueue (spec.queueName): no Kueue bypass.
     require_queue_name: bool = False
     #: Refuse spec.env entries with valueFrom.secretKeyRef.
@@ -61,7 +68,7 @@ class Settings:
     deny_image_pull_secrets: bool = False
     #: Pod label/annotation key prefixes spec.podMetadata may not use (comma-separated, case-insensitive),
     #: e.g. container.apparmor.security.beta.kubernetes.io/,eks.amazonaws.com/,app
-    denied_metadata_keys: str = ""
+    denied_metadata_keys: str = DEFAULT_DENIED_METADATA_KEYS
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:

@@ -388,6 +388,22 @@ def test_guardrails_refuse_before_any_child(kube, settings, overrides, rule):
     assert kube.of("create") == [] and kube.of("status") == [("status", "Failed", "InvalidSpec")]
 
 
+@pytest.mark.parametrize(("overrides", "rule"), [
+    (dict(podMetadata={"annotations": {"iam.amazonaws.com/role": "arn:aws:iam::1:role/admin"}}),
+     "guardrail-metadata-key"),
+    (dict(podMetadata={"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+     "guardrail-metadata-key"),
+    (dict(podMetadata={"labels": {"azure.workload.identity/use": "true"}}), "guardrail-metadata-key"),
+    (dict(terminationGracePeriodSeconds=7200), "guardrail-grace-period"),
+])
+def test_default_guardrails_refuse_identity_confinement_and_long_grace(kube, overrides, rule):
+    ctl = Controller(kube, Settings(), Metrics())
+    with pytest.raises(InvalidSpec) as err:
+        ctl.reconcile(body(**overrides), lambda e: None)
+    assert [p.rule for p in err.value.problems] == [rule]
+    assert kube.of("create") == []
+
+
 def test_guardrails_allow_what_they_list(kube):
     settings = Settings(allowed_image_registries="nvcr.io", allowed_priority_classes="batch-low",
                         allowed_toleration_keys="nvidia.com/gpu", require_queue_name=True, deny_secret_env=True,
