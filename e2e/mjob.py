@@ -5,6 +5,7 @@ create jobs, read their status. Import the fixtures into a test module with
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -194,6 +195,10 @@ def crd(cluster: Cluster) -> None:
     cluster.wait_for(established, 30, "the MegatronJob CRD to be Established", kinds=("crd",))
 
 
+# The session's host operator once a test asked for it (see alone_with_the_jobs).
+_SESSION_OPERATORS: list[OperatorProcess] = []
+
+
 @pytest.fixture(scope="session")
 def operator(cluster: Cluster, crd: None):
     op = OperatorProcess(cluster, free_port(), {
@@ -202,8 +207,32 @@ def operator(cluster: Cluster, crd: None):
         "MEGATRON_OPERATOR_TERMINATION_GRACE_PERIOD_S": "30",
     })
     op.start()
+    _SESSION_OPERATORS.append(op)
     yield op
+    _SESSION_OPERATORS.remove(op)
     op.stop()
+
+
+@contextlib.contextmanager
+def alone_with_the_jobs(cluster: Cluster, namespace: str, timeout: float = 180):
+    """For a test whose own operator must be the only one at work (it counts that operator's
+    errors): the session's operator, if an earlier test started it, is stopped meanwhile, and
+    MegatronJobs that earlier tests left in namespaces being deleted are gone first. Whatever order
+    the test files run in."""
+    paused = [op for op in _SESSION_OPERATORS if op.proc is not None and op.proc.poll() is None]
+    for op in paused:
+        op.stop()
+    try:
+        def others_gone() -> bool:
+            out = cluster.kubectl("get", "megatronjobs", "-A", "-o", "json").stdout
+            return not [i for i in json.loads(out)["items"] if i["metadata"]["namespace"] != namespace]
+
+        cluster.wait_for(others_gone, timeout, "MegatronJobs of earlier tests to be deleted with their namespaces",
+                         kinds=("megatronjobs",))
+        yield
+    finally:
+        for op in paused:
+            op.start()
 
 
 @pytest.fixture

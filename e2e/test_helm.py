@@ -32,7 +32,16 @@ import kubernetes
 import pytest
 import yaml
 from k8s import Cluster
-from mjob import OPERATOR_START_TIMEOUT_S, Jobs, OperatorProcess, crd, free_port, run_for, small_job
+from mjob import (
+    OPERATOR_START_TIMEOUT_S,
+    Jobs,
+    OperatorProcess,
+    alone_with_the_jobs,
+    crd,
+    free_port,
+    run_for,
+    small_job,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -345,18 +354,19 @@ def test_chart_crd_template_is_accepted_by_the_api_server(cluster, crd, tmp_path
 def chart_operator(cluster: Cluster, rel: Release, tmp_path: Path, log_name: str, namespace: str):
     """The chart's operator running with the chart's identity, as (API client of that identity,
     its kubeconfig); on the way out its jobs are deleted and it stops."""
-    op, kubeconfig = start_chart_operator(cluster, rel, tmp_path, log_name)
-    try:
-        sa_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+    with alone_with_the_jobs(cluster, namespace):
+        op, kubeconfig = start_chart_operator(cluster, rel, tmp_path, log_name)
         try:
-            yield op, sa_api, kubeconfig
+            sa_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+            try:
+                yield op, sa_api, kubeconfig
+            finally:
+                sa_api.close()
         finally:
-            sa_api.close()
-    finally:
-        try:
-            delete_jobs(cluster, Jobs(cluster, namespace), op)
-        finally:
-            op.stop()
+            try:
+                delete_jobs(cluster, Jobs(cluster, namespace), op)
+            finally:
+                op.stop()
 
 
 def assert_trainer_identities_may_write_only_progress(cluster: Cluster, namespace: str) -> None:
@@ -438,7 +448,8 @@ def test_helm_install_cluster_wide_runs_jobs_with_the_charts_identity(cluster, r
         assert not user_can(user, "patch", "megatronjobs", "--subresource=status")
         assert not user_can(user, "update", "megatronjobs", "--subresource=status")
 
-    assert_trainer_identities_may_write_only_progress(cluster, namespace)
+    with alone_with_the_jobs(cluster, namespace):  # no operator may write the probe job's status
+        assert_trainer_identities_may_write_only_progress(cluster, namespace)
 
     # helm upgrade changes the operator's settings through the Deployment (Recreate rollout)
     release.run("upgrade", release.name, str(CHART), "--namespace", release.namespace, "--reuse-values",
