@@ -41,9 +41,70 @@ def test_sdpa_attention_matches_reference(heads, groups):
     assert torch.allclose(mod(q, k, v, mask.view(1, 1, s, s), attn_mask_type=AttnMaskType.causal), ref, atol=1e-12)
 
 
+def _distopt_with_one_param(step_before_load: int):
+    """A stand-in DistributedOptimizer (the real class's methods bound to a namespace) over one
+    parameter, its torch AdamW state materialized as the trainer does before a load."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron_trainer.checkpoint import _materialize_optimizer_state
+
+    opt = types.SimpleNamespace()
+    main = torch.nn.Parameter(torch.zeros(4))
+    opt.optimizer = torch.optim.AdamW([main], lr=0.0)
+    _materialize_optimizer_state(opt)
+    opt.optimizer.state[main]["step"].fill_(step_before_load)
+    opt.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False, fp16=False)
+    opt.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+    opt.grad_scaler = None
+    model_param = object()
+    opt.model_param_group_index_map = {model_param: (0, 0)}
+    opt.gbuf_ranges = [{torch.float32: [{"param_map": {model_param: {}}}]}]
+    opt.per_bucket_numel_unpadded = [4]
+    for name in ("_set_main_param_and_optimizer_states", "_get_main_param_and_optimizer_states", "state_dict",
+                 "load_state_dict", "load_parameter_state_from_dp_reshardable"):
+        setattr(opt, name, types.MethodType(getattr(DistributedOptimizer, name), opt))
+    return opt, main, model_param
+
+
+def _dp_reshardable_checkpoint(opt, model_param, saved_step: float) -> dict:
+    """What dist_checkpointing.load hands back for `opt`: built the way
+    DistributedOptimizer.sharded_state_dict(is_loading=True) builds it (load_state_dict of its own
+    state first, then the per-parameter tensors, `step` among them as a non-persistent object that
+    load returns as it was), the persistent tensors filled with the checkpoint's values."""
+    opt.load_state_dict(opt.state_dict())
+    tensors = opt._get_main_param_and_optimizer_states(model_param)
+    loaded = {"param": torch.full((4,), 1.0), "exp_avg": torch.full((4,), 2.0),
+              "exp_avg_sq": torch.full((4,), 3.0), "step": tensors["step"], "padding": False}
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"step": saved_step}
+              for g in opt.optimizer.state_dict()["param_groups"]]
+    return {"optimizer": {"param_groups": groups},
+            "param_state": {0: {torch.float32: [[loaded]]}, "per_bucket_numel_unpadded": [4]},
+            "param_state_sharding_type": "dp_reshardable"}
+
+
+def test_distopt_resume_keeps_the_checkpoint_adam_step():
+    """Megatron-Core 0.19.2's dp_reshardable load without TE/apex puts the pre-load step (1) over the
+    checkpoint's (20): reproduced through the real DistributedOptimizer.load_state_dict, then fixed."""
+    from megatron_trainer.checkpoint import adam_steps
+    from megatron_trainer.compat import patch_distopt_state_load_for_torch_adam, unshare_adam_steps
+
+    opt, main, model_param = _distopt_with_one_param(step_before_load=1)
+    with torch.no_grad():
+        opt.load_state_dict(_dp_reshardable_checkpoint(opt, model_param, saved_step=20.0))
+    assert opt.optimizer.state[main]["step"].item() == 1.0  # the upstream bug: the checkpoint said 20
+
+    opt, main, model_param = _distopt_with_one_param(step_before_load=1)
+    assert patch_distopt_state_load_for_torch_adam(opt) == 1
+    with torch.no_grad():
+        opt.load_state_dict(_dp_reshardable_checkpoint(opt, model_param, saved_step=20.0))
+    unshare_adam_steps(opt)
+    state = opt.optimizer.state[main]
+    assert state["step"].item() == 20.0 and adam_steps(opt) == {20.0}
+    assert main.tolist() == [1.0] * 4 and state["exp_avg"].tolist() == [2.0] * 4 and state["exp_avg_sq"].tolist() == [3.0] * 4
+
+
 def test_fully_reshardable_step_workaround():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron_trainer.compat import patch_fully_reshardable_load_with_torch_adam
+    from megatron_trainer.compat import patch_distopt_state_load_for_torch_adam
 
     opt = types.SimpleNamespace()
     main = torch.nn.Parameter(torch.zeros(4))
@@ -58,11 +119,12 @@ def test_fully_reshardable_step_workaround():
     src = {"param": torch.ones(4), "exp_avg": torch.full((4,), 2.0), "exp_avg_sq": torch.full((4,), 3.0)}
     with torch.no_grad(), pytest.raises(KeyError, match="step"):
         opt._set_main_param_and_optimizer_states(model_param, src)  # the upstream bug
-    assert patch_fully_reshardable_load_with_torch_adam(opt) == 1
+    assert patch_distopt_state_load_for_torch_adam(opt) == 1
     with torch.no_grad():
         opt._set_main_param_and_optimizer_states(model_param, src)
     state = opt.optimizer.state[main]
     assert main.tolist() == [1.0] * 4 and state["exp_avg"].tolist() == [2.0] * 4 and state["exp_avg_sq"].tolist() == [3.0] * 4
+    assert state["step"].item() == 1.0
 
 
 def test_materialize_optimizer_state():
@@ -162,7 +224,14 @@ def test_local_path_allows_sequence_parallel_and_uses_the_local_norm(mock_argv):
     from megatron_trainer.norm import TorchNorm
 
     assert spec.submodules.input_layernorm is TorchNorm and spec.submodules.pre_mlp_layernorm is TorchNorm
-    cp = parse_args(mock_argv[:i + 1] + ["2"] + mock_argv[i + 2:] + ["--context-parallel-size", "2"])
+    # CP > 1: the local implementation is refused at parse time (exit 2, argparse style), and a
+    # Transformer-Engine command line on an image without TE is refused when the path is chosen.
+    with pytest.raises(SystemExit) as parse_exit:
+        parse_args(mock_argv[:i + 1] + ["2"] + mock_argv[i + 2:] + ["--context-parallel-size", "2",
+                                                                  "--transformer-impl", "local"])
+    assert parse_exit.value.code == 2
+    cp = parse_args(mock_argv[:i + 1] + ["2"] + mock_argv[i + 2:] + ["--context-parallel-size", "2",
+                                                                   "--transformer-impl", "transformer_engine"])
     from megatron_trainer.exitcodes import ExitCode, Fatal
 
     with pytest.raises(Fatal, match="context-parallel") as exc:

@@ -5,15 +5,25 @@ from __future__ import annotations
 import torch
 
 
-def patch_fully_reshardable_load_with_torch_adam(optimizer) -> int:
-    """Let a `fully_reshardable` distributed-optimizer checkpoint load into torch.optim.AdamW.
+def patch_distopt_state_load_for_torch_adam(optimizer) -> int:
+    """Let a distributed-optimizer checkpoint load into torch.optim.AdamW with its `step` intact.
 
     Without TE/apex, Megatron uses torch's AdamW, whose per-parameter state holds a tensor `step`.
-    `DistributedOptimizer.load_parameter_state_from_fully_reshardable` (distrib_optimizer.py ~2390)
-    drops `step` from the tensors it passes on, and `_set_main_param_and_optimizer_states`
-    (~1216) then indexes every state key: KeyError 'step' (seen on 2 x H200, 2026-11-21). `step`
-    itself is restored from the param groups by `load_state_dict`, so the missing keys are filled
-    with the current tensors (a copy onto itself). Returns the number of optimizers patched.
+    `DistributedOptimizer.load_state_dict` restores `step` from the checkpoint's param groups, then
+    hands the loaded tensors of each parameter to `_set_main_param_and_optimizer_states`
+    (distrib_optimizer.py ~1216, 0.19.2), which copies every state key it finds there. Two bugs:
+
+    - `fully_reshardable` (`load_parameter_state_from_fully_reshardable`, ~2390) drops `step` from
+      those tensors, and the copy indexes it: KeyError 'step' (2 x H200, 2026-11-21).
+    - `dp_reshardable` keeps `step` among them as a LocalNonpersistentObject captured when the
+      sharded state dict for loading was built, i.e. the step of the optimizer *before* the load
+      (1, after `checkpoint._materialize_optimizer_state`). The copy puts it over the checkpoint's
+      step: every resume restarted AdamW's bias correction at step 1, so the first resumed
+      iteration matched the uninterrupted run and the second departed (the deterministic resume
+      test on 2 x H200, 2026-11-23).
+
+    The patch never takes `step` from those tensors: the one `load_state_dict` restored stays (a
+    copy onto itself); other missing keys are filled likewise. Returns the number of optimizers patched.
     """
     patched = 0
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -26,7 +36,7 @@ def patch_fully_reshardable_load_with_torch_adam(optimizer) -> int:
         def set_states(model_param, tensors, _opt=opt, _original=original):
             group_index, group_order = _opt.model_param_group_index_map[model_param]
             main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
-            tensors = dict(tensors)
+            tensors = {k: v for k, v in tensors.items() if k != "step"}
             for key, value in _opt.optimizer.state.get(main_param, {}).items():
                 if key not in tensors and isinstance(value, torch.Tensor):
                     tensors[key] = value

@@ -112,9 +112,9 @@ class Trainer:
             bf16=t.bf16, fp16=t.fp16, params_dtype=self.tconfig.params_dtype,
             use_distributed_optimizer=t.use_distributed_optimizer, overlap_param_gather=t.overlap_param_gather)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
-        from .compat import patch_fully_reshardable_load_with_torch_adam, patch_multi_tensor_fallbacks
+        from .compat import patch_distopt_state_load_for_torch_adam, patch_multi_tensor_fallbacks
 
-        patch_fully_reshardable_load_with_torch_adam(self.optimizer)
+        patch_distopt_state_load_for_torch_adam(self.optimizer)
         self.patched_ops = patch_multi_tensor_fallbacks() if runtime.foreach_ops else []
         gbs = layout.global_batch_size
         decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
