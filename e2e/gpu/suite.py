@@ -1086,10 +1086,15 @@ def scenario_deterministic(ctx) -> dict:
         check(expected is not None and later == list(range(expected + 1, 41)), f"resumed iterations {later}",
               failures)
         check(not differing, f"not bit-identical: {differing[:3]}", failures)
+        adam_step = re.search(r"optimizer resumes at AdamW step ([0-9.e+]+)", again.text())
+        check(adam_step is not None and resumed is not None and float(adam_step.group(1)) == int(resumed.group(2)),
+              f"AdamW step after the load {adam_step.group(1) if adam_step else None}, resumed iteration "
+              f"{resumed.group(2) if resumed else None}", failures)
         warned = sorted(set(re.findall(r"(\w+) does not have a deterministic implementation", again.text())))
         r.update({"ok": not failures, "resumed_from": resumed.group(2) if resumed else None,
                   "compared_iterations": [later[0], later[-1]] if later else None, "bit_identical": not differing,
-                  "first_differences": differing[:3], "ops_without_deterministic_kernel": warned})
+                  "first_differences": differing[:3], "ops_without_deterministic_kernel": warned,
+                  "adam_step_after_load": adam_step.group(1) if adam_step else None})
     out["ok"] = all(out[n]["ok"] for n, _, _ in layouts) and bool(layouts)
     return out
 
@@ -1146,10 +1151,24 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
 
 def scenario_threeway(ctx) -> dict:
     """issue 17: ours (the default configuration the operator renders) / Megatron-LM's pretrain_gpt.py /
-    the guides' loop (mcore_peer.py; TP x DP only) on the benchmark model, one layout (--threeway),
-    same call, same global batch; iteration time = median of iterations 4-20; MFU by the classic formula
-    for all three."""
-    layout = ctx.get("threeway") or "tp2"
+    the guides' loop (mcore_peer.py; TP x DP only) on the benchmark model, for each layout of
+    --threeway (comma-separated), the three loops of a layout one after the other in the same call, same
+    global batch; iteration time = median of iterations 4-20; MFU by the classic formula for all three."""
+    layouts = [x for x in (ctx.get("threeway") or "tp2").split(",") if x]
+    unknown = [x for x in layouts if x not in THREEWAY]
+    if unknown:
+        return {"ok": False, "error": f"unknown --threeway layouts {unknown}; known: {sorted(THREEWAY)}"}
+    out: dict = {}
+    for layout in layouts:
+        if time.monotonic() + 150 > DEADLINE[0]:
+            out[layout] = {"ok": False, "skipped": "deadline"}
+            continue
+        out[layout] = threeway_layout(ctx, layout)
+    out["ok"] = bool(layouts) and all(out[x].get("ok") for x in layouts)
+    return out
+
+
+def threeway_layout(ctx, layout: str) -> dict:
     gpus, tp, pp = THREEWAY[layout]
     model = ctx.get("bench_model", "gpt1b")
     m = MODELS[model]
@@ -1157,23 +1176,29 @@ def scenario_threeway(ctx) -> dict:
     gbs = m["mbs"] * dp * (4 if pp > 1 else 1)  # PP=2: 4 micro-batches (global batch 16 at mbs 4)
     visible = ",".join(str(i) for i in range(gpus))
     out: dict = {"layout": layout, "gpus": gpus, "model": model, "global_batch": gbs}
-    extra = ["--overlap-grad-reduce", "--overlap-param-gather"] if dp > 1 else []
-    ours = Run(f"threeway_ours_{layout}", gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26,
-                                                             lr="3e-4", warmup=4, extra=extra),
-               env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}, gpus=visible)
-    rc = ours.wait(400)
-    ours.close()
-    ms = ours.iteration_ms()
-    steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
-    ours_ms = statistics.median(steady) if steady else None
-    out["ours"] = {"rc": rc, "iter_ms": ours_ms, "losses_1_5": [ours.losses().get(i) for i in range(1, 6)]}
-    if ours_ms:
-        from megatron_trainer import flops
+    # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
+    # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
+    variants = [("default", [])] + ([("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])] if dp > 1 else [])
+    for variant, extra in variants:
+        key = "ours" if variant == "default" else f"ours_{variant}"
+        ours = Run(f"threeway_{key}_{layout}", gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26,
+                                                                 lr="3e-4", warmup=4, extra=extra),
+                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}, gpus=visible)
+        rc = ours.wait(bounded(300))
+        ours.close()
+        ms = ours.iteration_ms()
+        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
+        it_ms = statistics.median(steady) if steady else None
+        out[key] = {"rc": rc, "iter_ms": it_ms, "flags": extra,
+                    "losses_1_5": [ours.losses().get(i) for i in range(1, 6)]}
+        if it_ms:
+            from megatron_trainer import flops
 
-        classic = flops.classic_flops_per_iteration(gbs, m["seq"], m["layers"], m["hidden"], m["vocab"])
-        thr = flops.throughput(classic, gbs * m["seq"], ours_ms / 1000, gpus)
-        out["ours"].update({"mfu_pct_classic": round(100 * thr["mfu"], 2),
-                            "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
+            classic = flops.classic_flops_per_iteration(gbs, m["seq"], m["layers"], m["hidden"], m["vocab"])
+            thr = flops.throughput(classic, gbs * m["seq"], it_ms / 1000, gpus)
+            out[key].update({"mfu_pct_classic": round(100 * thr["mfu"], 2),
+                             "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
+    ours_ms, rc = out["ours"]["iter_ms"], out["ours"]["rc"]
     out["megatron_lm"] = mlm = run_mlm_peer(f"threeway_mlm_{layout}", gpus, model, tp, pp, gbs, visible)
     if pp == 1:
         out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
@@ -1182,6 +1207,8 @@ def scenario_threeway(ctx) -> dict:
     check("iter_ms" in mlm, "Megatron-LM did not run", failures)
     if ours_ms and "iter_ms" in mlm:
         out["ours_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / ours_ms, 3)
+    if out.get("ours_overlap", {}).get("iter_ms") and "iter_ms" in mlm:
+        out["ours_overlap_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / out["ours_overlap"]["iter_ms"], 3)
     peer = out.get("guides_loop", {})
     if ours_ms and "iter_ms" in peer:
         out["ours_speedup_vs_guides_loop"] = round(peer["iter_ms"] / ours_ms, 3)
@@ -1308,7 +1335,8 @@ def main() -> int:
     ap.add_argument("--bench-variant", default="foreach",
                     help="PERF_VARIANTS entry ours runs in the benchmark, or 'auto': the fastest one perf measured")
     ap.add_argument("--ours-extra", default="", help="flags appended to every trainer command line (space separated)")
-    ap.add_argument("--threeway", default="tp2", choices=sorted(THREEWAY), help="layout of the threeway scenario")
+    ap.add_argument("--threeway", default="tp2",
+                    help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
@@ -1340,11 +1368,11 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 300,
-                  "detcost": 60, "threeway": 240}
+                  "detcost": 60, "threeway": 170}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
-        scale = {"layouts": n_layouts, "bench": n_bench, "reshard": 2,
+        scale = {"layouts": n_layouts, "bench": n_bench, "reshard": 2, "threeway": len(args.threeway.split(",")),
                  "resume": len(ctx["resume_on"]) if ctx["resume_on"] else n_layouts}.get(name, 1)
         need = per_layout.get(name, 60) * scale
         if time.monotonic() + need > DEADLINE[0]:
