@@ -229,11 +229,19 @@ class Run:
         return {int(m.group(1)): float(m.group(2)) for m in ITER_RE.finditer(self.text())}
 
     def summary(self) -> dict | None:
-        found = None
-        for line in self.text().splitlines():
-            if line.startswith("TRAINER_SUMMARY "):
-                found = json.loads(line[len("TRAINER_SUMMARY "):])
-        return found
+        found = trainer_summaries(self.text())
+        return found[-1] if found else None
+
+
+def trainer_summaries(text: str) -> list[dict]:
+    """Every TRAINER_SUMMARY object in a log, in order, also where two ranks' lines ran together."""
+    found, decoder = [], json.JSONDecoder()
+    for part in text.split("TRAINER_SUMMARY ")[1:]:
+        try:
+            found.append(decoder.raw_decode(part)[0])
+        except ValueError:
+            continue
+    return found
 
 
 def check(cond: bool, what: str, failures: list[str]) -> None:
@@ -1042,9 +1050,8 @@ def summary_losses(log: Path) -> dict[int, float]:
     """The exact losses (TRAINER_SUMMARY) of a run: the log line has 7 significant digits only. With
     PP, rank 0 prints a summary too (no losses): the ranks' summaries are merged."""
     found: dict = {}
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("TRAINER_SUMMARY "):
-            found.update(json.loads(line[len("TRAINER_SUMMARY "):]).get("losses", {}))
+    for summary in trainer_summaries(log.read_text(errors="replace")):
+        found.update(summary.get("losses", {}))
     return {int(k): float(v) for k, v in found.items()}
 
 
@@ -1054,7 +1061,8 @@ def scenario_deterministic(ctx) -> dict:
     bit-identical (==) to the uninterrupted run's."""
     gpus = ctx["gpus"]
     out: dict = {}
-    layouts = [(n, tp, pp) for n, tp, pp in layouts_for(gpus) if n in (f"tp{gpus}", f"pp{gpus}", f"dp{gpus}")]
+    layouts = [(n, tp, pp) for n, tp, pp in layouts_for(gpus) if n in (f"tp{gpus}", f"pp{gpus}", f"dp{gpus}")
+               and (ctx["layouts"] is None or n in ctx["layouts"])]
     for name, tp, pp in layouts:
         ref_name = f"det_{name}"
         out[name] = r = reference_run(ctx, ref_name, tp, pp, extra=["--deterministic-mode"])
@@ -1179,6 +1187,8 @@ def threeway_layout(ctx, layout: str) -> dict:
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
     # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
     variants = [("default", [])] + ([("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])] if dp > 1 else [])
+    if "graph" in ctx.get("threeway_variants", ()) and pp == 1:
+        variants.append(("graph", ["--cuda-graph-impl", "full_iteration"]))
     for variant, extra in variants:
         key = "ours" if variant == "default" else f"ours_{variant}"
         ours = Run(f"threeway_{key}_{layout}", gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26,
@@ -1207,8 +1217,9 @@ def threeway_layout(ctx, layout: str) -> dict:
     check("iter_ms" in mlm, "Megatron-LM did not run", failures)
     if ours_ms and "iter_ms" in mlm:
         out["ours_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / ours_ms, 3)
-    if out.get("ours_overlap", {}).get("iter_ms") and "iter_ms" in mlm:
-        out["ours_overlap_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / out["ours_overlap"]["iter_ms"], 3)
+    for key in ("ours_overlap", "ours_graph"):
+        if out.get(key, {}).get("iter_ms") and "iter_ms" in mlm:
+            out[f"{key}_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / out[key]["iter_ms"], 3)
     peer = out.get("guides_loop", {})
     if ours_ms and "iter_ms" in peer:
         out["ours_speedup_vs_guides_loop"] = round(peer["iter_ms"] / ours_ms, 3)
@@ -1337,6 +1348,7 @@ def main() -> int:
     ap.add_argument("--ours-extra", default="", help="flags appended to every trainer command line (space separated)")
     ap.add_argument("--threeway", default="tp2",
                     help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}")
+    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway: graph")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
@@ -1359,7 +1371,8 @@ def main() -> int:
            "reshard_to": args.reshard_to.split(",") if args.reshard_to else None,
            "perf_variants": args.perf_variants.split(",") if args.perf_variants else None,
            "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp,
-           "bench_variant": args.bench_variant, "threeway": args.threeway}
+           "bench_variant": args.bench_variant, "threeway": args.threeway,
+           "threeway_variants": set(filter(None, args.threeway_variants.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}

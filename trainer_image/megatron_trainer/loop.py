@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -566,4 +567,7 @@ class IterationProfiler:
 
 
 def dump_summary(summary: dict) -> None:
-    print("TRAINER_SUMMARY " + json.dumps(summary, sort_keys=True), flush=True)
+    """One write of the whole line: print() writes the text and the newline separately, and two ranks
+    sharing a pipe then glued their summaries into one line (PP=2, 2 x H200)."""
+    sys.stdout.write("TRAINER_SUMMARY " + json.dumps(summary, sort_keys=True) + "\n")
+    sys.stdout.flush()
