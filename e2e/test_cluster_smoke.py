@@ -7,7 +7,14 @@ import copy
 
 import kubernetes
 import pytest
-from k8s import GPU_TOLERATION, POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, POD_FAIL_REASON, Cluster
+from k8s import (
+    GPU_TOLERATION,
+    POD_FAIL_EXIT_CODE,
+    POD_FAIL_LABEL,
+    POD_FAIL_REASON,
+    Cluster,
+    pod_runtime_annotations,
+)
 from kubernetes.client import ApiException
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +27,8 @@ COMPLETE_TIMEOUT_S = 120
 RESTART_TIMEOUT_S = 180
 
 
-def make_jobset(name: str, *, replicas: int = 2, gpus: int = 8, efa: int = 32, max_restarts: int = 0) -> dict:
+def make_jobset(name: str, *, replicas: int = 2, gpus: int = 8, efa: int = 32, max_restarts: int = 0,
+                pod_annotations: dict[str, str] | None = None) -> dict:
     """The shape the operator renders: one replicatedJob `worker`, a pod per Job, restartPolicy Never,
     backoffLimit 0, GPU + EFA limits, the GPU toleration."""
     limits = {"nvidia.com/gpu": str(gpus), "cpu": "8", "memory": "64Gi"}
@@ -57,6 +65,8 @@ def make_jobset(name: str, *, replicas: int = 2, gpus: int = 8, efa: int = 32, m
     }
     if max_restarts:
         spec["failurePolicy"] = {"maxRestarts": max_restarts}
+    if pod_annotations:
+        spec["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"] = {"annotations": pod_annotations}
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
@@ -185,7 +195,9 @@ def test_jobset_larger_than_any_node_stays_pending(cluster: Cluster, namespace: 
 def test_injected_pod_failure_restarts_the_gang_then_completes(cluster: Cluster, namespace: str, wait_for):
     client = cluster.api_client()
     core = kubernetes.client.CoreV1Api(client)
-    create_jobset(client, namespace, make_jobset("flaky", max_restarts=2))
+    # Pods run 30 s (not kwok's default 5-10 s), so that the injected failure reaches a Running pod
+    # even on a slow machine (a cold CI run saw the gang complete before the patch took effect).
+    create_jobset(client, namespace, make_jobset("flaky", max_restarts=2, pod_annotations=pod_runtime_annotations(30)))
 
     def running_pods():
         pods = jobset_pods(core, namespace, "flaky")
