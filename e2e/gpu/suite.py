@@ -14,7 +14,8 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
              the uninterrupted run
   sigterm    SIGTERM to torchrun: all ranks agree, checkpoint, exit 0; restart resumes from it
   reshard    resume a TP=N checkpoint under PP=N and DP=N (optimizer saved fully reshardable)
-  bench      GPT 1.35B vs ../shared/bench/mcore_peer.py (same model, same call): tokens/s/GPU,
+  bench      GPT 1.35B vs ../shared/bench/mcore_peer.py and, when .run/mlm is carried, Megatron-LM's
+             pretrain_gpt.py (same model, same call): tokens/s/GPU,
              MFU (the peer's formula for both), peak memory, blocked time per async save, kill -9
              during an async save -> the previous complete checkpoint is used, start -> first
              resumed iteration
@@ -668,6 +669,7 @@ def scenario_bench(ctx) -> dict:
         peer_ckpt.mkdir(parents=True)
         res["peer"] = run_peer(f"bench_peer_{name}", gpus, model, tp, ckpt=peer_ckpt)
         shutil.rmtree(peer_ckpt, ignore_errors=True)
+        res["megatron_lm"] = mlm_second_peer(f"bench_mlm_{name}", gpus, model, tp, mb * dp)
         # --- ours: async save at 12, kill -9 while the save of 24 is in flight, restart from 12
         save = WORK / "ckpt" / f"bench_{name}"
         shutil.rmtree(save, ignore_errors=True)
@@ -726,8 +728,11 @@ def scenario_bench(ctx) -> dict:
             res["ours"].update(thr)
             if ratio is not None:
                 res["mfu_ratio_ours_over_peer"] = ratio
+        res["ours_speedup_vs_megatron_lm"] = ratio_vs_mlm(res["ours"]["median_iter_ms"], res["megatron_lm"])
         failures: list[str] = []
         check("mfu_ratio_ours_over_peer" in res, "no ratio", failures)
+        check("not_run" in res["megatron_lm"] or res["ours_speedup_vs_megatron_lm"] is not None,
+              f"Megatron-LM did not run: {res['megatron_lm'].get('error', '')[-200:]}", failures)
         check(bool(hit), "kill during async save not reached", failures)
         check(after_kill["tracker"] == 12 and after_kill["checkpoints"].get(24) is False,
               f"after kill: {after_kill}", failures)
@@ -773,7 +778,8 @@ def scenario_perf(ctx) -> dict:
     model = ctx.get("bench_model", "gpt1b")
     m = MODELS[model]
     mb = m["mbs"]
-    out: dict = {"layout": f"TP{tp} DP{dp}", "model": model, "peer": run_peer(f"perf_peer_tp{tp}", gpus, model, tp)}
+    out: dict = {"layout": f"TP{tp} DP{dp}", "model": model, "peer": run_peer(f"perf_peer_tp{tp}", gpus, model, tp),
+                 "megatron_lm": mlm_second_peer(f"perf_mlm_tp{tp}", gpus, model, tp, mb * dp)}
     failures: list[str] = []
     first_losses = {}
     for name in ctx.get("perf_variants") or list(PERF_VARIANTS):
@@ -789,7 +795,8 @@ def scenario_perf(ctx) -> dict:
         res = {"rc": rc, "env": env, "extra": extra}
         if steady:
             median = statistics.median(steady)
-            res.update({"median_iter_ms": median, **ours_throughput(model, dp, gpus, median, out["peer"])})
+            res.update({"median_iter_ms": median, **ours_throughput(model, dp, gpus, median, out["peer"]),
+                        "ours_speedup_vs_megatron_lm": ratio_vs_mlm(median, out["megatron_lm"])})
         peaks = [float(x.group(5)) for x in ITER_RE.finditer(run.text())]
         res["peak_mem_gib_logging_rank"] = max(peaks) if peaks else None
         losses = run.losses()
@@ -797,6 +804,8 @@ def scenario_perf(ctx) -> dict:
         res["losses_1_5"] = first_losses[name]
         check(rc == 0 and bool(steady), f"{name}: rc={rc}", failures)
         out[name] = res
+    check("not_run" in out["megatron_lm"] or "iter_ms" in out["megatron_lm"],
+          f"Megatron-LM did not run: {out['megatron_lm'].get('error', '')[-200:]}", failures)
     ref = first_losses.get("old") or next(iter(first_losses.values()), None)
     for name, got in first_losses.items():
         ok = ref is not None and None not in got and None not in ref and \
@@ -1157,6 +1166,18 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct": float(mm.group(2)), "losses_1_5": json.loads(mm.group(3))}
 
 
+def mlm_second_peer(name: str, gpus: int, model: str, tp: int, gbs: int) -> dict:
+    """Megatron-LM's pretrain_gpt.py as the second peer of `bench` and `perf` (issue 17), when its
+    source is carried in .run/mlm; otherwise a record saying it was not (never a silent omission)."""
+    if not (REPO / ".run" / "mlm" / "pretrain_gpt.py").is_file() or not (REPO / ".run" / "mlm_peer.sh").is_file():
+        return {"not_run": "Megatron-LM's source (.run/mlm) or .run/mlm_peer.sh not carried"}
+    return run_mlm_peer(name, gpus, model, tp, 1, gbs, ",".join(str(i) for i in range(gpus)))
+
+
+def ratio_vs_mlm(ours_ms: float | None, mlm: dict) -> float | None:
+    return round(mlm["iter_ms"] / ours_ms, 3) if ours_ms and mlm.get("iter_ms") else None
+
+
 def scenario_threeway(ctx) -> dict:
     """issue 17: ours (the default configuration the operator renders) / Megatron-LM's pretrain_gpt.py /
     the guides' loop (mcore_peer.py; TP x DP only) on the benchmark model, for each layout of
@@ -1379,7 +1400,7 @@ def main() -> int:
     ctx["out_dir"], ctx["results"] = out_dir, results
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
-                  "bench": 170, "memory": 60, "perf": 300, "pods": 240, "preempt": 240,
+                  "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 300,
                   "detcost": 60, "threeway": 170}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
@@ -1437,7 +1458,8 @@ def render_table(results: dict) -> str:
                                  f"mem {p.get('peak_mem_gib')} save {p.get('sync_save_s')}s | ours MFU {o.get('mfu_pct_peer_formula')}% "
                                  f"tok/s/gpu {o.get('tokens_per_s_per_gpu')} mem {o.get('peak_mem_gib_rank_logging')} "
                                  f"blocked(own,waited) {[(b, c) for _, b, c in o.get('async_save_blocked_s', [])]} "
-                                 f"start->resumed {o.get('startup_to_first_resumed_iteration_s')}s | ratio {v.get('mfu_ratio_ours_over_peer')}")
+                                 f"start->resumed {o.get('startup_to_first_resumed_iteration_s')}s | ratio {v.get('mfu_ratio_ours_over_peer')} "
+                                 f"| vs Megatron-LM {v.get('ours_speedup_vs_megatron_lm')}")
         if name == "perf":
             lines.append(f"  PERF {r.get('layout')} peer {r.get('peer')}")
             for sub, v in r.items():
