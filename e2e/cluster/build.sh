@@ -42,6 +42,7 @@ wrapper() { # wrapper DIR MODULE@VERSION...: a throw-away main module that requi
   mkdir -p "$d"; cd "$d"
   if [ ! -f .resolved ]; then   # marker: a failed `go get` must not leave a half-resolved go.mod behind
     printf 'module local/%s\n\ngo 1.26\n' "$(basename "$d" | tr -c 'a-z0-9\n' _)" > go.mod; rm -f go.sum
+    if [ -f go.sum.kueue ]; then cp go.sum.kueue go.sum; fi
     $GO get -tool "$@"
     touch .resolved
   fi
@@ -107,6 +108,15 @@ build_jobset() {
 
 # Kueue's list is refused too (`go list -m -versions sigs.k8s.io/kueue`: 403): same route as JobSet.
 build_kueue() {
+  # Kueue >= 0.19 requires sigs.k8s.io/scheduler-library v0.1.0-alpha1, which the checksum database
+  # does not know (lookup: 404). Its hash is in Kueue's own go.sum, which the checksum database
+  # authenticates with Kueue's module: the throw-away module starts from that go.sum.
+  local d=$SRC/kueue-$KUEUE_VERSION
+  if [ ! -f "$d/.resolved" ]; then
+    $GO mod download "sigs.k8s.io/kueue@v$KUEUE_VERSION"
+    mkdir -p "$d"
+    cp "$GOMODCACHE/sigs.k8s.io/kueue@v$KUEUE_VERSION/go.sum" "$d/go.sum.kueue"
+  fi
   wrapper "kueue-$KUEUE_VERSION" "sigs.k8s.io/kueue/cmd/kueue@v$KUEUE_VERSION"
   $GO build -trimpath -ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=v$KUEUE_VERSION" \
     -o "$BIN_DIR.tmp/kueue" sigs.k8s.io/kueue/cmd/kueue

@@ -667,7 +667,7 @@ KUEUE_FRAMEWORKS = ("jobset.x-k8s.io/jobset",)
 KUEUE_WEBHOOK_GROUPS = ("kueue.x-k8s.io", "jobset.x-k8s.io")
 # Kueue's CRDs served through its conversion webhook (config/components/crd/kustomization.yaml).
 KUEUE_CONVERTED_CRDS = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")
-# Without internal cert management Kueue v0.15.2 reads its metrics certificate from this fixed path at
+# Without internal cert management Kueue (v0.15.2, v0.19.2) reads its metrics certificate from this fixed path at
 # start-up and exits if it is missing (cmd/kueue/main.go), even with the metrics server off.
 KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
 
@@ -1047,7 +1047,7 @@ def ensure_kueue_metrics_cert(p: RunPaths) -> None:
             tmp.replace(target / name)
     except OSError as e:
         raise ClusterError(
-            f"Kueue v0.15 needs a certificate in {target} (a fixed path in its main.go when it does not "
+            f"Kueue needs a certificate in {target} (a fixed path in its main.go when it does not "
             f"manage its own certificates) and it cannot be written: {e}. Create the directory writable "
             f"for this user (e.g. `sudo install -d -o $USER {target}`) and run `up` again."
         ) from e
