@@ -22,7 +22,7 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from k8s import Cluster, pod_runtime_annotations
+from k8s import GPU_TOLERATION, Cluster, pod_runtime_annotations
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "megatron-operator.io_megatronjobs.yaml"
@@ -197,15 +197,28 @@ def crd(cluster: Cluster) -> None:
 
 # The session's host operator once a test asked for it (see alone_with_the_jobs).
 _SESSION_OPERATORS: list[OperatorProcess] = []
+#: The session operator's settings (a test that needs one more setting starts its own with these).
+SESSION_OPERATOR_ENV = {
+    "MEGATRON_OPERATOR_RESYNC_INTERVAL_S": "1",
+    "MEGATRON_OPERATOR_STALL_TIMEOUT_S": "15",
+    "MEGATRON_OPERATOR_TERMINATION_GRACE_PERIOD_S": "30",
+}
+
+
+def gpu_filler(jobs: Jobs, node: str, gpus: int = 1) -> str:
+    """A plain pod that holds ``gpus`` GPUs of ``node`` (what another team's job would do)."""
+    name = f"filler-{node}"
+    jobs.core.create_namespaced_pod(jobs.ns, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": [GPU_TOLERATION],
+                 "containers": [{"name": "c", "image": "busybox",
+                                 "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}})
+    return name
 
 
 @pytest.fixture(scope="session")
 def operator(cluster: Cluster, crd: None):
-    op = OperatorProcess(cluster, free_port(), {
-        "MEGATRON_OPERATOR_RESYNC_INTERVAL_S": "1",
-        "MEGATRON_OPERATOR_STALL_TIMEOUT_S": "15",
-        "MEGATRON_OPERATOR_TERMINATION_GRACE_PERIOD_S": "30",
-    })
+    op = OperatorProcess(cluster, free_port(), dict(SESSION_OPERATOR_ENV))
     op.start()
     _SESSION_OPERATORS.append(op)
     yield op

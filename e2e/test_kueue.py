@@ -1,13 +1,28 @@
-"""MegatronJobs under the real Kueue (v0.15.2, JobSet integration) of the local cluster: queueing
+"""MegatronJobs under the real Kueue (v0.19.2, JobSet integration) of the local cluster: queueing
 with Kueue's own message, preemption by a higher WorkloadPriorityClass, and suspend/resume through
 the Workload's spec.active. Each test gets its own ClusterQueue (2 GPUs) and a LocalQueue `team-a`."""
 
 from __future__ import annotations
 
+import contextlib
+
 import kubernetes
 import pytest
 from k8s import load_cluster_module
-from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone
+from mjob import (
+    SESSION_OPERATOR_ENV,
+    Jobs,
+    OperatorProcess,
+    alone_with_the_jobs,
+    crd,
+    free_port,
+    gpu_filler,
+    jobs,
+    operator,
+    run_for,
+    small_job,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -199,3 +214,67 @@ def test_topology_aware_scheduling_keeps_the_job_in_one_rack(cluster, operator, 
     racks = {jobs.core.read_node(n).metadata.labels[rack] for n in nodes}
     assert len(nodes) == 3 and len(racks) == 1, (nodes, racks)
     jobs.wait_phase("racked", "Succeeded", timeout=KUEUE_TIMEOUT_S)
+
+
+def test_tp_group_waits_in_the_queue_until_one_host_fits_it_then_lands_there(cluster, crd, jobs, kueue):
+    """issue 16, TP-group placement: with the operator's kueueTpGroupTopology setting, a queued job whose
+    tensor-parallel group spans pods (TP=2 on 1-GPU pods) is one Kueue PodSet required on one host.
+    With 1 GPU free on each of two 2-GPU nodes the job waits in the queue, holding no GPUs (without
+    Kueue the group's first pod takes a GPU and its partner waits forever: test_placement.py); once
+    a node is free, Kueue admits it there and both pods run on that node."""
+    host = "kubernetes.io/hostname"
+    topology, flavor = "e2e-hosts", "e2e-tas-2x"
+    pool = {"node.kubernetes.io/instance-type": "kwok-2xh100"}  # 2 nodes x 2 GPUs (e2e/cluster NODE_POOLS)
+    nodes = ("gpu-2x-00", "gpu-2x-01")
+    cluster.apply([
+        {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Topology", "metadata": {"name": topology},
+         "spec": {"levels": [{"nodeLabel": host}]}},
+        {"apiVersion": "/".join(KUEUE), "kind": "ResourceFlavor", "metadata": {"name": flavor},
+         "spec": {"nodeLabels": pool, "topologyName": topology,
+                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
+        {"apiVersion": "/".join(KUEUE), "kind": "ClusterQueue", "metadata": {"name": kueue.cluster_queue},
+         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": jobs.ns}},
+                  "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
+                      {"name": flavor, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": 4}]}]}]}},
+    ])
+    fillers = [gpu_filler(jobs, n) for n in nodes]  # another team's pods: 1 GPU free on each node
+    cluster.wait_for(lambda: all(jobs.core.read_namespaced_pod(f, jobs.ns).spec.node_name for f in fillers) or None,
+                     60, "fillers bound", namespace=jobs.ns)
+    with alone_with_the_jobs(cluster, jobs.ns):
+        op = OperatorProcess(cluster, free_port(), {**SESSION_OPERATOR_ENV,
+                                                    "MEGATRON_OPERATOR_KUEUE_TP_GROUP_TOPOLOGY": host})
+        op.start()
+        try:
+            jobs.create(small_job("tp2", queueName=QUEUE, numNodes=2, gpusPerNode=1, parallelism={"tensor": 2},
+                                  resources={"nodeSelector": pool}, podMetadata=run_for(5)))
+            js = cluster.wait_for(lambda: jobs.jobset("tp2"), 60, "the JobSet", namespace=jobs.ns)
+            (rjob,) = js["spec"]["replicatedJobs"]
+            assert rjob["template"]["spec"]["template"]["metadata"]["annotations"][
+                "kueue.x-k8s.io/podset-required-topology"] == host
+            # Kueue tried and found no host for the group: it stays queued, suspended, without pods
+            wl = cluster.wait_for(
+                lambda: (w := kueue.workload(jobs, "tp2")) and condition(w, "QuotaReserved").get("status") == "False"
+                and condition(w, "QuotaReserved").get("message") and w,
+                KUEUE_TIMEOUT_S, "Kueue's verdict on the workload", namespace=jobs.ns,
+                kinds=("workloads", "jobsets", "pods"))
+            verdict = condition(wl, "QuotaReserved")["message"]
+            print(f"Kueue: {verdict}")
+            assert "topology" in verdict.lower() or "fit" in verdict.lower(), verdict
+            assert wait_reason(jobs, "tp2", "Queued")["phase"] == "Pending"
+            assert jobs.jobset("tp2")["spec"]["suspend"] is True and live_pods(jobs, "tp2") == []
+            # a whole node frees up: Kueue admits the job there, and both pods of the group run on it
+            jobs.core.delete_namespaced_pod(fillers[1], jobs.ns, grace_period_seconds=0)
+            jobs.wait_phase("tp2", ("Running", "Succeeded"), timeout=KUEUE_TIMEOUT_S)
+            pods = cluster.wait_for(lambda: (ps := [p for p in jobs.pods("tp2") if p.spec.node_name]) and len(ps) == 2
+                                    and ps, 60, "both pods bound", namespace=jobs.ns)
+            assert {p.spec.node_name for p in pods} == {nodes[1]}, [(p.metadata.name, p.spec.node_name) for p in pods]
+            for pod in pods:  # Kueue, not chance, put them there
+                assert (pod.spec.node_selector or {}).get(host) == nodes[1], pod.spec.node_selector
+            done = jobs.wait_phase("tp2", "Succeeded", timeout=KUEUE_TIMEOUT_S)
+            assert done["restarts"] == 0
+        finally:
+            # gone while this operator runs, so the session's operator never sees it when it resumes
+            with contextlib.suppress(kubernetes.client.ApiException):
+                jobs.delete("tp2")
+            wait_gone(cluster, lambda: jobs.jobset("tp2"), "the JobSet of tp2 deleted", jobs.ns)
+            op.stop()

@@ -4,31 +4,21 @@ A TP group that spans pods (TP=2 on 1-GPU pods) is kept on one host by a *requir
 which the scheduler decides pod by pod: the group's first pod may take a node with no room for its
 partner, and the partner then waits forever, holding nothing back but also never fitting, even when
 another node could take the whole group. The test below asks for the behaviour we want (the group
-lands together where it fits); it is a strict xfail until the rendering places groups as a unit
-(docs/troubleshooting.md, "Tensor-parallel placement", says what happens today and the options).
+lands together where it fits); it is a strict xfail while jobs outside Kueue are placed pod by pod.
+Queued jobs are placed as a unit by Kueue's topology-aware scheduling when the operator's
+kueueTpGroupTopology setting is on: e2e/test_kueue.py shows the same fragmented nodes there
+(docs/troubleshooting.md, "Tensor-parallel placement").
 """
 
 from __future__ import annotations
 
 import pytest
-from k8s import GPU_TOLERATION
-from mjob import crd, jobs, operator, small_job
+from mjob import crd, gpu_filler, jobs, operator, small_job
 
 pytestmark = pytest.mark.e2e
 
 POOL = {"node.kubernetes.io/instance-type": "kwok-2xh100"}  # 2 nodes x 2 GPUs (e2e/cluster NODE_POOLS)
 NODES = ("gpu-2x-00", "gpu-2x-01")
-
-
-def filler(jobs, node: str) -> str:
-    """A plain pod that holds one GPU of ``node`` (what another team's job would do)."""
-    name = f"filler-{node}"
-    jobs.core.create_namespaced_pod(jobs.ns, {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-        "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": [GPU_TOLERATION],
-                 "containers": [{"name": "c", "image": "busybox",
-                                 "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
-    return name
 
 
 def pods_of(jobs, name: str):
@@ -38,7 +28,7 @@ def pods_of(jobs, name: str):
 @pytest.mark.xfail(strict=True, reason="TP groups are placed pod by pod (required pod affinity); the partner "
                                        "of a group's first pod cannot follow it to a node with room")
 def test_tp_group_lands_together_where_it_fits(cluster, operator, jobs):
-    fillers = [filler(jobs, n) for n in NODES]  # 1 GPU free on each node: no node can take the group
+    fillers = [gpu_filler(jobs, n) for n in NODES]  # 1 GPU free on each node: no node can take the group
     cluster.wait_for(lambda: all(jobs.core.read_namespaced_pod(f, jobs.ns).spec.node_name for f in fillers) or None,
                      60, "fillers bound", namespace=jobs.ns)
     jobs.create(small_job("tp2", numNodes=2, gpusPerNode=1, parallelism={"tensor": 2},

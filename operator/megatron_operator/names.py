@@ -33,10 +33,16 @@ TRAINER_CONTAINER = "trainer"
 
 # Other controllers' names
 KUEUE_GROUP = "kueue.x-k8s.io"
-KUEUE_VERSION = "v1beta1"  # served by Kueue v0.9 to v0.15 (v0.15 also serves v1beta2)
+KUEUE_VERSION = "v1beta1"  # served by Kueue v0.9 to v0.19 (deprecated beside v1beta2 in v0.19; tested on v0.19.2)
 KUEUE_WORKLOADS = "workloads"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass name
+#: Kueue topology-aware scheduling: every pod of the PodSet in one domain of this node label (required),
+#: or preferably so; a PodSet is one replicated job of the JobSet.
+KUEUE_PODSET_REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
+KUEUE_PODSET_TOPOLOGY_ANNOTATIONS = (KUEUE_PODSET_REQUIRED_TOPOLOGY, "kueue.x-k8s.io/podset-preferred-topology",
+                                     "kueue.x-k8s.io/podset-unconstrained-topology",
+                                     "kueue.x-k8s.io/podset-slice-required-topology")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue creates for a JobSet
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"

@@ -21,6 +21,8 @@ from .names import (
     JOBSET_GLOBAL_INDEX_LABEL,
     JOBSET_RESTART_ATTEMPT_LABEL,
     KIND,
+    KUEUE_PODSET_REQUIRED_TOPOLOGY,
+    KUEUE_PODSET_TOPOLOGY_ANNOTATIONS,
     KUEUE_PRIORITY_CLASS_LABEL,
     KUEUE_QUEUE_LABEL,
     LABEL_JOB_NAME,
@@ -408,6 +410,13 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
         pod_labels = {**spec.pod_metadata.labels, **labels_for(name)}
         if tp_group is not None:
             pod_labels[LABEL_TP_GROUP] = str(tp_group)
+        annotations = dict(spec.pod_metadata.annotations)
+        if tp_group is not None and spec.queue_name and settings.kueue_tp_group_topology \
+                and not any(k in annotations for k in KUEUE_PODSET_TOPOLOGY_ANNOTATIONS):
+            # Each group is a replicated job, i.e. a Kueue PodSet: Kueue's TAS admits the job only when
+            # every group fits on one host and pins the pods there (no group split across hosts waiting
+            # forever for room next to its first pod). A topology the user asked for wins.
+            annotations[KUEUE_PODSET_REQUIRED_TOPOLOGY] = settings.kueue_tp_group_topology
         replicated_jobs.append({
             "name": rjob_name,
             "replicas": replicas,
@@ -431,9 +440,7 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
                                         "values": sorted(NON_RETRIABLE_EXIT_CODES)},
                     }]},
                     "template": {
-                        "metadata": {"labels": pod_labels,
-                                     **({"annotations": dict(spec.pod_metadata.annotations)}
-                                        if spec.pod_metadata.annotations else {})},
+                        "metadata": {"labels": pod_labels, **({"annotations": annotations} if annotations else {})},
                         "spec": _pod_spec(job, settings, layout, first_rjob, tp_group),
                     },
                 },

@@ -7,6 +7,7 @@ Every field can be set with an environment variable ``MEGATRON_OPERATOR_<FIELD I
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 
 from . import __version__
@@ -15,6 +16,11 @@ from . import __version__
 #: (e.g. `unconfined`), kube2iam/kiam's IAM role annotation, Azure Workload Identity's pod label.
 DEFAULT_DENIED_METADATA_KEYS = ("container.apparmor.security.beta.kubernetes.io/,seccomp.security.alpha.kubernetes.io/,"
                                 "iam.amazonaws.com/,azure.workload.identity/")
+
+
+#: A Kubernetes label key: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
+_LABEL_KEY = re.compile(r"(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*/)?"
+                        r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,13 @@ class Settings:
     metrics_port: int = 8080
     #: Address /metrics and /healthz bind to.
     metrics_host: str = "0.0.0.0"
+    #: Node label of one host in the Kueue Topology of the cluster's GPU ResourceFlavors (e.g.
+    #: kubernetes.io/hostname), or empty. When set, a queued job whose tensor-parallel groups span
+    #: several pods asks Kueue's topology-aware scheduling to place each group on one host
+    #: (kueue.x-k8s.io/podset-required-topology on each group's replicated job): the job is admitted only
+    #: when every group fits on a host, and waits in the queue, holding no GPUs, until then. Only for
+    #: clusters whose GPU flavors all have a topologyName: on a flavor without one Kueue cannot admit it.
+    kueue_tp_group_topology: str = ""
     #: Namespaces to watch (comma-separated); empty watches the whole cluster.
     namespaces: str = ""
     # Guardrails (guardrails.py): what a job may ask for on this cluster. Empty/0/false: no limit.
@@ -69,6 +82,11 @@ class Settings:
     #: Pod label/annotation key prefixes spec.podMetadata may not use (comma-separated, case-insensitive),
     #: e.g. container.apparmor.security.beta.kubernetes.io/,eks.amazonaws.com/,app
     denied_metadata_keys: str = DEFAULT_DENIED_METADATA_KEYS
+
+    def __post_init__(self) -> None:
+        label = self.kueue_tp_group_topology
+        if label and not _LABEL_KEY.fullmatch(label):
+            raise ValueError(f"kueue_tp_group_topology {label!r} is not a node label key (e.g. kubernetes.io/hostname)")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:

@@ -93,6 +93,34 @@ def test_tp_group_spanning_pods_gets_affinity_on_exactly_its_pods():
     assert "--master-addr=job-tp0-0-0.job" in container(js)["command"]
 
 
+def _group_annotations(js) -> list[dict]:
+    return [r["template"]["spec"]["template"]["metadata"].get("annotations", {}) for r in js["spec"]["replicatedJobs"]]
+
+
+@pytest.mark.parametrize("queued, setting, tp, expected", [
+    # a queued job with groups spanning pods, on a cluster whose flavors have a host level: one PodSet per group
+    (True, "kubernetes.io/hostname", 2, "kubernetes.io/hostname"),
+    (False, "kubernetes.io/hostname", 2, None),  # not queued: Kueue never sees it
+    (True, "", 2, None),  # the admin did not say the flavors support TAS
+    (True, "kubernetes.io/hostname", 1, None),  # every group inside one pod: nothing to place
+])
+def test_queued_tp_groups_ask_kueue_for_one_host_each(queued, setting, tp, expected):
+    doc = make_job(numNodes=4, gpusPerNode=1, parallelism={"tensor": tp},
+                   training={"microBatchSize": 1, "globalBatchSize": 4 // tp, "trainIters": 1},
+                   **({"queueName": "team-a"} if queued else {}))
+    js = objects(doc, Settings(kueue_tp_group_topology=setting))["JobSet"]
+    got = {a.get("kueue.x-k8s.io/podset-required-topology") for a in _group_annotations(js)}
+    assert got == {expected}
+
+
+def test_a_topology_the_user_asked_kueue_for_wins():
+    doc = make_job(numNodes=4, gpusPerNode=1, parallelism={"tensor": 2}, queueName="team-a",
+                   training={"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 1},
+                   podMetadata={"annotations": {"kueue.x-k8s.io/podset-preferred-topology": "rack"}})
+    js = objects(doc, Settings(kueue_tp_group_topology="kubernetes.io/hostname"))["JobSet"]
+    assert _group_annotations(js) == [{"kueue.x-k8s.io/podset-preferred-topology": "rack"}] * 2
+
+
 def test_plan_keeps_tp_groups_in_node_rank_order():
     job = parse_job(make_job(numNodes=8, gpusPerNode=2, parallelism={"tensor": 4},
                              training={"microBatchSize": 1, "trainIters": 1}))

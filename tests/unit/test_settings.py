@@ -29,3 +29,11 @@ def test_boolean_settings_read_true_and_false():
     import pytest
     with pytest.raises(ValueError, match="use true or false"):
         Settings.from_env({"MEGATRON_OPERATOR_DENY_SECRET_ENV": "maybe"})
+
+
+def test_kueue_tp_group_topology_must_be_a_label_key():
+    assert Settings.from_env({"MEGATRON_OPERATOR_KUEUE_TP_GROUP_TOPOLOGY": "kubernetes.io/hostname"}
+                             ).kueue_tp_group_topology == "kubernetes.io/hostname"
+    assert Settings.from_env({}).kueue_tp_group_topology == ""
+    with pytest.raises(ValueError, match="not a node label key"):
+        Settings.from_env({"MEGATRON_OPERATOR_KUEUE_TP_GROUP_TOPOLOGY": "host name"})
