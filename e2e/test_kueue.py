@@ -116,11 +116,15 @@ def test_second_job_waits_in_the_queue_with_kueues_message_then_runs(cluster, op
     assert queued["phase"] == "Pending" and queued["message"].startswith(f"waiting for Kueue to admit the job from "
                                                                          f"queue {QUEUE}: ")
     assert jobs.jobset("second")["spec"]["suspend"] is True and live_pods(jobs, "second") == []
+    waiting = condition({"status": queued}, "Queued")  # kubectl wait --for=condition=Queued=false works on it
+    assert (waiting.get("status"), waiting.get("reason")) == ("True", "Queued") and kueue_message in waiting["message"]
     # admitted when the first one finishes (its quota is released), then runs to the end
     jobs.wait_phase("first", "Succeeded", timeout=KUEUE_TIMEOUT_S)
     jobs.wait_phase("second", ("Running", "Succeeded"), timeout=KUEUE_TIMEOUT_S)
     done = jobs.wait_phase("second", "Succeeded", timeout=KUEUE_TIMEOUT_S)
     assert done["restarts"] == 0
+    assert (condition({"status": done}, "Queued").get("status"), condition({"status": done}, "Queued").get("reason")) \
+        == ("False", "NotQueued")
     assert condition(kueue.workload(jobs, "second"), "Finished").get("status") == "True"
     assert {"Queued", "Running", "Completed"} <= {e.reason for e in jobs.events("second")}
 

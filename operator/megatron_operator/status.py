@@ -44,6 +44,9 @@ class ConditionType:
     INVALID_SPEC = "InvalidSpec"
     STALLED = "Stalled"
     MEMORY_FIT = "MemoryFit"
+    #: Jobs with ``spec.queueName`` only: True while Kueue has not admitted the job (queued, or
+    #: preempted and queued again), with Kueue's own message.
+    QUEUED = "Queued"
 
 
 class Reason:
@@ -415,6 +418,11 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                  ConditionType.FAILED):
         on = phase == kind
         conditions.set(kind, on, reason if on else Reason.not_(kind), message if on else "")
+
+    if o.queue_name:
+        waiting = reason in (Reason.QUEUED, Reason.PREEMPTED)
+        conditions.set(ConditionType.QUEUED, waiting, reason if waiting else Reason.not_(ConditionType.QUEUED),
+                       message if waiting else "")
 
     # Stalled: Running, but the trainer's reported iteration has not moved for stall_timeout_s
     progress = prev.get("progress") or {}

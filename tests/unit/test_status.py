@@ -123,6 +123,7 @@ def test_unfinished_job_without_jobset_is_pending_again():
 def test_suspended_and_kueue_queued():
     s, _ = derive(obs(jobset=js(suspended=True), suspend=True), NOW)
     assert s["phase"] == "Suspended" and cond(s, "Suspended")["status"] == "True"
+    assert "Queued" not in {c["type"] for c in s["conditions"]}  # no queueName: no Queued condition
     q, _ = derive(obs(jobset=js(suspended=True), queue_name="team"), NOW)
     assert (q["phase"], q["reason"]) == ("Pending", "Queued")
 
@@ -138,11 +139,17 @@ def test_kueue_messages_in_queued_and_preempted():
                            workload=kueue_workload(QuotaReserved=("False", "Pending", waiting))), NOW)
     assert (q["phase"], q["reason"]) == ("Pending", "Queued")
     assert q["message"] == f"waiting for Kueue to admit the job from queue team: {waiting}"
+    # in a condition too (kubectl wait --for=condition=Queued=false, Argo CD), with Kueue's words
+    assert (cond(q, "Queued")["status"], cond(q, "Queued")["reason"]) == ("True", "Queued")
+    assert waiting in cond(q, "Queued")["message"]
+    admitted, _ = derive(obs(jobset=js(), pods=pods(2), queue_name="team", previous=q), NOW)
+    assert (cond(admitted, "Queued")["status"], cond(admitted, "Queued")["reason"]) == ("False", "NotQueued")
     running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
     preempted = "Preempted to accommodate a workload (UID: u) due to prioritization in the ClusterQueue"
     p, events = derive(obs(jobset=js(suspended=True), queue_name="team", previous=running,
                            workload=kueue_workload(Evicted=("True", "Preempted", preempted))), NOW)
     assert (p["phase"], p["reason"]) == ("Pending", "Preempted") and preempted in p["message"]
+    assert (cond(p, "Queued")["status"], cond(p, "Queued")["reason"]) == ("True", "Preempted")
     assert p["restarts"] == 0
     assert [(e.type, e.reason) for e in events] == [("Warning", "Preempted")]
 
