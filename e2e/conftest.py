@@ -24,6 +24,11 @@ import kubernetes
 import pytest
 from k8s import Cluster, load_cluster_module
 
+# The operator, the CRD and the per-test `jobs` helper, registered once here for every test module.
+# Imported into each module instead, a session-scoped fixture gets one instance per module: a CI run
+# had three session operators at once, all reconciling every job (duplicate events, racing status).
+from mjob import crd, jobs, operator  # noqa: F401
+
 NAMESPACE_DELETE_TIMEOUT_S = 90
 TEST_NAMESPACE_LABEL = "megatron-e2e=true"
 

@@ -14,7 +14,7 @@ import kubernetes
 import pytest
 import yaml
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, pod_runtime_annotations
-from mjob import EXAMPLES, GROUP, PLURAL, VERSION, crd
+from mjob import EXAMPLES, GROUP, PLURAL, VERSION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 from megatron_operator.crd import to_yaml

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from k8s import POD_FAIL_LABEL
-from mjob import Jobs, crd, jobs, operator, run_for, small_job
+from mjob import Jobs, run_for, small_job
 
 pytestmark = pytest.mark.e2e
 

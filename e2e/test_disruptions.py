@@ -8,7 +8,7 @@ from __future__ import annotations
 import kubernetes
 import pytest
 from k8s import load_cluster_module
-from mjob import Jobs, crd, jobs, operator, run_for, small_job
+from mjob import Jobs, run_for, small_job
 
 pytestmark = pytest.mark.e2e
 

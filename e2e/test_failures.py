@@ -9,7 +9,7 @@ import json
 
 import pytest
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, POD_FAIL_REASON
-from mjob import crd, jobs, operator, run_for, small_job
+from mjob import run_for, small_job
 
 pytestmark = pytest.mark.e2e
 

@@ -37,7 +37,6 @@ from mjob import (
     Jobs,
     OperatorProcess,
     alone_with_the_jobs,
-    crd,
     free_port,
     run_for,
     small_job,

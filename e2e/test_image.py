@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 from k8s import Cluster
-from mjob import OPERATOR_START_TIMEOUT_S, Jobs, crd, run_for, small_job
+from mjob import OPERATOR_START_TIMEOUT_S, Jobs, run_for, small_job
 from test_helm import ChartOperator, Release, e2e_values, release
 
 pytestmark = pytest.mark.e2e

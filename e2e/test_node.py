@@ -30,7 +30,7 @@ import kubernetes
 import pytest
 import yaml
 from k8s import Cluster
-from mjob import Jobs, crd, run_for, small_job
+from mjob import Jobs, run_for, small_job
 from test_helm import Release
 from test_image import image
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL
-from mjob import Jobs, crd, jobs, operator, run_for, small_job, wait_gone
+from mjob import Jobs, run_for, small_job, wait_gone
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 from megatron_operator.render import render_jobset

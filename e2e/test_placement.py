@@ -13,7 +13,7 @@ kueueTpGroupTopology setting is on: e2e/test_kueue.py shows the same fragmented 
 from __future__ import annotations
 
 import pytest
-from mjob import crd, gpu_filler, jobs, operator, small_job
+from mjob import gpu_filler, small_job
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mjob import crd, jobs, operator, run_for, small_job
+from mjob import run_for, small_job
 
 pytestmark = pytest.mark.e2e
 

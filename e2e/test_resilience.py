@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mjob import ROOT, crd, jobs, operator, run_for, small_job
+from mjob import ROOT, run_for, small_job
 
 pytestmark = pytest.mark.e2e
 JOBSET_CRD = "jobsets.jobset.x-k8s.io"

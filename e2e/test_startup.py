@@ -8,7 +8,7 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from mjob import crd, jobs, operator, run_for, small_job
+from mjob import run_for, small_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 from megatron_trainer.progress import Progress, ProgressWriter
