@@ -84,8 +84,11 @@ def _dp_reshardable_checkpoint(opt, model_param, saved_step: float) -> dict:
 def test_distopt_resume_keeps_the_checkpoint_adam_step():
     """Megatron-Core 0.19.2's dp_reshardable load without TE/apex puts the pre-load step (1) over the
     checkpoint's (20): reproduced through the real DistributedOptimizer.load_state_dict, then fixed."""
-    from megatron_trainer.checkpoint import adam_steps
-    from megatron_trainer.compat import patch_distopt_state_load_for_torch_adam, unshare_adam_steps
+    from megatron_trainer.compat import (
+        adam_steps,
+        patch_distopt_state_load_for_torch_adam,
+        unshare_adam_steps,
+    )
 
     opt, main, model_param = _distopt_with_one_param(step_before_load=1)
     with torch.no_grad():

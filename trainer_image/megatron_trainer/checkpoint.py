@@ -433,7 +433,7 @@ class Checkpointer:
                 unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
-            from .compat import unshare_adam_steps
+            from .compat import adam_steps, unshare_adam_steps
 
             if unshare_adam_steps(self.optimizer):
                 log.info("checkpoint: optimizer step counters unshared (Megatron-Core 0.19 shares one; compat.py)")
@@ -460,18 +460,6 @@ class Checkpointer:
         log.info("checkpoint: resumed from %s (iteration %d, %s, layout %s -> %s) in %.2f s", path,
                  result.iteration, chosen.reason, saved_layout, mine, seconds)
         return result
-
-
-def adam_steps(optimizer) -> set[float]:
-    """The distinct torch-AdamW `step` values of this rank's parameters (one value when all is well)."""
-    found: set[float] = set()
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            step = state.get("step") if isinstance(state, dict) else None
-            if isinstance(step, torch.Tensor):
-                found.add(float(step.item()))
-    return found
 
 
 def tracker_states_as_tensors(states: dict) -> dict:

@@ -47,6 +47,21 @@ def patch_distopt_state_load_for_torch_adam(optimizer) -> int:
     return patched
 
 
+def torch_optimizer_states(optimizer):
+    """The per-parameter state dicts of each torch optimizer inside a Megatron (chained) optimizer,
+    one list per torch optimizer."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            yield list(inner.state.values())
+
+
+def adam_steps(optimizer) -> set[float]:
+    """The distinct torch-AdamW `step` values of this rank's parameters (one value when all is well)."""
+    return {float(state["step"].item()) for states in torch_optimizer_states(optimizer) for state in states
+            if isinstance(state.get("step"), torch.Tensor)}
+
+
 def unshare_adam_steps(optimizer) -> int:
     """Give every parameter its own torch.optim.AdamW `step` tensor after a checkpoint load.
 
@@ -59,12 +74,9 @@ def unshare_adam_steps(optimizer) -> int:
     2 x H200, 2026-11-23). Returns the number of state entries given their own tensor.
     """
     fixed = 0
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
+    for states in torch_optimizer_states(optimizer):
         seen: set[int] = set()
-        for state in inner.state.values():
+        for state in states:
             step = state.get("step")
             if isinstance(step, torch.Tensor):
                 if id(step) in seen:
