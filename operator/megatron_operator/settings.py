@@ -11,16 +11,12 @@ import re
 from dataclasses import dataclass, fields
 
 from . import __version__
+from .rules import QUALIFIED_NAME_RE
 
 #: Pod annotation/label key prefixes refused by default: AppArmor and seccomp profile annotations
 #: (e.g. `unconfined`), kube2iam/kiam's IAM role annotation, Azure Workload Identity's pod label.
 DEFAULT_DENIED_METADATA_KEYS = ("container.apparmor.security.beta.kubernetes.io/,seccomp.security.alpha.kubernetes.io/,"
                                 "iam.amazonaws.com/,azure.workload.identity/")
-
-
-#: A Kubernetes label key: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
-_LABEL_KEY = re.compile(r"(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*/)?"
-                        r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -85,7 +81,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         label = self.kueue_tp_group_topology
-        if label and not _LABEL_KEY.fullmatch(label):
+        if label and not re.fullmatch(QUALIFIED_NAME_RE, label):
             raise ValueError(f"kueue_tp_group_topology {label!r} is not a node label key (e.g. kubernetes.io/hostname)")
 
     @classmethod
