@@ -883,7 +883,7 @@ def scenario_memory(ctx) -> dict:
         batch, singles = singles[:gpus], singles[gpus:]
         threads, outs = [], [None] * len(batch)
 
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus))).split(",")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", all_gpus(gpus)).split(",")
 
         def work(i, c, outs=outs, visible=visible):
             outs[i] = memory_run(c, visible[i])
@@ -901,7 +901,7 @@ def scenario_memory(ctx) -> dict:
         if time.monotonic() > DEADLINE[0] - 60:
             results.append({"name": c[0], "skipped": "time"})
             continue
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus))).split(",")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", all_gpus(gpus)).split(",")
         results.append(memory_run(c, ",".join(visible[:c[1]])))
         ctx["memory_records"] = results
         flush_outputs(ctx["out_dir"], ctx.get("results", {}), ctx)
@@ -1166,12 +1166,17 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct": float(mm.group(2)), "losses_1_5": json.loads(mm.group(3))}
 
 
+def all_gpus(gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES for the first `gpus` GPUs."""
+    return ",".join(str(i) for i in range(gpus))
+
+
 def mlm_second_peer(name: str, gpus: int, model: str, tp: int, gbs: int) -> dict:
     """Megatron-LM's pretrain_gpt.py as the second peer of `bench` and `perf` (issue 17), when its
     source is carried in .run/mlm; otherwise a record saying it was not (never a silent omission)."""
     if not (REPO / ".run" / "mlm" / "pretrain_gpt.py").is_file() or not (REPO / ".run" / "mlm_peer.sh").is_file():
         return {"not_run": "Megatron-LM's source (.run/mlm) or .run/mlm_peer.sh not carried"}
-    return run_mlm_peer(name, gpus, model, tp, 1, gbs, ",".join(str(i) for i in range(gpus)))
+    return run_mlm_peer(name, gpus, model, tp, 1, gbs, all_gpus(gpus))
 
 
 def ratio_vs_mlm(ours_ms: float | None, mlm: dict) -> float | None:
@@ -1203,7 +1208,7 @@ def threeway_layout(ctx, layout: str) -> dict:
     m = MODELS[model]
     dp = gpus // (tp * pp)
     gbs = m["mbs"] * dp * (4 if pp > 1 else 1)  # PP=2: 4 micro-batches (global batch 16 at mbs 4)
-    visible = ",".join(str(i) for i in range(gpus))
+    visible = all_gpus(gpus)
     out: dict = {"layout": layout, "gpus": gpus, "model": model, "global_batch": gbs}
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
     # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
@@ -1236,11 +1241,10 @@ def threeway_layout(ctx, layout: str) -> dict:
     failures: list[str] = []
     check(ours_ms is not None, f"ours rc={rc}", failures)
     check("iter_ms" in mlm, "Megatron-LM did not run", failures)
-    if ours_ms and "iter_ms" in mlm:
-        out["ours_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / ours_ms, 3)
-    for key in ("ours_overlap", "ours_graph"):
-        if out.get(key, {}).get("iter_ms") and "iter_ms" in mlm:
-            out[f"{key}_speedup_vs_megatron_lm"] = round(mlm["iter_ms"] / out[key]["iter_ms"], 3)
+    for key in ("ours", "ours_overlap", "ours_graph"):
+        ratio = ratio_vs_mlm(out.get(key, {}).get("iter_ms"), mlm)
+        if ratio is not None:
+            out[f"{key}_speedup_vs_megatron_lm"] = ratio
     peer = out.get("guides_loop", {})
     if ours_ms and "iter_ms" in peer:
         out["ours_speedup_vs_guides_loop"] = round(peer["iter_ms"] / ours_ms, 3)
