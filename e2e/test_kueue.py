@@ -60,6 +60,23 @@ class Kueue:
         self.cluster.wait_for(active, 30, f"ClusterQueue {self.cluster_queue} Active", namespace=self.ns,
                               kinds=("clusterqueues", "localqueues"))
 
+    def use_topology(self, topology: str, levels: list[str], flavor: str, node_labels: dict[str, str],
+                     gpus: int) -> None:
+        """Topology-aware scheduling for this test: a Topology of `levels` (node labels, outermost
+        first), a ResourceFlavor on the nodes with `node_labels` that uses it, and this test's
+        ClusterQueue re-pointed at that flavor with `gpus` GPUs of quota."""
+        self.cluster.apply([
+            {"apiVersion": "/".join(KUEUE), "kind": "Topology", "metadata": {"name": topology},
+             "spec": {"levels": [{"nodeLabel": label} for label in levels]}},
+            {"apiVersion": "/".join(KUEUE), "kind": "ResourceFlavor", "metadata": {"name": flavor},
+             "spec": {"nodeLabels": node_labels, "topologyName": topology,
+                      "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
+            {"apiVersion": "/".join(KUEUE), "kind": "ClusterQueue", "metadata": {"name": self.cluster_queue},
+             "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": self.ns}},
+                      "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
+                          {"name": flavor, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": gpus}]}]}]}},
+        ])
+
     def teardown(self) -> None:
         # the namespace's deletion removes the LocalQueue and the Workloads; the ClusterQueue is ours
         self.api.delete_cluster_custom_object(*KUEUE, "clusterqueues", self.cluster_queue)
@@ -190,17 +207,8 @@ def test_topology_aware_scheduling_keeps_the_job_in_one_rack(cluster, operator, 
     with a Topology of racks and hosts; the kwok nodes carry the rack label."""
     rack = load_cluster_module().RACK_LABEL
     topology, flavor = "e2e-racks", "e2e-tas-p5"
-    cluster.apply([
-        {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Topology", "metadata": {"name": topology},
-         "spec": {"levels": [{"nodeLabel": rack}, {"nodeLabel": "kubernetes.io/hostname"}]}},
-        {"apiVersion": "/".join(KUEUE), "kind": "ResourceFlavor", "metadata": {"name": flavor},
-         "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "p5.48xlarge"}, "topologyName": topology,
-                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
-        {"apiVersion": "/".join(KUEUE), "kind": "ClusterQueue", "metadata": {"name": kueue.cluster_queue},
-         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": jobs.ns}},
-                  "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
-                      {"name": flavor, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": 32}]}]}]}},
-    ])
+    kueue.use_topology(topology, [rack, "kubernetes.io/hostname"], flavor,
+                       {"node.kubernetes.io/instance-type": "p5.48xlarge"}, gpus=32)
     jobs.create(small_job("racked", queueName=QUEUE, numNodes=3, gpusPerNode=8, parallelism={"tensor": 8},
                           podMetadata={"annotations": {**run_for(5)["annotations"],
                                                        "kueue.x-k8s.io/podset-required-topology": rack}}))
@@ -227,17 +235,7 @@ def test_tp_group_waits_in_the_queue_until_one_host_fits_it_then_lands_there(clu
     topology, flavor = "e2e-hosts", "e2e-tas-2x"
     pool = {"node.kubernetes.io/instance-type": "kwok-2xh100"}  # 2 nodes x 2 GPUs (e2e/cluster NODE_POOLS)
     nodes = ("gpu-2x-00", "gpu-2x-01")
-    cluster.apply([
-        {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Topology", "metadata": {"name": topology},
-         "spec": {"levels": [{"nodeLabel": host}]}},
-        {"apiVersion": "/".join(KUEUE), "kind": "ResourceFlavor", "metadata": {"name": flavor},
-         "spec": {"nodeLabels": pool, "topologyName": topology,
-                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
-        {"apiVersion": "/".join(KUEUE), "kind": "ClusterQueue", "metadata": {"name": kueue.cluster_queue},
-         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": jobs.ns}},
-                  "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
-                      {"name": flavor, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": 4}]}]}]}},
-    ])
+    kueue.use_topology(topology, [host], flavor, pool, gpus=4)
     fillers = [gpu_filler(jobs, n) for n in nodes]  # another team's pods: 1 GPU free on each node
     cluster.wait_for(lambda: all(jobs.core.read_namespaced_pod(f, jobs.ns).spec.node_name for f in fillers) or None,
                      60, "fillers bound", namespace=jobs.ns)
