@@ -1,6 +1,7 @@
 """MegatronJob helpers and fixtures for the e2e tests: install the CRD, run the operator process,
-create jobs, read their status. Import the fixtures into a test module with
-``from mjob import crd, operator, jobs``.
+create jobs, read their status. The fixtures ``crd``, ``operator`` and ``jobs`` are registered once, in
+e2e/conftest.py: a test asks for them by name and must not import them (an imported session fixture
+gets one instance per importing module).
 """
 
 from __future__ import annotations

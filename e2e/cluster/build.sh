@@ -42,7 +42,7 @@ wrapper() { # wrapper DIR MODULE@VERSION...: a throw-away main module that requi
   mkdir -p "$d"; cd "$d"
   if [ ! -f .resolved ]; then   # marker: a failed `go get` must not leave a half-resolved go.mod behind
     printf 'module local/%s\n\ngo 1.26\n' "$(basename "$d" | tr -c 'a-z0-9\n' _)" > go.mod; rm -f go.sum
-    if [ -f go.sum.kueue ]; then cp go.sum.kueue go.sum; fi
+    if [ -f go.sum.seed ]; then cp go.sum.seed go.sum; fi   # a main module's go.sum to start from
     $GO get -tool "$@"
     touch .resolved
   fi
@@ -115,7 +115,7 @@ build_kueue() {
   if [ ! -f "$d/.resolved" ]; then
     $GO mod download "sigs.k8s.io/kueue@v$KUEUE_VERSION"
     mkdir -p "$d"
-    cp "$GOMODCACHE/sigs.k8s.io/kueue@v$KUEUE_VERSION/go.sum" "$d/go.sum.kueue"
+    cp "$GOMODCACHE/sigs.k8s.io/kueue@v$KUEUE_VERSION/go.sum" "$d/go.sum.seed"
   fi
   wrapper "kueue-$KUEUE_VERSION" "sigs.k8s.io/kueue/cmd/kueue@v$KUEUE_VERSION"
   $GO build -trimpath -ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=v$KUEUE_VERSION" \
