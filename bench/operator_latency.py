@@ -124,6 +124,54 @@ def proc_stats(pid: int) -> dict[str, float]:
     return {"peak_rss_mib": hwm, "cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
 
 
+COMPONENTS = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok", "jobset", "kueue")
+
+
+def component_cpu() -> dict[str, float]:
+    """CPU seconds (utime + stime) so far of each control-plane process, by the name of its binary."""
+    out: dict[str, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv0 = (d / "cmdline").read_bytes().split(b"\0", 1)[0].decode()
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, UnicodeDecodeError, IndexError):
+            continue
+        base = Path(argv0).name
+        name = next((c for c in COMPONENTS if base == c or base.startswith(c + "-") or base.startswith(c + "_")), None)
+        if name is not None:
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def apiserver_requests(cluster: Cluster) -> dict[str, list[float]]:
+    """The API server's own counters: {"VERB resource[/subresource]": [requests, seconds spent]}."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for metric, idx in (("apiserver_request_total{", 0), ("apiserver_request_duration_seconds_sum{", 1)):
+            if line.startswith(metric):
+                labels = dict(kv.split("=", 1) for kv in line[len(metric):line.rindex("}")].replace('"', "").split(",")
+                              if "=" in kv)
+                if labels.get("verb") in ("WATCH", "CONNECT"):
+                    continue
+                key = f"{labels.get('verb')} {labels.get('resource')}" + (
+                    f"/{labels['subresource']}" if labels.get("subresource") else "")
+                out.setdefault(key, [0.0, 0.0])[idx] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def diff_requests(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for key, (n, sec) in after.items():
+        n0, s0 = before.get(key, [0.0, 0.0])
+        if n - n0 >= 1:
+            out[key] = {"requests": int(n - n0), "seconds": round(sec - s0, 2)}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["requests"]))
+
+
 # ---- the controllers under test ------------------------------------------------------------------
 
 class Ours:
@@ -353,6 +401,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         system.create(custom, ns, name)
 
     load_before = loadavg()
+    requests0, cpu0 = apiserver_requests(cluster), component_cpu()
     stats0 = proc_stats(pid) if pid else None
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(max_workers=16) as pool:
@@ -362,6 +411,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
     while time.monotonic() < deadline and (len(jobset_at) < n or len(running_at) < n):
         time.sleep(0.5)
     stats1 = proc_stats(pid) if pid else None
+    requests1, cpu1 = apiserver_requests(cluster), component_cpu()
     load_after = loadavg()
     stop.set()
     to_jobset = [jobset_at[k] - created[k] for k in names if k in jobset_at]
@@ -384,6 +434,8 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         "controller_peak_rss_mib": round(stats1["peak_rss_mib"], 1) if stats1 else None,
         "controller_cpu_s": round(stats1["cpu_s"] - stats0["cpu_s"], 2) if stats1 else None,
         "loadavg_before": load_before, "loadavg_after": load_after,
+        "component_cpu_s": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in sorted(cpu1.items())},
+        "apiserver_requests": diff_requests(requests0, requests1),
     }
     # Clean up with the controller still running (as it would be), then stop it.
     core.delete_namespace(ns)
