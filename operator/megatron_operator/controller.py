@@ -1,19 +1,21 @@
 """The reconcile steps, as a flat list of named functions (no kopf here; ``handlers.py`` is glue).
 
-``reconcile`` runs on create and on resume: validate, then make sure the children exist.
-``observe`` runs for a live MegatronJob on every event of it, its JobSet or its pods, and from one
-periodic resync loop (``handlers.py``): derive the status from what exists (the JobSet and pods
-come from watch-fed indexes), act on the difference (recreate a JobSet that
-was deleted while the job was unfinished, enforce suspend and the deadline), write the status once
-if it changed, and emit events for transitions. Both are idempotent: an operator killed at any
-point and restarted leaves exactly one JobSet per MegatronJob (children have fixed names, a
-create that finds the object is a success).
+``observe`` runs for a live MegatronJob on every event of it, its JobSet or its pods (the initial
+listing after an operator start included), and from one periodic resync loop (``handlers.py``):
+validate, derive the status from what exists (the JobSet and pods come from watch-fed indexes),
+act on the difference (create the children of a new job, recreate a JobSet that was deleted while
+the job was unfinished, enforce suspend and the deadline), hand the status to the status writer
+if it changed, and emit events for transitions. It is idempotent: an operator killed at any point
+and restarted leaves exactly one JobSet per MegatronJob (children have fixed names, a create that
+finds the object is a success). There is no create handler: kopf would record its progress in an
+annotation, one more write per job, each as costly as a status write.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from . import status as st
 from .advice import size_problems, spec_warnings
 from .guardrails import guardrail_problems
-from .kube import Kube, NotOwned, controller_uid
+from .kube import Kube, NotOwned, PermanentApiError, TransientError, controller_uid
 from .kueue import WorkloadView
 from .memory import FitReport, fit_report
 from .metrics import Metrics
@@ -29,19 +31,16 @@ from .render import render
 from .rules import Problem, derived_layout
 from .settings import Settings
 from .spec import MegatronJob, MegatronJobSpec
+from .status_writer import StatusWriter
 from .validation import SpecError, parse_job
 
 log = logging.getLogger(__name__)
 
 EmitFn = Callable[[st.Event], None]
 
-
-class InvalidSpec(Exception):
-    """The spec can never run (the operator's models or the memory check refuse it)."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("; ".join(p.message for p in problems))
+#: After creating a job's JobSet, observations wait this long for the JobSet's watch event before
+#: creating it again (a JobSet deleted before the operator ever saw it is recreated after that).
+JOBSET_WATCH_GRACE_S = 30.0
 
 
 @dataclass
@@ -75,21 +74,29 @@ Snapshot = Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, list
 
 
 class Controller:
-    def __init__(self, kube: Kube, settings: Settings, metrics: Metrics):
+    def __init__(self, kube: Kube, settings: Settings, metrics: Metrics, status_threads: int = 0):
+        """``status_threads``: workers that write the status (``status_writer``); 0 writes inline."""
         self.kube = kube
         self.settings = settings
         self.metrics = metrics
+        self.writer = StatusWriter(lambda ns, name, status: self.kube.apply_status(ns, name, status),
+                                   threads=status_threads,
+                                   on_written=self._status_written, on_error=self._status_failed)
         # Observations of one job are serialised (events and the resync loop may trigger it at once),
         # and coalesced: while one observation waits for the job's lock, another would only read the
         # same caches after it, so it is dropped (the waiter reads the caches once it holds the lock).
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._waiting: set[tuple[str, str]] = set()
         self._locks_guard = threading.Lock()
-        # The MegatronJob uid whose children this process created (or found) per job: the create
-        # handler that follows the first observation of a new job then has nothing left to do.
-        self._ensured: dict[tuple[str, str], str] = {}
-        # The status this operator last wrote per job. Watch caches lag behind our own writes; without
-        # this a second observation could re-derive from a stale status and repeat events.
+        # Per job: (MegatronJob uid, monotonic time, the JobSet as the create returned it, or None when
+        # it was found) of the JobSet this process created and has not yet seen in the JobSet index.
+        # Until its watch event arrives (our own status write is one), observations derive from that
+        # JobSet: they neither create the children again (four creates that all answer 409) nor write
+        # a "creating the JobSet" status that the watch event would replace a moment later.
+        self._created: dict[tuple[str, str], tuple[str, float, dict[str, Any] | None]] = {}
+        # The status this operator last decided per job (written, or waiting in the status writer).
+        # Watch caches lag behind our own writes; without this a second observation could re-derive
+        # from a stale status and repeat events.
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
         # Validation and the memory estimate per (uid, generation): the spec of a generation never
         # changes, and observations run on every pod and JobSet event.
@@ -126,24 +133,7 @@ class Controller:
                 return
             self.observe(body, jobset, pods, emit_for(body), resync=resync)
 
-    # ---- create / resume ------------------------------------------------------------------------
-
-    def reconcile(self, body: dict[str, Any], emit: EmitFn) -> None:
-        parsed = self.parse(body)
-        if parsed.problems:
-            meta = body["metadata"]
-            with self._lock((meta["namespace"], meta["name"])):
-                self.observe(body, None, [], emit, parsed=parsed)
-            raise InvalidSpec(parsed.problems)
-        assert parsed.job is not None
-        if (body.get("status") or {}).get("phase") in st.TERMINAL:
-            return  # a finished job is never restarted (resume after an operator restart)
-        meta = body["metadata"]
-        if self._ensured.get((meta["namespace"], meta["name"])) == meta["uid"]:
-            return  # the observation of this very event created the children a moment ago
-        if not self.ensure_children(parsed.job, body, emit):
-            with self._lock((meta["namespace"], meta["name"])):
-                self.observe(body, None, [], emit, parsed=parsed)  # report the conflict now
+    # ---- children ---------------------------------------------------------------------------------
 
     def not_owned(self, meta: dict[str, Any]) -> str | None:
         """Why this job's children cannot be created (a name taken by an object it does not control)."""
@@ -155,6 +145,7 @@ class Controller:
         does not control (nothing after it is created; retried on every observation)."""
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
+        jobset = None
         for obj in render(job, self.settings, owner_uid=meta["uid"]):
             try:
                 created = self.kube.create(obj)
@@ -162,6 +153,7 @@ class Controller:
                 self._not_owned[key] = (meta["uid"], str(exc))
                 return False
             if obj["kind"] == "JobSet" and created:
+                jobset = created
                 for warning in spec_warnings(job, self.settings):
                     emit(st.Event("Warning", st.Reason.SPEC_WARNING, warning))
                 self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
@@ -171,8 +163,17 @@ class Controller:
                               (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
                                f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
         self._not_owned.pop(key, None)
-        self._ensured[key] = meta["uid"]
+        self._created[key] = (meta["uid"], time.monotonic(), jobset)
+        self.metrics.reconciles.labels(kind="MegatronJob", result="success").inc()
         return True
+
+    def _awaiting_jobset(self, key: tuple[str, str], uid: str) -> tuple[bool, dict[str, Any] | None]:
+        """(True, the JobSet as created or None) while this process created the job's JobSet a moment
+        ago and its watch event has yet to arrive."""
+        created = self._created.get(key)
+        if created is None or created[0] != uid or time.monotonic() - created[1] >= JOBSET_WATCH_GRACE_S:
+            return False, None
+        return True, created[2]
 
     # ---- the level-based loop -------------------------------------------------------------------
 
@@ -196,6 +197,11 @@ class Controller:
             # A JobSet of this name that this job does not control (another MegatronJob's of the same
             # name still being garbage-collected, or someone else's): never read or act on it.
             jobset = None
+        if jobset is not None:
+            self._created.pop(key, None)  # seen: from now on a missing JobSet is recreated
+            awaiting = False
+        else:
+            awaiting, jobset = self._awaiting_jobset(key, meta["uid"])
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
         workload = self.workload(ns, jobset, spec)
         obs = st.Observation(
@@ -224,7 +230,19 @@ class Controller:
         # act on the difference
         if job is not None and not parsed.problems:
             if js_view is None and phase not in st.TERMINAL:
-                self.ensure_children(job, body, emit)
+                if not awaiting:  # else: found a moment ago; its watch event has yet to arrive
+                    try:
+                        self.ensure_children(job, body, emit)
+                    except (TransientError, PermanentApiError) as exc:
+                        kind = "transient" if isinstance(exc, TransientError) else "api"
+                        self.metrics.errors.labels(kind="MegatronJob", error=kind).inc()
+                        log.warning(f"{ns}/{name}: children not created, retried on the next event or "
+                                    f"resync: {exc}")
+                        return  # nothing written, no event
+                    awaiting, created = self._awaiting_jobset(key, meta["uid"])
+                    if created is not None:  # derive from the JobSet just created, not "creating" it
+                        obs.jobset = st.JobSetView.from_jobset(created)
+                        desired, events = st.derive(obs)
                 if obs.not_owned != self.not_owned(meta):  # a conflict found or gone: report it now
                     obs.not_owned = self.not_owned(meta)
                     desired, events = st.derive(obs)
@@ -233,16 +251,19 @@ class Controller:
                     self.kube.delete_jobset(ns, js_view.name)
                 elif int(desired.get("stallRestarts") or 0) > int(previous.get("stallRestarts") or 0):
                     self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes
+                    self._created.pop(key, None)
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name), workload)
 
         # Event-driven passes trust what we wrote; the periodic resync compares with the stored status
         # itself, so a status changed behind our back (or a lost write) converges within one interval.
         stored = body.get("status") or {}
-        if (foreign & desired.keys()) or st.changed(stored if resync else previous, desired):
-            self.kube.apply_status(ns, name, desired)
-            self.metrics.status_writes.inc()
+        in_flight = self.writer.has(key) and not st.changed(previous, desired)  # stored lags behind it
+        if (foreign & desired.keys()) or (st.changed(stored if resync else previous, desired) and not in_flight):
+            if parsed.problems and st.changed(previous, desired):
+                self.metrics.reconciles.labels(kind="MegatronJob", result="invalid").inc()
             self._written[key] = {**desired, "_uid": meta.get("uid")}
+            self.writer.submit(key, desired)
         for ev in events:
             emit(ev)
         self.metrics.set_phase(ns, name, phase)
@@ -270,11 +291,23 @@ class Controller:
         elif not want_suspended and js.suspended:
             self.kube.set_jobset_suspend(ns, js.name, False)
 
+    def _status_written(self, key: tuple[str, str], status: dict[str, Any]) -> None:
+        self.metrics.status_writes.inc()
+
+    def _status_failed(self, key: tuple[str, str], status: dict[str, Any], exc: Exception) -> None:
+        if isinstance(exc, PermanentApiError) and exc.status == 404:
+            return  # the job was deleted meanwhile
+        self.metrics.errors.labels(kind="MegatronJob", error=type(exc).__name__).inc()
+        log.warning(f"{key[0]}/{key[1]}: status not written, derived again on the next event or resync: {exc}")
+        written = self._written.get(key)
+        if written is not None and {k: v for k, v in written.items() if k != "_uid"} == status:
+            self._written.pop(key, None)  # compare with the stored status again, not with this one
+
     def forget(self, ns: str, name: str) -> None:
         self.metrics.forget(ns, name)
         self._written.pop((ns, name), None)
         self._parsed.pop((ns, name), None)
         self._not_owned.pop((ns, name), None)
-        self._ensured.pop((ns, name), None)
+        self._created.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)

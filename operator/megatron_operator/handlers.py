@@ -1,14 +1,16 @@
 """kopf glue: the only module that imports kopf. Thin handlers that call ``controller.Controller``.
 
-- ``reconcile`` (create and resume, one id): validate, create the children.
 - Indexes of MegatronJobs, JobSets and pods (the latter two with a server-side label selector),
   so status is derived from watch caches, not API reads.
-- ``observe``: on every event of a job, of its JobSet or of one of its pods, derive the status from
-  the indexes and act on the difference; plus one resync loop over all jobs (stall detection,
-  deadlines, a status changed behind the operator's back).
+- ``observe``: on every event of a job (the initial listing after a start included), of its JobSet or
+  of one of its pods, derive the status from the indexes and act on the difference (a new job's
+  children are created here); plus one resync loop over all jobs (stall detection, deadlines, a
+  status changed behind the operator's back, a create that failed).
 
-No per-object timers or daemons: kopf puts a finalizer on every object that has one, and a
-finalizer would make deleting a MegatronJob hang whenever the operator is not running.
+No create/update handlers: kopf records their progress in annotations of the object, one more
+write per job that costs the API server as much as a status write (the CRD's validation rules run
+on every write). No per-object timers or daemons: kopf puts a finalizer on every object that has
+one, and a finalizer would make deleting a MegatronJob hang whenever the operator is not running.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from .controller import Controller, InvalidSpec
+from .controller import Controller
 from .kube import PermanentApiError, TransientError
 from .names import (
     GROUP,
@@ -115,26 +117,6 @@ def _observe(memo: kopf.Memo, key: tuple[str, str], jobs: kopf.Index, jobsets: k
                                             f"event or resync: {exc}")
 
 
-# ---- create / resume ------------------------------------------------------------------------------
-
-@kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile")
-@kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile")
-def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    ctl: Controller = memo.controller
-    try:
-        ctl.reconcile(dict(body), _emitter(dict(body)))
-        ctl.metrics.reconciles.labels(kind="MegatronJob", result="success").inc()
-    except InvalidSpec as exc:
-        ctl.metrics.reconciles.labels(kind="MegatronJob", result="invalid").inc()
-        raise kopf.PermanentError(f"invalid spec: {exc}") from None
-    except TransientError as exc:
-        ctl.metrics.errors.labels(kind="MegatronJob", error="transient").inc()
-        raise kopf.TemporaryError(str(exc), delay=5) from None
-    except PermanentApiError as exc:
-        ctl.metrics.errors.labels(kind="MegatronJob", error="api").inc()
-        raise kopf.TemporaryError(str(exc), delay=30) from None
-
-
 # ---- level-based observation ----------------------------------------------------------------------
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="observe-job")
@@ -225,6 +207,7 @@ async def stop_background(memo: kopf.Memo, **_: Any) -> None:
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()
+    await asyncio.get_running_loop().run_in_executor(None, memo.controller.writer.stop)  # statuses waiting
     runner = getattr(memo, "metrics_runner", None)
     if runner is not None:
         await runner.cleanup()

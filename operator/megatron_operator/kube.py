@@ -148,16 +148,16 @@ class Kube:
             # connection refused / reset / TLS while the API server restarts
             raise TransientError(f"{method} {path}: {exc}") from None
 
-    def create(self, obj: dict[str, Any]) -> bool:
-        """Create ``obj``; False when it already exists and is ours (409 is success: creation is
-        idempotent). ``NotOwned`` when the name is taken by an object whose controller is not the
-        owner ``obj`` names: a job must never run under, or act on, someone else's identity or JobSet."""
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Create ``obj`` and return it as the API server stored it; None when it already exists and
+        is ours (409 is success: creation is idempotent). ``NotOwned`` when the name is taken by an
+        object whose controller is not the owner ``obj`` names: a job must never run under, or act
+        on, someone else's identity or JobSet."""
         meta = obj["metadata"]
         what = f"create {obj['kind']} {meta['namespace']}/{meta['name']}"
         try:
-            self._request("POST", _path(obj["kind"], meta["namespace"]), body=obj,
-                          query=[("fieldManager", FIELD_MANAGER)])
-            return True
+            return self._request("POST", _path(obj["kind"], meta["namespace"]), body=obj,
+                                 query=[("fieldManager", FIELD_MANAGER)]) or dict(obj)
         except ApiException as exc:
             if exc.status != 409:
                 _raise(exc, what)
@@ -171,7 +171,7 @@ class Kube:
             raise
         if controller_uid(existing) != controller_uid(obj):
             raise NotOwned(obj["kind"], meta["namespace"], meta["name"], _describe_owner(existing))
-        return False
+        return None
 
     def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Server-side apply of the operator's status fields (the trainer owns status.progress)."""

@@ -7,6 +7,10 @@ import logging
 import os
 import sys
 
+#: Threads that write job statuses (controller.StatusWriter). Few on purpose: in a burst, statuses
+#: queue and coalesce instead of crowding out the JobSet controller's and the scheduler's requests.
+STATUS_WRITE_THREADS = 2
+
 
 def run_operator(args: argparse.Namespace) -> int:
     if args.kubeconfig:
@@ -48,7 +52,8 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from . import handlers  # noqa: F401  (registers the handlers)
 
-    memo = kopf.Memo(controller=Controller(kube, settings, Metrics()), metrics_port=settings.metrics_port,
+    memo = kopf.Memo(controller=Controller(kube, settings, Metrics(), status_threads=STATUS_WRITE_THREADS),
+                     metrics_port=settings.metrics_port,
                      metrics_host=settings.metrics_host)
     namespaces = settings.watched_namespaces()
     try:

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 from factory import make_job
+from megatron_operator import controller as controller_mod
 from megatron_operator import status as st
-from megatron_operator.controller import Controller, InvalidSpec
+from megatron_operator.controller import Controller
 from megatron_operator.kube import NotOwned
 from megatron_operator.metrics import Metrics
 from megatron_operator.settings import Settings
@@ -36,15 +37,16 @@ class FakeKube:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     workload: dict[str, Any] | None = None
 
-    def create(self, obj: dict[str, Any]) -> bool:
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         key = (obj["kind"], obj["metadata"]["name"])
         self.calls.append(("create", *key))
         if key in self.foreign:
             raise NotOwned(key[0], "team-a", key[1], "it has no controller")
         if key in self.existing:
-            return False
+            return None
         self.existing.add(key)
-        return True
+        return {**obj, "metadata": {**obj["metadata"], "uid": f"{obj['kind']}-uid",
+                                    "creationTimestamp": st.iso(datetime.now(UTC))}}
 
     def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.calls.append(("status", status["phase"], status["reason"]))
@@ -104,31 +106,48 @@ def observe(ctl: Controller, b: dict[str, Any], js: dict[str, Any] | None, pods=
     return events
 
 
+def refused(ctl: Controller, b: dict[str, Any]) -> list:
+    """Observe a job the operator must refuse: its problems (the status says Failed/InvalidSpec)."""
+    observe(ctl, b, None)
+    problems = ctl.parse(b).problems
+    assert problems, "the operator accepted it"
+    return problems
+
+
 # ---- create / resume ---------------------------------------------------------------------------
 
-def test_reconcile_creates_every_child_once_and_409_is_success(ctl, kube):
-    events: list[st.Event] = []
-    ctl.reconcile(body(), events.append)
+def test_a_new_job_gets_every_child_once_and_409_is_success(ctl, kube):
+    events = observe(ctl, body(), None)
     kinds = [c[1] for c in kube.of("create")]
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
-    assert [e.reason for e in events] == ["JobSetCreated"]
-    events.clear()
+    assert [e.reason for e in events][:1] == ["JobSetCreated"]
     restarted = Controller(kube, Settings(), Metrics())  # type: ignore[arg-type]
-    restarted.reconcile(body(), events.append)  # resume after an operator restart: everything exists
-    assert len(kube.of("create")) == 8 and events == []
+    events = observe(restarted, body(), None)  # an operator restart before the JobSet was seen
+    assert len(kube.of("create")) == 8 and "JobSetCreated" not in [e.reason for e in events]
 
 
-def test_create_after_the_first_observation_of_a_new_job_creates_nothing_more(ctl, kube):
-    # kopf runs the event handlers of a new object before its create handler: the first observation
-    # creates the children, and the create handler must not repeat four creates that all answer 409.
-    events = observe(ctl, body(), None)
-    assert [c[1] for c in kube.of("create")] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
-    ctl.reconcile(body(), events.append)
+def test_observations_before_the_jobset_watch_event_create_nothing_more(ctl, kube, monkeypatch):
+    # The first observation creates the children; later ones that still find no JobSet in the index
+    # (its watch event is on the way; our own status write is one such event) must not repeat four
+    # creates that all answer 409.
+    observe(ctl, body(), None)
+    observe(ctl, body(), None)
     assert len(kube.of("create")) == 4
+    # one status write, derived from the JobSet just created (not "creating the JobSet", which the
+    # JobSet's watch event would replace a moment later with a second write)
+    assert kube.of("status") == [("status", "Pending", "PodsStarting")]
+    observe(ctl, body(), jobset())  # the watch delivered it
+    assert len(kube.of("status")) == 1
+    observe(ctl, body(status={"phase": "Running", "jobSetName": "job"}), None)  # then it was deleted
+    assert [c[1] for c in kube.of("create")][4:] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
     other = body()
     other["metadata"]["uid"] = "00000000-0000-0000-0000-000000000002"  # a new object with the same name
-    ctl.reconcile(other, events.append)
-    assert len(kube.of("create")) == 8
+    observe(ctl, other, None)
+    assert len(kube.of("create")) == 12
+    # a JobSet deleted before its watch event ever arrived is recreated once the grace period is over
+    monkeypatch.setattr(controller_mod, "JOBSET_WATCH_GRACE_S", 0.0)
+    observe(ctl, other, None)
+    assert len(kube.of("create")) == 16
 
 
 def test_observations_waiting_for_one_job_coalesce(ctl):
@@ -163,15 +182,16 @@ def test_observations_waiting_for_one_job_coalesce(ctl):
     assert snapshots == ["first", "second", "MainThread"]
 
 
-def test_reconcile_of_a_finished_job_creates_nothing(ctl, kube):
-    ctl.reconcile(body(status={"phase": "Succeeded", "jobSetName": "job"}), lambda e: None)
-    assert kube.calls == []
+def test_a_finished_job_gets_no_children(ctl, kube):
+    observe(ctl, body(status={"phase": "Succeeded", "reason": "Completed", "jobSetName": "job"}), None)
+    assert kube.of("create") == []
 
 
 def test_invalid_spec_writes_failed_status_once_and_creates_nothing(ctl, kube):
     b = body(training__globalBatchSize=33)
-    with pytest.raises(InvalidSpec, match="globalBatchSize"):
-        ctl.reconcile(b, lambda e: None)
+    (problem,) = refused(ctl, b)
+    assert "globalBatchSize" in problem.message
+    observe(ctl, b, None)  # the next event changes nothing
     assert kube.of("create") == []
     assert kube.of("status") == [("status", "Failed", "InvalidSpec")]
 
@@ -287,8 +307,7 @@ def test_completed_jobset_gives_succeeded_and_no_further_action(ctl, kube):
 def test_a_foreign_child_is_never_used_and_the_job_says_which(ctl, kube, kind):
     name = "job" if kind == "JobSet" else "job-trainer"
     kube.foreign.add((kind, name))
-    events: list[st.Event] = []
-    ctl.reconcile(body(), events.append)
+    events = observe(ctl, body(), None)
     kinds = [c[1] for c in kube.of("create")]
     assert kinds[-1] == kind and "JobSet" not in [k for k in kinds if k != kind]  # nothing after it
     phase, reason = kube.of("status")[-1][1:]
@@ -299,11 +318,11 @@ def test_a_foreign_child_is_never_used_and_the_job_says_which(ctl, kube, kind):
 
 def test_not_owned_resolves_once_the_foreign_object_is_gone(ctl, kube):
     kube.foreign.add(("ServiceAccount", "job-trainer"))
-    ctl.reconcile(body(), lambda e: None)
+    observe(ctl, body(), None)
     kube.foreign.clear()  # e.g. the previous same-named job's children were garbage-collected
     observe(ctl, body(status={"phase": "Pending", "reason": "NotOwned"}), None)
     assert [c[1] for c in kube.of("create")][-4:] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
-    assert kube.of("status")[-1][1:] == ("Pending", "Creating")
+    assert kube.of("status")[-1][1:] == ("Pending", "PodsStarting")
 
 
 def test_a_jobset_of_the_same_name_controlled_by_another_object_is_ignored(ctl, kube):
@@ -349,8 +368,7 @@ def test_foreign_fields_reads_managed_fields_defensively():
 
 
 def test_spec_warnings_are_events_when_the_jobset_is_created(ctl, kube):
-    events: list[st.Event] = []
-    ctl.reconcile(body(resources={"memory": "8Gi"}), events.append)
+    events = observe(ctl, body(resources={"memory": "8Gi"}), None)
     (w,) = [e for e in events if e.reason == "SpecWarning"]
     assert w.type == "Warning" and "/dev/shm" in w.message
 
@@ -381,10 +399,9 @@ def test_spec_warnings_are_events_when_the_jobset_is_created(ctl, kube):
 ])
 def test_guardrails_refuse_before_any_child(kube, settings, overrides, rule):
     ctl = Controller(kube, Settings(**settings), Metrics())  # type: ignore[arg-type]
-    with pytest.raises(InvalidSpec) as err:
-        ctl.reconcile(body(**overrides), lambda e: None)
-    assert [p.rule for p in err.value.problems] == [rule]
-    assert err.value.problems[0].message.startswith(err.value.problems[0].field + ":")
+    problems = refused(ctl, body(**overrides))
+    assert [p.rule for p in problems] == [rule]
+    assert problems[0].message.startswith(problems[0].field + ":")
     assert kube.of("create") == [] and kube.of("status") == [("status", "Failed", "InvalidSpec")]
 
 
@@ -398,9 +415,7 @@ def test_guardrails_refuse_before_any_child(kube, settings, overrides, rule):
 ])
 def test_default_guardrails_refuse_identity_confinement_and_long_grace(kube, overrides, rule):
     ctl = Controller(kube, Settings(), Metrics())
-    with pytest.raises(InvalidSpec) as err:
-        ctl.reconcile(body(**overrides), lambda e: None)
-    assert [p.rule for p in err.value.problems] == [rule]
+    assert [p.rule for p in refused(ctl, body(**overrides))] == [rule]
     assert kube.of("create") == []
 
 
@@ -409,10 +424,10 @@ def test_guardrails_allow_what_they_list(kube):
                         allowed_toleration_keys="nvidia.com/gpu", require_queue_name=True, deny_secret_env=True,
                         max_termination_grace_period_s=900, denied_metadata_keys="app")
     ctl = Controller(kube, settings, Metrics())  # type: ignore[arg-type]
-    ctl.reconcile(body(image="nvcr.io/nvidia/pytorch:25.01", priorityClassName="batch-low", queueName="q",
-                       terminationGracePeriodSeconds=900, resources={"tolerations": [
-                           {"key": "nvidia.com/gpu", "operator": "Exists"}]},
-                       podMetadata={"labels": {"team": "nlp"}}), lambda e: None)
+    observe(ctl, body(image="nvcr.io/nvidia/pytorch:25.01", priorityClassName="batch-low", queueName="q",
+                      terminationGracePeriodSeconds=900, resources={"tolerations": [
+                          {"key": "nvidia.com/gpu", "operator": "Exists"}]},
+                      podMetadata={"labels": {"team": "nlp"}}), None)
     assert [c[1] for c in kube.of("create")] == ["ServiceAccount", "Role", "RoleBinding", "JobSet"]
 
 
@@ -421,10 +436,9 @@ def test_a_jobset_too_large_to_store_is_refused_before_any_child(ctl, kube):
     big_env = [{"name": f"E{i}", "value": "x" * 4096} for i in range(64)]
     b = body(numNodes=64, parallelism={"tensor": 16}, model__numAttentionHeads=16, training__globalBatchSize=64,
              env=big_env)
-    with pytest.raises(InvalidSpec) as err:
-        ctl.reconcile(b, lambda e: None)
-    assert [p.rule for p in err.value.problems] == ["jobset-size"]
-    assert "MiB" in err.value.problems[0].message and kube.of("create") == []
+    problems = refused(ctl, b)
+    assert [p.rule for p in problems] == ["jobset-size"]
+    assert "MiB" in problems[0].message and kube.of("create") == []
 
 
 @pytest.mark.parametrize("on_stall, deletes", [(True, 1), (False, 0)])

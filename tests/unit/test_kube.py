@@ -61,7 +61,7 @@ def kube_with_existing(existing: dict | None, get_status: int = 200) -> Kube:
 
 
 def test_409_on_an_object_this_job_controls_is_success():
-    assert kube_with_existing(sa("u1")).create(sa("u1")) is False
+    assert kube_with_existing(sa("u1")).create(sa("u1")) is None
 
 
 @pytest.mark.parametrize("existing_owner", [None, "u2"])
