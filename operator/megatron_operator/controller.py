@@ -82,11 +82,8 @@ class Controller:
         self.writer = StatusWriter(lambda ns, name, status: self.kube.apply_status(ns, name, status),
                                    threads=status_threads,
                                    on_written=self._status_written, on_error=self._status_failed)
-        # Observations of one job are serialised (events and the resync loop may trigger it at once),
-        # and coalesced: while one observation waits for the job's lock, another would only read the
-        # same caches after it, so it is dropped (the waiter reads the caches once it holds the lock).
+        # Observations of one job are serialised.
         self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._waiting: set[tuple[str, str]] = set()
         self._locks_guard = threading.Lock()
         # Per job: (MegatronJob uid, monotonic time, the JobSet as the create returned it, or None when
         # it was found) of the JobSet this process created and has not yet seen in the JobSet index.
@@ -119,17 +116,15 @@ class Controller:
 
     def observe_key(self, key: tuple[str, str], snapshot: Snapshot, emit_for: Callable[[dict], EmitFn],
                     resync: bool = False) -> None:
-        """Observe one job under its lock, reading the caches only once the lock is held."""
-        with self._locks_guard:
-            if key in self._waiting and not resync:  # a resync also compares with the stored status
-                return  # an observation of this job is already waiting and will see these caches
-            self._waiting.add(key)
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
-            with self._locks_guard:
-                self._waiting.discard(key)
+        """Observe one job under its lock, reading the caches only once the lock is held (the work
+        queue never runs two observations of one job at once; the lock keeps that true for callers
+        that do not go through it). A job gone from the cache (deleted) is forgotten."""
+        with self._lock(key):
             body, jobset, pods = snapshot()
-            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            if body is None:
+                self.forget(*key)
+                return
+            if (body.get("metadata") or {}).get("deletionTimestamp"):
                 return
             self.observe(body, jobset, pods, emit_for(body), resync=resync)
 

@@ -36,8 +36,12 @@ from .names import (
     VERSION,
 )
 from .status import Event, PodView
+from .workqueue import WorkQueue
 
 MANAGED = MANAGED_LABELS
+
+#: Threads that observe jobs (and create their children): API calls block them, the GIL does not.
+OBSERVE_THREADS = 16
 
 
 @kopf.on.startup()
@@ -48,13 +52,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # explicit events below; kopf's own only for problems
+    # kopf logs "Handler ... succeeded" for every event of every pod, JobSet and job: tens of thousands
+    # of lines in a burst of jobs, each formatted and written. Its warnings and errors stay.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings.posting.reporting_component = "megatron-operator"
     settings.scanning.disabled = True  # no CRD watching: no cluster-wide CRD read permission needed
     settings.watching.label_selectors[JOBSET_GROUP, JOBSET_PLURAL] = MANAGED_SELECTOR
     settings.watching.label_selectors["v1", "pods"] = MANAGED_SELECTOR
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.execution.max_workers = 16
 
 
 def _emitter(body: dict[str, Any]):
@@ -81,8 +87,11 @@ def _status_writers(metadata: Any) -> list[dict[str, Any]]:
     return out
 
 
+# The index functions are async (pure and quick): kopf runs them in its event loop instead of handing
+# each event to a thread.
+
 @kopf.index(GROUP, VERSION, PLURAL)
-def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+async def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
     return {(namespace, name): {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                                 "metadata": {**_slim(body.metadata), "managedFields": _status_writers(body.metadata)},
                                 "spec": dict(body.spec),
@@ -90,18 +99,19 @@ def jobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tu
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels=MANAGED)
-def jobsets_by_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+async def jobsets_by_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
     return {(namespace, name): {"metadata": _slim(body.metadata), "spec": {"suspend": body.spec.get("suspend")},
                                 "status": dict(body.status)}}
 
 
 @kopf.index("v1", "pods", labels={**MANAGED, LABEL_JOB_NAME: kopf.PRESENT})
-def pods_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodView]:
+async def pods_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodView]:
     return {(namespace, labels[LABEL_JOB_NAME]): PodView.from_pod(dict(body))}
 
 
 def _observe(memo: kopf.Memo, key: tuple[str, str], jobs: kopf.Index, jobsets: kopf.Index, pods: kopf.Index,
              resync: bool = False) -> None:
+    """One observation of one job, on a work-queue thread (``workqueue.WorkQueue``)."""
     ctl: Controller = memo.controller
 
     def snapshot():
@@ -118,60 +128,59 @@ def _observe(memo: kopf.Memo, key: tuple[str, str], jobs: kopf.Index, jobsets: k
 
 
 # ---- level-based observation ----------------------------------------------------------------------
+# The event handlers are async and only queue the job's key: the observation runs on the work
+# queue's threads, which read the caches when they take the key.
 
-@kopf.on.event(GROUP, VERSION, PLURAL, id="observe-job")
-def job_event(type: str, namespace: str, name: str, memo: kopf.Memo, jobs_by_key: kopf.Index,
-              jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
+def _queue(memo: kopf.Memo, key: tuple[str, str]) -> None:
     memo.indexed.set()  # event handlers only run once every index is filled
     if "ctx" not in memo.event_context:
-        # kopf.event() needs the posting context kopf sets for object handlers (the operator-wide event
-        # queue and loop); the resync loop borrows it: the startup context lacks it, and events of
-        # resync passes (Stalled, StallRestart, ...) were lost with a LookupError. memo is copied per
-        # object, so the holder is a dict made at startup and shared by every copy.
+        # kopf.event() needs the posting context kopf sets for object handlers (the operator-wide
+        # event queue and loop); the work-queue threads borrow it: the startup context lacks it, and
+        # events were lost with a LookupError. memo is copied per object, so the holder is a dict
+        # made at startup and shared by every copy.
         memo.event_context["ctx"] = contextvars.copy_context()
-    if type == "DELETED":
-        memo.controller.forget(namespace, name)
-        return
-    _observe(memo, (namespace, name), jobs_by_key, jobsets_by_job, pods_by_job)
+    memo.queue.add(key)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, id="observe-job")
+async def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _queue(memo, (namespace, name))  # a deleted job is forgotten by its observation (not in the cache)
 
 
 @kopf.on.event(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels=MANAGED, id="observe-jobset")
-def jobset_event(namespace: str, name: str, memo: kopf.Memo, jobs_by_key: kopf.Index,
-                 jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
-    memo.indexed.set()
-    _observe(memo, (namespace, name), jobs_by_key, jobsets_by_job, pods_by_job)
+async def jobset_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _queue(memo, (namespace, name))
 
 
 @kopf.on.event("v1", "pods", labels={**MANAGED, LABEL_JOB_NAME: kopf.PRESENT}, id="observe-pod")
-def pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, jobs_by_key: kopf.Index,
-              jobsets_by_job: kopf.Index, pods_by_job: kopf.Index, **_: Any) -> None:
-    memo.indexed.set()
-    _observe(memo, (namespace, labels[LABEL_JOB_NAME]), jobs_by_key, jobsets_by_job, pods_by_job)
+async def pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    _queue(memo, (namespace, labels[LABEL_JOB_NAME]))
 
 
-async def _resync_loop(memo: kopf.Memo, jobs: kopf.Index, jobsets: kopf.Index, pods: kopf.Index) -> None:
-    """Every resync interval, observe every job (in the executor, with kopf's context for events)."""
-    loop = asyncio.get_running_loop()
+async def _resync_loop(memo: kopf.Memo, jobs: kopf.Index) -> None:
+    """Every resync interval, queue every job for an observation that also compares with its stored status."""
     interval = memo.controller.settings.resync_interval_s
     while not memo.indexed.is_set():  # never act on half-filled caches
         await asyncio.sleep(0.2)
     while True:
         await asyncio.sleep(interval)
         for key in list(jobs):
-            base = memo.event_context.get("ctx")
-            ctx = base.copy() if base is not None else contextvars.copy_context()
-            try:
-                await loop.run_in_executor(None, ctx.run, _observe, memo, key, jobs, jobsets, pods, True)
-            except Exception:  # a bug on one job must not stop the loop for the others
-                logging.getLogger(__name__).exception(f"{key[0]}/{key[1]}: resync failed")
+            memo.queue.add(key, resync=True)
 
 
 @kopf.on.startup()
-async def start_resync(memo: kopf.Memo, jobs_by_key: kopf.Index, jobsets_by_job: kopf.Index,
-                       pods_by_job: kopf.Index, **_: Any) -> None:
+async def start_workers(memo: kopf.Memo, jobs_by_key: kopf.Index, jobsets_by_job: kopf.Index,
+                        pods_by_job: kopf.Index, **_: Any) -> None:
     memo.indexed = asyncio.Event()
     memo.event_context = {}
-    memo.resync_task = asyncio.create_task(_resync_loop(memo, jobs_by_key, jobsets_by_job, pods_by_job))
+
+    def process(key: tuple[str, str], resync: bool) -> None:
+        base = memo.event_context.get("ctx")
+        ctx = base.copy() if base is not None else contextvars.copy_context()
+        ctx.run(_observe, memo, key, jobs_by_key, jobsets_by_job, pods_by_job, resync)
+
+    memo.queue = WorkQueue(process, threads=OBSERVE_THREADS)
+    memo.resync_task = asyncio.create_task(_resync_loop(memo, jobs_by_key))
 
 
 @kopf.on.startup()
@@ -189,6 +198,9 @@ async def serve_metrics(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> No
         task = getattr(memo, "resync_task", None)
         if task is not None and task.done():
             return web.Response(status=500, text="resync loop stopped")
+        queue = getattr(memo, "queue", None)
+        if queue is not None and not queue.alive():
+            return web.Response(status=500, text="observation threads stopped")
         return web.Response(text="ok")
 
     app = web.Application()
@@ -207,7 +219,11 @@ async def stop_background(memo: kopf.Memo, **_: Any) -> None:
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()
-    await asyncio.get_running_loop().run_in_executor(None, memo.controller.writer.stop)  # statuses waiting
+    loop = asyncio.get_running_loop()
+    queue = getattr(memo, "queue", None)
+    if queue is not None:
+        await loop.run_in_executor(None, queue.stop)
+    await loop.run_in_executor(None, memo.controller.writer.stop)  # statuses waiting
     runner = getattr(memo, "metrics_runner", None)
     if runner is not None:
         await runner.cleanup()

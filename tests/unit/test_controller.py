@@ -9,8 +9,6 @@ of the operator's own writes between resyncs, and refuse an invalid spec with on
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -148,38 +146,6 @@ def test_observations_before_the_jobset_watch_event_create_nothing_more(ctl, kub
     monkeypatch.setattr(controller_mod, "JOBSET_WATCH_GRACE_S", 0.0)
     observe(ctl, other, None)
     assert len(kube.of("create")) == 16
-
-
-def test_observations_waiting_for_one_job_coalesce(ctl):
-    """While one observation of a job runs and a second waits, a third is dropped: the waiting one
-    reads the caches after it, so it sees everything the third would have seen."""
-    inside, release = threading.Event(), threading.Event()
-    snapshots: list[str] = []
-
-    def snapshot():
-        snapshots.append(threading.current_thread().name)
-        if len(snapshots) == 1:
-            inside.set()
-            assert release.wait(10)
-        return None, None, []  # no job in the cache: nothing to do after the snapshot
-
-    key = ("ns", "job")
-    first = threading.Thread(target=ctl.observe_key, args=(key, snapshot, None), name="first")
-    first.start()
-    assert inside.wait(10)
-    second = threading.Thread(target=ctl.observe_key, args=(key, snapshot, None), name="second")
-    second.start()
-    deadline = time.monotonic() + 10
-    while key not in ctl._waiting and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert key in ctl._waiting
-    ctl.observe_key(key, snapshot, None)  # returns at once: "second" is waiting
-    release.set()
-    first.join(10)
-    second.join(10)
-    assert snapshots == ["first", "second"]
-    ctl.observe_key(key, snapshot, None)  # nothing waiting any more: observed again
-    assert snapshots == ["first", "second", "MainThread"]
 
 
 def test_a_finished_job_gets_no_children(ctl, kube):
