@@ -201,7 +201,6 @@ def rules_of(api: kubernetes.client.ApiClient, namespace: str) -> set[tuple[str,
 
 EXPECTED = {
     ("megatron-operator.io", "megatronjobs", "list"), ("megatron-operator.io", "megatronjobs", "watch"),
-    ("megatron-operator.io", "megatronjobs", "patch"),
     ("megatron-operator.io", "megatronjobs/status", "get"), ("megatron-operator.io", "megatronjobs/status", "patch"),
     ("megatron-operator.io", "megatronjobs/finalizers", "update"),
     *(("jobset.x-k8s.io", "jobsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")),
@@ -222,7 +221,8 @@ def can_i(cluster: Cluster, kubeconfig: Path, *args: str) -> bool:
 
 FORBIDDEN = [  # requests the operator never makes: all must be refused
     ("get", "secrets"), ("list", "secrets"), ("list", "configmaps"), ("delete", "megatronjobs"),
-    ("create", "megatronjobs"), ("update", "megatronjobs"), ("get", "megatronjobs"), ("create", "pods"),
+    ("create", "megatronjobs"), ("update", "megatronjobs"), ("get", "megatronjobs"), ("patch", "megatronjobs"),
+    ("create", "pods"),
     ("delete", "pods"), ("create", "serviceaccounts", "--subresource=token"), ("delete", "roles"),
     ("update", "rolebindings"), ("create", "pods", "--subresource=exec"), ("escalate", "roles"), ("bind", "roles"),
     ("impersonate", "serviceaccounts"), ("create", "jobs.batch"),

@@ -264,7 +264,7 @@ def test_pod_placement_and_extra_env(tmp_path):
 # Exactly what the operator and kopf call (operator/megatron_operator/kube.py, handlers.py, kopf's
 # watching, patching and event posting). e2e/test_helm.py runs the operator with these rules.
 EXPECTED_RULES = [
-    (("megatron-operator.io",), ("megatronjobs",), ("list", "watch", "patch")),
+    (("megatron-operator.io",), ("megatronjobs",), ("list", "watch")),
     (("megatron-operator.io",), ("megatronjobs/status",), ("get", "patch")),
     (("megatron-operator.io",), ("megatronjobs/finalizers",), ("update",)),
     (("jobset.x-k8s.io",), ("jobsets",), ("get", "list", "watch", "create", "patch", "delete")),

@@ -57,14 +57,14 @@ app.kubernetes.io/component: operator
 {{/*
 The operator's permissions, one list for the ClusterRole (cluster-wide) and the per-namespace
 Roles. Every rule is a call the operator or kopf makes (operator/megatron_operator/kube.py,
-handlers.py; kopf's watching, patching and event posting); docs/install.md explains each one.
+handlers.py; kopf's watching and event posting); docs/install.md explains each one.
 */}}
 {{- define "megatron-operator.rules" -}}
-# Watch MegatronJobs; kopf patches their annotations (handler progress, the last handled spec).
-# No finalizer: the operator has no per-object timers or daemons.
+# Watch MegatronJobs. Never written but for their status: the operator has no create/update
+# handlers (kopf stores nothing in the object) and no per-object timers or daemons (no finalizer).
 - apiGroups: ["megatron-operator.io"]
   resources: ["megatronjobs"]
-  verbs: ["list", "watch", "patch"]
+  verbs: ["list", "watch"]
 # Status is server-side applied. "get" is not called, but every job's Role grants its trainer
 # get+patch on its own status, and RBAC lets the operator grant only what it holds itself.
 - apiGroups: ["megatron-operator.io"]
