@@ -101,6 +101,9 @@ def test_gpu_node_that_dies(cluster, operator, jobs, node_restorer):
     assert taints
     done = assert_restarted_without_counting_and_finished(jobs, "node-lost", "DeletionByTaintManager")
     assert done["lastFailure"]["node"] == node_name
+    # recorded for any later JobSet of this job (this one's gang restart avoided it by the taint)
+    assert [(a["node"], a["reason"]) for a in done.get("avoidedNodes", [])] == [
+        (node_name, "node not ready or unreachable (NoExecute taint)")], done
     # the new gang avoided the dead node (NoSchedule taint)
     assert all(p.spec.node_name != node_name for p in jobs.pods("node-lost") if p.status.phase == "Succeeded")
 

@@ -78,3 +78,40 @@ def test_retriable_failure_restarts_and_last_failure_outlives_the_pods(cluster, 
     assert {e.message for e in evs} == {evs[0].message}, [e.message for e in evs]
     ev = evs[0]
     assert "exit code 137, OOMKilled (killed for exceeding its memory limit; retried)" in ev.message
+
+
+def test_a_gpu_fault_keeps_later_attempts_off_that_node(cluster, operator, jobs):
+    """Exit code 6 (the trainer saw an uncorrectable ECC error): the node is recorded in
+    status.avoidedNodes, the JobSet is recreated with a node affinity that excludes it (JobSet allows
+    no affinity change in place), and the new pods run, on other nodes."""
+    jobs.create(small_job("badgpu", podMetadata=run_for(300), restart={"maxRestarts": 3}))
+    pods = cluster.wait_for(lambda: running(jobs, "badgpu", 2), 90, "2 running pods", namespace=jobs.ns)
+    victim = pods[0]
+    old_uid = jobs.jobset("badgpu")["metadata"]["uid"]
+    fail_pod(jobs, victim.metadata.name, 6,
+             message="rank 0: exit 6 (GPU hardware fault on this node; retried) during training: "
+                     "RuntimeError: CUDA error: uncorrectable ECC error encountered")
+
+    def recreated_and_running():
+        js = jobs.jobset("badgpu")
+        if js is None or js["metadata"]["uid"] == old_uid:
+            return None
+        now = [p for p in running(jobs, "badgpu", 2) or [] if p.metadata.owner_references
+               and p.metadata.labels.get("jobset.sigs.k8s.io/jobset-uid") == js["metadata"]["uid"]]
+        st = jobs.status("badgpu")
+        return (js, now, st) if len(now) == 2 and st.get("phase") == "Running" else None
+
+    js, now, st = cluster.wait_for(recreated_and_running, 120, "a new JobSet whose 2 pods run, status Running",
+                                   namespace=jobs.ns)
+    print("status seen by the user:\n" + json.dumps(st, indent=2))
+    (avoided,) = st["avoidedNodes"]
+    assert avoided["node"] == victim.spec.node_name and "GPU hardware fault" in avoided["reason"], avoided
+    assert st["lastFailure"]["exitCode"] == 6 and st["lastFailure"]["retriable"] is True
+    assert victim.spec.node_name not in {p.spec.node_name for p in now}
+    for p in now:  # the rule is on the pods (the scheduler honoured it), not a coincidence of placement
+        terms = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        assert [(f.key, f.operator, f.values) for t in terms for f in t.match_fields] == [
+            ("metadata.name", "NotIn", [victim.spec.node_name])]
+    events = cluster.wait_for(lambda: [e for e in jobs.events("badgpu") if e.reason == "AvoidingNode"] or None, 30,
+                              "an AvoidingNode event", namespace=jobs.ns)
+    assert events[0].type == "Warning" and victim.spec.node_name in events[0].message

@@ -182,6 +182,15 @@ def test_operator_renders_the_trainers_non_retriable_exit_codes():
     assert sorted(NON_RETRIABLE_EXIT_CODES) == sorted(int(c) for c in NON_RETRIABLE)
 
 
+def test_operator_blames_the_node_for_the_trainers_gpu_fault_code():
+    """failures.NODE_FAULT_EXIT_CODES (status.avoidedNodes) is the trainer's GPU_FAULT, and it is retried."""
+    from megatron_operator.failures import NODE_FAULT_EXIT_CODES, NON_RETRIABLE_EXIT_CODES
+    from megatron_trainer.exitcodes import ExitCode
+
+    assert sorted(NODE_FAULT_EXIT_CODES) == [int(ExitCode.GPU_FAULT)]
+    assert not set(NODE_FAULT_EXIT_CODES) & set(NON_RETRIABLE_EXIT_CODES)
+
+
 def test_the_operators_flag_table_is_the_trainers_parser():
     """extraArgs are checked at admission against operator/megatron_operator/trainer_flags.py; it must
     be exactly the trainer's parser (regenerate: python scripts/gen-trainer-flags.py)."""

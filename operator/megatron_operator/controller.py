@@ -22,6 +22,7 @@ from typing import Any
 
 from . import status as st
 from .advice import size_problems, spec_warnings
+from .failures import NODE_FAULT_EXIT_CODES
 from .guardrails import guardrail_problems
 from .kube import Kube, NotOwned, PermanentApiError, TransientError, controller_uid
 from .kueue import WorkloadView
@@ -68,6 +69,18 @@ def parse_body(body: dict[str, Any], settings: Settings | None = None) -> Parsed
         return Parsed(job, [Problem("spec.resources", "spec.resources.memoryFit is Reject and the job does not "
                                     "fit: " + report.summary(), "memory-fit")], report)
     return Parsed(job, [], report)
+
+
+def _avoided(status: dict[str, Any]) -> set[str]:
+    """The nodes in a status's avoidedNodes."""
+    return {a["node"] for a in status.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")}
+
+
+def _gpu_fault_on_new_node(previous: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """The latest failure is a GPU fault (the trainer's exit code) on a node just added to avoidedNodes."""
+    failure = desired.get("lastFailure") or {}
+    return failure.get("exitCode") in NODE_FAULT_EXIT_CODES and \
+        failure.get("node") in _avoided(desired) - _avoided(previous)
 
 
 Snapshot = Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, list[st.PodView]]]
@@ -135,13 +148,15 @@ class Controller:
         found = self._not_owned.get((meta["namespace"], meta["name"]))
         return found[1] if found and found[0] == meta.get("uid") else None
 
-    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn) -> bool:
-        """Create whatever child is missing; False when a child's name is taken by an object this job
-        does not control (nothing after it is created; retried on every observation)."""
+    def ensure_children(self, job: MegatronJob, body: dict[str, Any], emit: EmitFn,
+                        avoid_nodes: Iterable[str] = ()) -> bool:
+        """Create whatever child is missing (the JobSet's pods kept off ``avoid_nodes``); False when a
+        child's name is taken by an object this job does not control (nothing after it is created;
+        retried on every observation)."""
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
         jobset = None
-        for obj in render(job, self.settings, owner_uid=meta["uid"]):
+        for obj in render(job, self.settings, owner_uid=meta["uid"], avoid_nodes=list(avoid_nodes)):
             try:
                 created = self.kube.create(obj)
             except NotOwned as exc:
@@ -227,7 +242,7 @@ class Controller:
             if js_view is None and phase not in st.TERMINAL:
                 if not awaiting:  # else: found a moment ago; its watch event has yet to arrive
                     try:
-                        self.ensure_children(job, body, emit)
+                        self.ensure_children(job, body, emit, _avoided(desired))
                     except (TransientError, PermanentApiError) as exc:
                         kind = "transient" if isinstance(exc, TransientError) else "api"
                         self.metrics.errors.labels(kind="MegatronJob", error=kind).inc()
@@ -246,6 +261,14 @@ class Controller:
                     self.kube.delete_jobset(ns, js_view.name)
                 elif int(desired.get("stallRestarts") or 0) > int(previous.get("stallRestarts") or 0):
                     self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes
+                    self._created.pop(key, None)
+                elif phase not in st.TERMINAL and _gpu_fault_on_new_node(previous, desired):
+                    # The trainer blamed its GPU on a node the scheduler would pick again (it is Ready):
+                    # JobSet allows no affinity change, so the JobSet is recreated by the next pass,
+                    # its pods kept off status.avoidedNodes; it resumes from the last checkpoint. (A
+                    # node lost or not ready is avoided by its NoSchedule taint: JobSet's own gang
+                    # restart does, and the node is in the affinity of any later JobSet.)
+                    self.kube.delete_jobset(ns, js_view.name)
                     self._created.pop(key, None)
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name), workload)

@@ -29,6 +29,16 @@ NON_RETRIABLE_EXIT_CODES: dict[int, str] = {
     4: "CUDA out of memory before the first iteration",
     5: "checkpoint cannot be resumed",
 }
+#: Exit codes that blame the node: retried, on another node (the node goes to status.avoidedNodes).
+NODE_FAULT_EXIT_CODES: dict[int, str] = {
+    6: "GPU hardware fault (uncorrectable ECC, NVLink, GPU lost) on this node",
+}
+#: DisruptionTarget reasons that blame the node: the taint manager evicted the pod for a NoExecute
+#: taint (node not ready or unreachable), or the pod garbage collector deleted it with its node.
+NODE_FAULT_DISRUPTIONS: dict[str, str] = {
+    "DeletionByTaintManager": "node not ready or unreachable (NoExecute taint)",
+    "DeletionByPodGC": "node gone",
+}
 #: The name of the JobSet failure-policy rule that fails the JobSet on those codes ...
 FAIL_RULE_NAME = "nonRetriableExitCode"
 #: ... and the Job failure message it matches (RE2, anchored nowhere: the Job controller's wording).
@@ -55,6 +65,17 @@ class PodFailure:
     @property
     def retriable(self) -> bool:
         return self.exit_code not in NON_RETRIABLE_EXIT_CODES
+
+    @property
+    def node_fault(self) -> str | None:
+        """Why this failure is the node's, not the job's (None: it is not): later attempts avoid the node."""
+        if not self.node:
+            return None
+        if self.exit_code in NODE_FAULT_EXIT_CODES:
+            return NODE_FAULT_EXIT_CODES[self.exit_code]
+        if self.disruption:
+            return NODE_FAULT_DISRUPTIONS.get(self.disruption.split(":", 1)[0])
+        return None
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any], container: str, restart_attempt: int | None) -> PodFailure | None:
@@ -84,6 +105,8 @@ class PodFailure:
     def meaning(self) -> str:
         if self.exit_code in NON_RETRIABLE_EXIT_CODES:
             return NON_RETRIABLE_EXIT_CODES[self.exit_code]
+        if self.exit_code in NODE_FAULT_EXIT_CODES:
+            return NODE_FAULT_EXIT_CODES[self.exit_code]
         if self.reason == "OOMKilled":
             return "killed for exceeding its memory limit"
         if self.exit_code is not None and self.exit_code > 128:

@@ -171,6 +171,8 @@ class Kube:
             raise
         if controller_uid(existing) != controller_uid(obj):
             raise NotOwned(obj["kind"], meta["namespace"], meta["name"], _describe_owner(existing))
+        if (existing.get("metadata") or {}).get("deletionTimestamp"):
+            raise TransientError(f"{what}: the existing one is being deleted; created once it is gone")
         return None
 
     def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ run the same job.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .failures import FAIL_MESSAGE_PATTERN, FAIL_RULE_NAME, NON_RETRIABLE_EXIT_CODES
@@ -306,7 +307,7 @@ def _resources(spec: MegatronJobSpec) -> dict[str, Any]:
 
 
 def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], first_rjob: str,
-              tp_group: int | None) -> dict[str, Any]:
+              tp_group: int | None, avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
     spec = job.spec
     name = job.metadata.name
     volumes: list[dict[str, Any]] = [
@@ -371,13 +372,33 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
+    affinity: dict[str, Any] = {}
     if tp_group is not None:
         # This tensor-parallel group spans several pods: keep exactly these pods on one host
-        # (NVLink). Other groups are free to land elsewhere.
-        pod["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        # (NVLink). Other groups are free to land elsewhere, and prefer to: a group's first pod that
+        # lands next to another group of the job can take the room that group's next pod needs, and
+        # then both wait forever (the scheduler places pod by pod; only Kueue's topology-aware
+        # scheduling places a group as a whole, docs/kueue.md).
+        affinity["podAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [{
             "labelSelector": {"matchLabels": {LABEL_JOB_NAME: name, LABEL_TP_GROUP: str(tp_group)}},
             "topologyKey": "kubernetes.io/hostname",
+        }]}
+        affinity["podAntiAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {
+                "labelSelector": {"matchLabels": {LABEL_JOB_NAME: name},
+                                  "matchExpressions": [{"key": LABEL_TP_GROUP, "operator": "NotIn",
+                                                        "values": [str(tp_group)]}]},
+                "topologyKey": "kubernetes.io/hostname",
+            },
+        }]}
+    if avoid_nodes:
+        # Nodes an earlier attempt of this job failed on for the node's sake (status.avoidedNodes).
+        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+            "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(set(avoid_nodes))}],
         }]}}
+    if affinity:
+        pod["affinity"] = affinity
     return pod
 
 
@@ -399,7 +420,9 @@ def replicated_job_plan(spec: MegatronJobSpec) -> list[tuple[str, int, int | Non
     return [(f"tp{g}", pods_per_group, g) for g in range(spec.num_nodes // pods_per_group)]
 
 
-def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = None) -> dict[str, Any]:
+def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = None,
+                  avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
+    """The JobSet; ``avoid_nodes``: nodes its pods must not be scheduled on (status.avoidedNodes)."""
     spec = job.spec
     name = job.metadata.name
     layout = derived_layout(spec.wire())
@@ -441,7 +464,7 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
                     }]},
                     "template": {
                         "metadata": {"labels": pod_labels, **({"annotations": annotations} if annotations else {})},
-                        "spec": _pod_spec(job, settings, layout, first_rjob, tp_group),
+                        "spec": _pod_spec(job, settings, layout, first_rjob, tp_group, avoid_nodes),
                     },
                 },
             },
@@ -498,7 +521,8 @@ def render_identity(job: MegatronJob, owner_uid: str | None = None) -> list[dict
     ]
 
 
-def render(job: MegatronJob, settings: Settings | None = None, owner_uid: str | None = None) -> list[dict[str, Any]]:
+def render(job: MegatronJob, settings: Settings | None = None, owner_uid: str | None = None,
+           avoid_nodes: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Every object the operator creates for ``job``, in apply order."""
     settings = settings or Settings()
-    return [*render_identity(job, owner_uid), render_jobset(job, settings, owner_uid)]
+    return [*render_identity(job, owner_uid), render_jobset(job, settings, owner_uid, avoid_nodes)]

@@ -494,6 +494,19 @@ class LastFailure(StatusModel):
                                    "restart does not count against restart.maxRestarts.")
 
 
+#: status.avoidedNodes keeps the latest this many nodes.
+MAX_AVOIDED_NODES = 16
+
+
+class AvoidedNode(StatusModel):
+    """A node a failure of this job was blamed on: later attempts are not scheduled there."""
+
+    node: str = Field(..., max_length=253)
+    reason: str = Field(..., max_length=1024, description="Why the node is blamed (exit code 6: a GPU fault the "
+                        "trainer detected; a NoExecute taint eviction; the node deleted).")
+    time: datetime | None = None
+
+
 class MegatronJobStatus(StatusModel):
     """Observed state, derived from the JobSet and its pods."""
 
@@ -517,6 +530,10 @@ class MegatronJobStatus(StatusModel):
     last_progress_time: datetime | None = Field(None, description="When the operator saw it advance.")
     memory: MemoryEstimate | None = None
     last_failure: LastFailure | None = None
+    avoided_nodes: list[AvoidedNode] | None = Field(
+        None, max_length=MAX_AVOIDED_NODES, description="Nodes failures of this job were blamed on, latest last: "
+        "the operator recreates the JobSet with a node affinity that excludes them (the job resumes from its "
+        "last checkpoint).")
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

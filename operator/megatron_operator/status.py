@@ -18,7 +18,7 @@ from .kueue import WorkloadView
 from .memory import FitReport
 from .names import FIELD_MANAGER, JOBSET_RESTART_ATTEMPT_LABEL, TRAINER_CONTAINER
 from .rules import Problem
-from .spec import Condition, MegatronJobStatus
+from .spec import MAX_AVOIDED_NODES, Condition, MegatronJobStatus
 
 
 class Phase:
@@ -83,6 +83,7 @@ class Reason:
     POD_FAILED = "PodFailed"
     STALLED = "Stalled"
     STALL_RESTART = "StallRestart"
+    AVOIDING_NODE = "AvoidingNode"
 
     @staticmethod
     def not_(condition_type: str) -> str:
@@ -354,6 +355,17 @@ def _last_failure(o: Observation) -> tuple[dict[str, Any] | None, PodFailure | N
     return found.wire(), found
 
 
+def _avoided_nodes(prev: dict[str, Any], new_failure: PodFailure | None, now: datetime) -> list[dict[str, Any]]:
+    """status.avoidedNodes: the previous ones, plus the node of a new failure that blames its node."""
+    avoided = [a for a in prev.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")]
+    if new_failure is None or new_failure.node_fault is None or \
+            new_failure.node in {a["node"] for a in avoided}:
+        return avoided
+    avoided.append({"node": new_failure.node, "reason": new_failure.node_fault,
+                    "time": new_failure.finished_at or iso(now)})
+    return avoided[-MAX_AVOIDED_NODES:]
+
+
 _LAST_FAILURE = "; last failure: "
 
 
@@ -389,6 +401,11 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     failure, new_failure = _last_failure(o)
     if new_failure:
         events.append(Event("Warning", Reason.POD_FAILED, new_failure.describe()))
+    avoided = _avoided_nodes(prev, new_failure, now)
+    if avoided != (prev.get("avoidedNodes") or []):
+        blamed = avoided[-1]
+        events.append(Event("Warning", Reason.AVOIDING_NODE, f"node {blamed['node']}: {blamed['reason']}; the JobSet "
+                            f"is recreated without it and the job resumes from its last checkpoint"))
     phase, reason, message = _explain(phase, reason, message, failure, new_failure)
     message = message[:MAX_MESSAGE]
     if phase != prev.get("phase") or reason != prev.get("reason"):
@@ -464,7 +481,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                 events.append(Event("Warning", Reason.PREDICTED_OUT_OF_MEMORY, est.summary()))
 
     optional = dict(job_set_name=jobset_name, start_time=start, completion_time=completion, memory=memory,
-                    last_failure=failure, stall_restarts=stall_restarts or None,
+                    last_failure=failure, avoided_nodes=avoided or None, stall_restarts=stall_restarts or None,
                     last_progress_iteration=last_it, last_progress_time=last_t if (last_it is not None or stall_restarts) else None,
                     world_size=o.world_size,
                     parallelism={k: lay[k] for k in ("data", "tensor", "pipeline", "context", "expert")} if lay else None,

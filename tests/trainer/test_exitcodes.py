@@ -30,9 +30,28 @@ class OutOfMemoryError(RuntimeError):
     (SystemExit(2), False, ExitCode.BAD_ARGUMENTS),
     (SystemExit(77), False, ExitCode.ERROR),
     (KeyError("x"), True, ExitCode.ERROR),
+    # the hardware: the node is blamed (CUDA's, NCCL's and NVML's own wording)
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), True, ExitCode.GPU_FAULT),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.27.3\n"
+                  "Last error:\nCuda failure 'uncorrectable NVLink error was detected during the execution'"),
+     True, ExitCode.GPU_FAULT),
+    (RuntimeError("NVML_ERROR_GPU_IS_LOST"), False, ExitCode.GPU_FAULT),
+    # software faults follow the job, not the node
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True, ExitCode.ERROR),
+    (RuntimeError("CUDA error: device-side assert triggered"), True, ExitCode.ERROR),
 ])
 def test_classify(exc, first_iteration_done, code):
     assert classify(exc, first_iteration_done) == code
+
+
+def test_a_gpu_fault_is_found_through_the_exceptions_causes():
+    try:
+        try:
+            raise RuntimeError("CUDA error: GPU is lost")
+        except RuntimeError as inner:
+            raise ValueError("loss is NaN") from inner
+    except ValueError as outer:
+        assert classify(outer, True) == ExitCode.GPU_FAULT
 
 
 def test_non_retriable_codes_are_the_documented_ones():

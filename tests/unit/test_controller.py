@@ -407,6 +407,45 @@ def test_a_jobset_too_large_to_store_is_refused_before_any_child(ctl, kube):
     assert "MiB" in problems[0].message and kube.of("create") == []
 
 
+def failed_pod(code: int, node: str = "gpu-7", disruption: str | None = None) -> st.PodView:
+    doc = {"metadata": {"name": "job-p0", "labels": {"jobset.sigs.k8s.io/restart-attempt": "0"}},
+           "spec": {"nodeName": node},
+           "status": {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": {"terminated": {
+               "exitCode": code, "reason": "Error", "finishedAt": "2026-11-23T05:00:00Z"}}}]}}
+    if disruption:
+        doc["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": disruption,
+                                        "message": "m"}]
+    return st.PodView.from_pod(doc)
+
+
+def test_a_gpu_fault_recreates_the_jobset_once_with_the_node_excluded(ctl, kube):
+    created: list[dict] = []
+    create = kube.create
+    kube.create = lambda obj: (created.append(obj), create(obj))[1]  # type: ignore[method-assign]
+    kube.existing |= {("ServiceAccount", "job-trainer"), ("Role", "job-trainer"), ("RoleBinding", "job-trainer")}
+    running = {"phase": "Running", "reason": "AllPodsRunning", "jobSetName": "job"}
+    pods = [failed_pod(6), *running_pods(1)]
+    events = observe(ctl, body(status=running), jobset(restarts=1), pods)
+    assert kube.of("delete") == [("delete", "job")]
+    assert "AvoidingNode" in [e.reason for e in events]
+    observe(ctl, body(status=running), jobset(restarts=1), pods)  # the own-write cache: deleted once
+    assert len(kube.of("delete")) == 1
+    observe(ctl, body(status=running), None, [failed_pod(6)])  # gone: recreated without the node
+    (js,) = [o for o in created if o["kind"] == "JobSet"]
+    terms = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    assert terms["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-7"]}]}]
+
+
+@pytest.mark.parametrize("pod", [failed_pod(143, disruption="DeletionByTaintManager"), failed_pod(1)])
+def test_other_failures_leave_the_jobset_to_its_own_gang_restart(ctl, kube, pod):
+    # A node not ready is tainted NoSchedule, so JobSet's own restart avoids it (it is still recorded,
+    # for any later JobSet); an ordinary error blames no node.
+    running = {"phase": "Running", "reason": "AllPodsRunning", "jobSetName": "job"}
+    observe(ctl, body(status=running), jobset(restarts=1), [pod, *running_pods(1)])
+    assert kube.of("delete") == []
+
+
 @pytest.mark.parametrize("on_stall, deletes", [(True, 1), (False, 0)])
 def test_on_stall_deletes_the_jobset_once_so_that_it_is_recreated(ctl, kube, on_stall, deletes):
     long_ago = datetime.now(UTC) - timedelta(hours=2)

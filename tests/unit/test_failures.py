@@ -154,3 +154,52 @@ def test_a_disrupted_pod_says_so_and_is_not_counted():
     evicted["metadata"]["deletionTimestamp"] = "2026-11-23T04:59:31Z"  # deleted by the eviction: still the cause
     s, _ = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(evicted)], previous={"phase": "Running"}), NOW)
     assert s["lastFailure"]["disruption"] == "EvictionByEvictionAPI: Eviction API: evicting"
+
+
+# ---- failures that blame the node: status.avoidedNodes --------------------------------------------
+
+def disrupted(name, reason, node="gpu-p5-3"):
+    p = pod(name, code=143, message="terminated", node=node)
+    p["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": reason, "message": "m"}]
+    return p
+
+
+@pytest.mark.parametrize(("doc", "blamed"), [
+    (pod("a", code=6, message="CUDA error: uncorrectable ECC error encountered"), "GPU hardware fault"),
+    (disrupted("a", "DeletionByTaintManager"), "node not ready or unreachable"),
+    (disrupted("a", "DeletionByPodGC"), "node gone"),
+    (pod("a", code=1), None),  # NCCL, a lost peer, storage: the job's, or unknown
+    (pod("a", code=137, reason="OOMKilled"), None),
+    (disrupted("a", "EvictionByEvictionAPI"), None),  # a drain: the node is cordoned anyway
+    (disrupted("a", "PreemptionByScheduler"), None),
+    (pod("a", code=6, node=None), None),  # never scheduled: no node to blame
+])
+def test_which_failures_blame_the_node(doc, blamed):
+    fault = PodFailure.from_pod(doc, "trainer", 0).node_fault
+    assert (fault is None) == (blamed is None) and (blamed is None or blamed in fault), fault
+
+
+def test_a_gpu_fault_adds_the_node_once_with_an_event_and_keeps_it_after_the_gang_is_gone():
+    faulty = [PodView.from_pod(pod("a", code=6, message="ECC")), PodView.from_pod(pod("b", phase="Running"))]
+    s, events = derive(obs(jobset=js(restarts=1), pods=faulty, previous={"phase": "Running"}), NOW)
+    assert s["avoidedNodes"] == [{"node": "gpu-p5-3", "reason": "GPU hardware fault (uncorrectable ECC, NVLink, "
+                                  "GPU lost) on this node", "time": "2026-11-23T04:59:30Z"}]
+    assert s["lastFailure"]["retriable"] is True and "retried" in s["message"]
+    (ev,) = [e for e in events if e.reason == "AvoidingNode"]
+    assert ev.type == "Warning" and "gpu-p5-3" in ev.message
+    again, events = derive(obs(jobset=None, pods=[], previous=s), NOW + timedelta(seconds=5))
+    assert again["avoidedNodes"] == s["avoidedNodes"] and "AvoidingNode" not in [e.reason for e in events]
+    # a second fault on the same node adds nothing; one on another node is appended
+    later = [PodView.from_pod(pod("c", code=6, attempt=1, finished="2026-11-23T05:10:00Z")),
+             PodView.from_pod(pod("d", code=6, attempt=2, node="gpu-p5-9", finished="2026-11-23T05:20:00Z"))]
+    s2, _ = derive(obs(jobset=js(restarts=2), pods=later[:1], previous=again), NOW + timedelta(minutes=15))
+    assert [a["node"] for a in s2["avoidedNodes"]] == ["gpu-p5-3"]
+    s3, _ = derive(obs(jobset=js(restarts=3), pods=later[1:], previous=s2), NOW + timedelta(minutes=25))
+    assert [a["node"] for a in s3["avoidedNodes"]] == ["gpu-p5-3", "gpu-p5-9"]
+
+
+def test_avoided_nodes_keep_the_latest_16():
+    prev = {"phase": "Running", "avoidedNodes": [{"node": f"n{i}", "reason": "r"} for i in range(16)]}
+    s, _ = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(pod("a", code=6, node="n16"))],
+                      previous=prev), NOW)
+    assert [a["node"] for a in s["avoidedNodes"]] == [f"n{i}" for i in range(1, 17)]

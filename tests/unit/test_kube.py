@@ -82,3 +82,10 @@ def test_an_owner_reference_that_is_not_the_controller_does_not_count():
 def test_409_then_gone_is_retried():
     with pytest.raises(TransientError):
         kube_with_existing(None, get_status=404).create(sa("u1"))
+
+
+def test_409_on_our_object_being_deleted_is_retried_not_success():
+    existing = sa("u1")
+    existing["metadata"]["deletionTimestamp"] = "2026-11-23T05:00:00Z"
+    with pytest.raises(TransientError, match="being deleted"):
+        kube_with_existing(existing).create(sa("u1"))

@@ -91,6 +91,30 @@ def test_tp_group_spanning_pods_gets_affinity_on_exactly_its_pods():
         assert term["labelSelector"]["matchLabels"] == {"megatron-operator.io/job-name": "job",
                                                         "megatron-operator.io/tp-group": str(g)}
     assert "--master-addr=job-tp0-0-0.job" in container(js)["command"]
+    # and each group's first pod prefers a host without another group of the job (soft: groups may
+    # share a host that has room): a group that lands next to another can take its partner's room
+    for g in range(2):
+        (pref,) = pod_spec(js, g)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert pref["podAffinityTerm"]["labelSelector"] == {
+            "matchLabels": {"megatron-operator.io/job-name": "job"},
+            "matchExpressions": [{"key": "megatron-operator.io/tp-group", "operator": "NotIn", "values": [str(g)]}]}
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod_spec(js, g)["affinity"]["podAntiAffinity"]
+
+
+def test_avoided_nodes_become_a_required_node_affinity_on_every_pod():
+    from megatron_operator.render import render
+    from megatron_operator.settings import Settings
+    from megatron_operator.validation import parse_job
+
+    doc = make_job(numNodes=4, gpusPerNode=1, parallelism={"tensor": 2},
+                   training={"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 1})
+    js = render(parse_job(doc), Settings(), avoid_nodes=["gpu-b", "gpu-a", "gpu-b"])[-1]
+    for g in range(2):
+        aff = pod_spec(js, g)["affinity"]
+        assert aff["nodeAffinity"] == {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-a", "gpu-b"]}]}]}}
+        assert "podAffinity" in aff  # the group's own rule stays
+    assert "affinity" not in pod_spec(objects(make_job())["JobSet"])  # none by default
 
 
 def _group_annotations(js) -> list[dict]:

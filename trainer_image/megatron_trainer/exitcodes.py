@@ -41,6 +41,9 @@ class ExitCode(enum.IntEnum):
     #: The checkpoint cannot be resumed by this job (--exit-on-missing-checkpoint with none there, a
     #: layout the saved optimizer state cannot be loaded into).
     BAD_CHECKPOINT = 5
+    #: The GPU itself failed (uncorrectable ECC or NVLink error, GPU lost or off the bus): retried, and
+    #: the operator keeps the job's later attempts off this node (status.avoidedNodes).
+    GPU_FAULT = 6
 
 
 #: Codes that fail the job at once (the operator renders the same list; tests/test_contract.py).
@@ -88,6 +91,26 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
+#: What CUDA, NCCL and NVML say when the hardware failed (cudaErrorECCUncorrectable,
+#: cudaErrorNvlinkUncorrectable, NVML_ERROR_GPU_IS_LOST, Xid 79 "fallen off the bus"). Software
+#: faults (illegal memory access, device-side asserts) are not here: they follow the job, not the node.
+GPU_FAULT_MARKERS = ("uncorrectable ecc error", "uncorrectable nvlink error", "gpu is lost", "fallen off the bus",
+                     "nvml_error_gpu_is_lost")
+
+
+def is_gpu_fault(exc: BaseException) -> bool:
+    """A CUDA/NCCL/NVML error that blames the GPU hardware (checked through the exception's causes)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        text = str(cur).lower()
+        if any(m in text for m in GPU_FAULT_MARKERS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def classify(exc: BaseException, first_iteration_done: bool) -> ExitCode:
     """The exit code for an exception that ends a worker."""
     if isinstance(exc, Fatal):
@@ -95,6 +118,8 @@ def classify(exc: BaseException, first_iteration_done: bool) -> ExitCode:
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         return ExitCode(code) if code in ExitCode.__members__.values() else ExitCode.ERROR
+    if is_gpu_fault(exc):
+        return ExitCode.GPU_FAULT
     if is_out_of_memory(exc) and not first_iteration_done:
         return ExitCode.OOM_AT_STARTUP
     return ExitCode.ERROR
@@ -105,6 +130,7 @@ def fatal_message(exc: BaseException, code: ExitCode, rank: int, stage: str) -> 
     what = {ExitCode.BAD_ARGUMENTS: "bad command line or environment", ExitCode.BAD_DATA: "bad training data",
             ExitCode.OOM_AT_STARTUP: "CUDA out of memory before the first iteration",
             ExitCode.BAD_CHECKPOINT: "checkpoint cannot be resumed",
+            ExitCode.GPU_FAULT: "GPU hardware fault on this node",
             ExitCode.ERROR: "error"}.get(code, "error")
     retry = "not retried" if code in NON_RETRIABLE else "retried"
     head = f"rank {rank}: exit {int(code)} ({what}; {retry}) during {stage}: {type(exc).__name__}: {exc}"
