@@ -139,7 +139,7 @@ def _queue(memo: kopf.Memo, key: tuple[str, str]) -> None:
         # events were lost with a LookupError. memo is copied per object, so the holder is a dict
         # made at startup and shared by every copy.
         memo.event_context["ctx"] = contextvars.copy_context()
-    memo.queue.add(key)
+    memo.queue.add(key, False)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="observe-job")
@@ -165,7 +165,7 @@ async def _resync_loop(memo: kopf.Memo, jobs: kopf.Index) -> None:
     while True:
         await asyncio.sleep(interval)
         for key in list(jobs):
-            memo.queue.add(key, resync=True)
+            memo.queue.add(key, True)
 
 
 @kopf.on.startup()
@@ -179,7 +179,8 @@ async def start_workers(memo: kopf.Memo, jobs_by_key: kopf.Index, jobsets_by_job
         ctx = base.copy() if base is not None else contextvars.copy_context()
         ctx.run(_observe, memo, key, jobs_by_key, jobsets_by_job, pods_by_job, resync)
 
-    memo.queue = WorkQueue(process, threads=OBSERVE_THREADS)
+    # value: resync (the observation also compares with the stored status) if any request was one
+    memo.queue = WorkQueue(process, OBSERVE_THREADS, merge=lambda waiting, new: waiting or new, name="observe")
     memo.resync_task = asyncio.create_task(_resync_loop(memo, jobs_by_key))
 
 

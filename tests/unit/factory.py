@@ -8,6 +8,8 @@ removes a field. The base job: 2 nodes x 8 GPUs, TP=2 x PP=2 (DP=4), an 8-layer 
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
 from typing import Any
 
 DELETE = object()
@@ -41,3 +43,11 @@ def make_job(base: dict[str, Any] | None = None, **overrides: Any) -> dict[str, 
         else:
             node[parts[-1]] = copy.deepcopy(value)
     return job
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float = 10.0) -> None:
+    """For tests of the operator's threads: poll ``cond`` until true; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

@@ -6,19 +6,13 @@ import threading
 import time
 from typing import Any
 
+from factory import wait_until
 from megatron_operator.controller import Controller
 from megatron_operator.kube import PermanentApiError, TransientError
 from megatron_operator.metrics import Metrics
 from megatron_operator.settings import Settings
 from megatron_operator.status_writer import StatusWriter
 from test_controller import FakeKube, body, jobset, observe, running_pods
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 class GatedWrites:

@@ -1,23 +1,17 @@
-"""The work queue: a key waits at most once, is never processed by two threads at once, and a key
-that changes while it is processed is processed once more; a failing observation stops nothing."""
+"""The work queue: a key waits at most once (values merged), is never handled by two threads at once,
+a key added while it is handled is handled once more; a failure stops nothing; stop drains or drops."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+from factory import wait_until
 from megatron_operator.controller import Controller
 from megatron_operator.metrics import Metrics
 from megatron_operator.settings import Settings
 from megatron_operator.workqueue import WorkQueue
 from test_controller import FakeKube, body
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 class Gate:
@@ -45,13 +39,13 @@ class Gate:
 
 def test_events_of_a_waiting_key_add_nothing_and_resync_is_kept():
     gate = Gate()
-    q = WorkQueue(gate, threads=1)
-    q.add(("ns", "a"))
+    q = WorkQueue(gate, threads=1, merge=lambda waiting, new: waiting or new)
+    q.add(("ns", "a"), False)
     assert gate.inside.wait(10)  # the only worker is busy with "a"
     for _ in range(5):
-        q.add(("ns", "b"))
-    q.add(("ns", "b"), resync=True)
-    q.add(("ns", "b"))
+        q.add(("ns", "b"), False)
+    q.add(("ns", "b"), True)
+    q.add(("ns", "b"), False)
     assert q.depth() == 1
     gate.release.set()
     wait_until(lambda: len(gate.calls) == 2 and q.depth() == 0)
@@ -62,10 +56,10 @@ def test_events_of_a_waiting_key_add_nothing_and_resync_is_kept():
 def test_a_key_changed_while_processed_runs_once_more_and_never_twice_at_once():
     gate = Gate()
     q = WorkQueue(gate, threads=4)
-    q.add(("ns", "a"))
+    q.add(("ns", "a"), False)
     assert gate.inside.wait(10)
-    q.add(("ns", "a"))
-    q.add(("ns", "a"))
+    q.add(("ns", "a"), False)
+    q.add(("ns", "a"), False)
     time.sleep(0.05)  # three idle workers had the chance to take it
     assert [c for c in gate.calls if c[0] == ("ns", "a")] == [(("ns", "a"), False)]
     gate.release.set()
@@ -83,14 +77,28 @@ def test_a_failing_observation_stops_nothing():
         done.append(key[1])
 
     q = WorkQueue(process, threads=1)
-    q.add(("ns", "bad"))
-    q.add(("ns", "good"))
+    q.add(("ns", "bad"), False)
+    q.add(("ns", "good"), False)
     wait_until(lambda: done == ["good"])
     assert q.alive()
     q.stop()
     assert not q.alive()
-    q.add(("ns", "late"))  # after stop: ignored, no error
+    q.add(("ns", "late"), False)  # after stop: ignored, no error
     assert q.depth() == 0
+
+
+def test_stop_drops_what_waits_unless_asked_to_drain():
+    for drain, expected in ((False, ["a"]), (True, ["a", "b", "c"])):
+        gate = Gate()
+        q = WorkQueue(gate, threads=1)
+        q.add(("ns", "a"), False)
+        assert gate.inside.wait(10)
+        q.add(("ns", "b"), False)
+        q.add(("ns", "c"), False)
+        q.stop(timeout_s=0, drain=drain)  # while "a" is still being handled
+        gate.release.set()
+        wait_until(lambda: not q.alive())
+        assert [k[1] for k, _ in gate.calls] == expected
 
 
 def test_a_job_gone_from_the_cache_is_forgotten():
