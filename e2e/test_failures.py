@@ -80,38 +80,57 @@ def test_retriable_failure_restarts_and_last_failure_outlives_the_pods(cluster, 
     assert "exit code 137, OOMKilled (killed for exceeding its memory limit; retried)" in ev.message
 
 
-def test_a_gpu_fault_keeps_later_attempts_off_that_node(cluster, operator, jobs):
-    """Exit code 6 (the trainer saw an uncorrectable ECC error): the node is recorded in
+GPU_FAULT = ("rank 0: exit 6 (GPU hardware fault on this node; retried) during training: "
+             "RuntimeError: CUDA error: uncorrectable ECC error encountered")
+
+
+def nccl_error(peer_ip: str) -> str:
+    return ("rank 0: exit 1 (error; retried) during training: DistBackendError: NCCL error in: "
+            "ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error\nLast error:\n"
+            f"NET/IB: Got completion from peer {peer_ip}<43617> with status=IBV_WC_RETRY_EXC_ERR(12)")
+
+
+@pytest.mark.parametrize("kind", ["gpu-fault", "nccl-peer"])
+def test_a_node_blamed_by_a_failure_is_kept_out_of_later_attempts(cluster, operator, jobs, kind):
+    """Exit code 6 (the trainer saw an uncorrectable ECC error) blames the pod's own node; an NCCL error
+    naming a peer by its address blames the node of the job's pod with that IP. The node goes to
     status.avoidedNodes, the JobSet is recreated with a node affinity that excludes it (JobSet allows
     no affinity change in place), and the new pods run, on other nodes."""
-    jobs.create(small_job("badgpu", podMetadata=run_for(300), restart={"maxRestarts": 3}))
-    pods = cluster.wait_for(lambda: running(jobs, "badgpu", 2), 90, "2 running pods", namespace=jobs.ns)
-    victim = pods[0]
-    old_uid = jobs.jobset("badgpu")["metadata"]["uid"]
-    fail_pod(jobs, victim.metadata.name, 6,
-             message="rank 0: exit 6 (GPU hardware fault on this node; retried) during training: "
-                     "RuntimeError: CUDA error: uncorrectable ECC error encountered")
+    name = f"blame-{kind}"
+    # 8-GPU pods: each fills a kwok node, so the two pods are on different nodes
+    jobs.create(small_job(name, gpusPerNode=8, podMetadata=run_for(300), restart={"maxRestarts": 3}))
+    pods = cluster.wait_for(lambda: (p := running(jobs, name, 2)) and all(x.status.pod_ip for x in p) and p, 90,
+                            "2 running pods with IPs", namespace=jobs.ns)
+    victim, peer = pods[0], pods[1]
+    blamed = victim.spec.node_name if kind == "gpu-fault" else peer.spec.node_name
+    assert peer.spec.node_name != victim.spec.node_name
+    old_uid = jobs.jobset(name)["metadata"]["uid"]
+    if kind == "gpu-fault":
+        fail_pod(jobs, victim.metadata.name, 6, message=GPU_FAULT)
+    else:
+        fail_pod(jobs, victim.metadata.name, 1, message=nccl_error(peer.status.pod_ip))
 
     def recreated_and_running():
-        js = jobs.jobset("badgpu")
+        js = jobs.jobset(name)
         if js is None or js["metadata"]["uid"] == old_uid:
             return None
-        now = [p for p in running(jobs, "badgpu", 2) or [] if p.metadata.owner_references
-               and p.metadata.labels.get("jobset.sigs.k8s.io/jobset-uid") == js["metadata"]["uid"]]
-        st = jobs.status("badgpu")
-        return (js, now, st) if len(now) == 2 and st.get("phase") == "Running" else None
+        now = [p for p in running(jobs, name, 2) or []
+               if p.metadata.labels.get("jobset.sigs.k8s.io/jobset-uid") == js["metadata"]["uid"]]
+        st = jobs.status(name)
+        return (now, st) if len(now) == 2 and st.get("phase") == "Running" else None
 
-    js, now, st = cluster.wait_for(recreated_and_running, 120, "a new JobSet whose 2 pods run, status Running",
-                                   namespace=jobs.ns)
+    now, st = cluster.wait_for(recreated_and_running, 120, "a new JobSet whose 2 pods run, status Running",
+                               namespace=jobs.ns)
     print("status seen by the user:\n" + json.dumps(st, indent=2))
     (avoided,) = st["avoidedNodes"]
-    assert avoided["node"] == victim.spec.node_name and "GPU hardware fault" in avoided["reason"], avoided
-    assert st["lastFailure"]["exitCode"] == 6 and st["lastFailure"]["retriable"] is True
-    assert victim.spec.node_name not in {p.spec.node_name for p in now}
+    assert avoided["node"] == blamed, avoided
+    assert ("GPU hardware fault" if kind == "gpu-fault" else f"peer {peer.status.pod_ip}") in avoided["reason"]
+    assert st["lastFailure"]["exitCode"] == (6 if kind == "gpu-fault" else 1) and st["lastFailure"]["retriable"]
+    assert blamed not in {p.spec.node_name for p in now}
     for p in now:  # the rule is on the pods (the scheduler honoured it), not a coincidence of placement
         terms = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
         assert [(f.key, f.operator, f.values) for t in terms for f in t.match_fields] == [
-            ("metadata.name", "NotIn", [victim.spec.node_name])]
-    events = cluster.wait_for(lambda: [e for e in jobs.events("badgpu") if e.reason == "AvoidingNode"] or None, 30,
+            ("metadata.name", "NotIn", [blamed])]
+    events = cluster.wait_for(lambda: [e for e in jobs.events(name) if e.reason == "AvoidingNode"] or None, 30,
                               "an AvoidingNode event", namespace=jobs.ns)
-    assert events[0].type == "Warning" and victim.spec.node_name in events[0].message
+    assert events[0].type == "Warning" and blamed in events[0].message

@@ -22,7 +22,6 @@ from typing import Any
 
 from . import status as st
 from .advice import size_problems, spec_warnings
-from .failures import NODE_FAULT_EXIT_CODES
 from .guardrails import guardrail_problems
 from .kube import Kube, NotOwned, PermanentApiError, TransientError, controller_uid
 from .kueue import WorkloadView
@@ -76,11 +75,11 @@ def _avoided(status: dict[str, Any]) -> set[str]:
     return {a["node"] for a in status.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")}
 
 
-def _gpu_fault_on_new_node(previous: dict[str, Any], desired: dict[str, Any]) -> bool:
-    """The latest failure is a GPU fault (the trainer's exit code) on a node just added to avoidedNodes."""
+def _blamed_ready_node(previous: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """The latest failure added a node to avoidedNodes that the scheduler would pick again: a GPU fault
+    (the trainer's exit code) or an NCCL peer, not a lost node (tainted NoSchedule already)."""
     failure = desired.get("lastFailure") or {}
-    return failure.get("exitCode") in NODE_FAULT_EXIT_CODES and \
-        failure.get("node") in _avoided(desired) - _avoided(previous)
+    return bool(_avoided(desired) - _avoided(previous)) and not failure.get("disruption")
 
 
 Snapshot = Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, list[st.PodView]]]
@@ -111,6 +110,9 @@ class Controller:
         # Validation and the memory estimate per (uid, generation): the spec of a generation never
         # changes, and observations run on every pod and JobSet event.
         self._parsed: dict[tuple[str, str], tuple[tuple[str, int], Parsed]] = {}
+        # Per job: pod IP -> node of its pods seen lately (NCCL names a failed peer by its IP; the
+        # peer's pod may be gone, torn down with the gang, when the failure is observed).
+        self._peer_nodes: dict[tuple[str, str], dict[str, str]] = {}
         # Per job (by UID): the child whose name is taken by an object this job does not control.
         self._not_owned: dict[tuple[str, str], tuple[str, str]] = {}
 
@@ -214,6 +216,7 @@ class Controller:
             awaiting, jobset = self._awaiting_jobset(key, meta["uid"])
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
         workload = self.workload(ns, jobset, spec)
+        pod_list = list(pods)
         obs = st.Observation(
             name=name, generation=int(meta.get("generation") or 0),
             num_nodes=spec.num_nodes if spec else 0,
@@ -221,13 +224,14 @@ class Controller:
             layout=derived_layout(spec.wire()) if spec else None,
             suspend=spec.suspend if spec else False, queue_name=spec.queue_name if spec else None,
             previous=previous, problems=parsed.problems, jobset=js_view,
-            pods=list(pods),
+            pods=pod_list,
             fit=parsed.fit,
             deadline_s=spec.active_deadline_seconds if spec else None,
             stall_timeout_s=self.settings.stall_timeout_s,
             restart_on_stall=spec.restart.on_stall if spec else False,
             not_owned=self.not_owned(meta),
             workload=workload,
+            peer_nodes=self._remember_peers(key, pod_list),
         )
         try:
             desired, events = st.derive(obs)
@@ -262,8 +266,9 @@ class Controller:
                 elif int(desired.get("stallRestarts") or 0) > int(previous.get("stallRestarts") or 0):
                     self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes
                     self._created.pop(key, None)
-                elif phase not in st.TERMINAL and _gpu_fault_on_new_node(previous, desired):
-                    # The trainer blamed its GPU on a node the scheduler would pick again (it is Ready):
+                elif phase not in st.TERMINAL and _blamed_ready_node(previous, desired):
+                    # A failure blamed a node the scheduler would pick again (it is Ready: a GPU fault,
+                    # an NCCL peer):
                     # JobSet allows no affinity change, so the JobSet is recreated by the next pass,
                     # its pods kept off status.avoidedNodes; it resumes from the last checkpoint. (A
                     # node lost or not ready is avoided by its NoSchedule taint: JobSet's own gang
@@ -321,11 +326,23 @@ class Controller:
         if written is not None and {k: v for k, v in written.items() if k != "_uid"} == status:
             self._written.pop(key, None)  # compare with the stored status again, not with this one
 
+    def _remember_peers(self, key: tuple[str, str], pods: Iterable[st.PodView]) -> dict[str, str]:
+        """This job's pod IP -> node map, with the pods observed now (bounded: the latest 4096)."""
+        seen = self._peer_nodes.setdefault(key, {})
+        for p in pods:
+            if p.ip and p.node:
+                seen.pop(p.ip, None)
+                seen[p.ip] = p.node
+        while len(seen) > 4096:
+            seen.pop(next(iter(seen)))
+        return seen
+
     def forget(self, ns: str, name: str) -> None:
         self.metrics.forget(ns, name)
         self._written.pop((ns, name), None)
         self._parsed.pop((ns, name), None)
         self._not_owned.pop((ns, name), None)
         self._created.pop((ns, name), None)
+        self._peer_nodes.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)

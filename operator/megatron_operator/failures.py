@@ -19,6 +19,7 @@ The renderer turns them into failure-policy rules:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,11 @@ NODE_FAULT_DISRUPTIONS: dict[str, str] = {
     "DeletionByTaintManager": "node not ready or unreachable (NoExecute taint)",
     "DeletionByPodGC": "node gone",
 }
+#: A peer NCCL names in its error (kept in the trainer's termination message through torch's "Last
+#: error:"): ncclSocketToString's "ADDRESS<PORT>" after "peer", e.g. NET/IB's "Got completion from
+#: peer 10.4.0.7<43617> with status=12" or the socket transport's "Connection closed by remote peer
+#: 10.4.0.7<43617>".
+NCCL_PEER_RE = re.compile(r"\bpeer \[?([0-9A-Fa-f.:]+?)\]?<\d+>")
 #: The name of the JobSet failure-policy rule that fails the JobSet on those codes ...
 FAIL_RULE_NAME = "nonRetriableExitCode"
 #: ... and the Job failure message it matches (RE2, anchored nowhere: the Job controller's wording).
@@ -101,6 +107,14 @@ class PodFailure:
             restart_attempt=restart_attempt,
             disruption=f"{target.get('reason')}: {target.get('message')}" if target else None,
         )
+
+    def nccl_peers(self) -> list[str]:
+        """The peer addresses an NCCL error in the termination message names (first seen first)."""
+        found: list[str] = []
+        for addr in NCCL_PEER_RE.findall(self.message or ""):
+            if addr not in found:
+                found.append(addr)
+        return found
 
     def meaning(self) -> str:
         if self.exit_code in NON_RETRIABLE_EXIT_CODES:

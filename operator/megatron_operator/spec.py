@@ -503,7 +503,8 @@ class AvoidedNode(StatusModel):
 
     node: str = Field(..., max_length=253)
     reason: str = Field(..., max_length=1024, description="Why the node is blamed (exit code 6: a GPU fault the "
-                        "trainer detected; a NoExecute taint eviction; the node deleted).")
+                        "trainer detected; an NCCL error naming a pod on this node as its peer; a NoExecute "
+                        "taint eviction; the node deleted).")
     time: datetime | None = None
 
 

@@ -146,6 +146,8 @@ class PodView:
     waiting_message: str | None = None
     terminating: bool = False
     failure: PodFailure | None = None  # a Failed pod: its node, exit code, reason and last lines
+    ip: str | None = None  # status.podIP: what NCCL names a peer by
+    node: str | None = None  # spec.nodeName
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -169,6 +171,8 @@ class PodView:
             waiting_message=(waiting or {}).get("message"),
             terminating=bool(meta.get("deletionTimestamp")),
             failure=PodFailure.from_pod(pod, TRAINER_CONTAINER, int(attempt) if attempt and attempt.isdigit() else None),
+            ip=status.get("podIP"),
+            node=(pod.get("spec") or {}).get("nodeName"),
         )
 
 
@@ -220,6 +224,7 @@ class Observation:
     restart_on_stall: bool = False  # spec.restart.onStall
     not_owned: str | None = None  # why the children cannot be created (kube.NotOwned's message)
     workload: WorkloadView | None = None  # Kueue's, looked up while the job is queued or suspended
+    peer_nodes: dict[str, str] = field(default_factory=dict)  # pod IP -> node of this job's pods, recent attempts
 
 
 @dataclass(frozen=True)
@@ -355,14 +360,27 @@ def _last_failure(o: Observation) -> tuple[dict[str, Any] | None, PodFailure | N
     return found.wire(), found
 
 
-def _avoided_nodes(prev: dict[str, Any], new_failure: PodFailure | None, now: datetime) -> list[dict[str, Any]]:
-    """status.avoidedNodes: the previous ones, plus the node of a new failure that blames its node."""
+def blamed_node(failure: PodFailure, peer_nodes: dict[str, str]) -> tuple[str, str] | None:
+    """(node, why) when a failure blames a node: its own (a GPU fault, a lost node), or the node of the
+    job's pod that an NCCL error names as the peer (never the failed pod's own node: which side of a
+    broken link failed, one report cannot tell; the peer is the one it names)."""
+    if failure.node_fault is not None and failure.node:
+        return failure.node, failure.node_fault
+    for addr in failure.nccl_peers():
+        node = peer_nodes.get(addr)
+        if node and node != failure.node:
+            return node, f"NCCL: pod {failure.pod} lost its connection to peer {addr} on this node"
+    return None
+
+
+def _avoided_nodes(prev: dict[str, Any], new_failure: PodFailure | None, now: datetime,
+                   peer_nodes: dict[str, str]) -> list[dict[str, Any]]:
+    """status.avoidedNodes: the previous ones, plus the node a new failure blames."""
     avoided = [a for a in prev.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")]
-    if new_failure is None or new_failure.node_fault is None or \
-            new_failure.node in {a["node"] for a in avoided}:
+    blamed = blamed_node(new_failure, peer_nodes) if new_failure is not None else None
+    if blamed is None or blamed[0] in {a["node"] for a in avoided}:
         return avoided
-    avoided.append({"node": new_failure.node, "reason": new_failure.node_fault,
-                    "time": new_failure.finished_at or iso(now)})
+    avoided.append({"node": blamed[0], "reason": blamed[1], "time": new_failure.finished_at or iso(now)})
     return avoided[-MAX_AVOIDED_NODES:]
 
 
@@ -401,7 +419,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
     failure, new_failure = _last_failure(o)
     if new_failure:
         events.append(Event("Warning", Reason.POD_FAILED, new_failure.describe()))
-    avoided = _avoided_nodes(prev, new_failure, now)
+    avoided = _avoided_nodes(prev, new_failure, now, o.peer_nodes)
     if avoided != (prev.get("avoidedNodes") or []):
         blamed = avoided[-1]
         events.append(Event("Warning", Reason.AVOIDING_NODE, f"node {blamed['node']}: {blamed['reason']}; the JobSet "

@@ -437,6 +437,20 @@ def test_a_gpu_fault_recreates_the_jobset_once_with_the_node_excluded(ctl, kube)
         {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-7"]}]}]
 
 
+def test_an_nccl_peer_is_blamed_by_the_ip_of_a_pod_seen_before_the_gang_was_torn_down(ctl, kube):
+    running = {"phase": "Running", "reason": "AllPodsRunning", "jobSetName": "job"}
+    peer = st.PodView(name="job-p1", phase="Running", ready=True, restart_attempt=0, ip="10.4.0.7", node="gpu-9")
+    observe(ctl, body(status=running), jobset(), [peer, *running_pods(1)])
+    reporter = failed_pod(1)  # on gpu-7; its peer's pod is already gone when the failure is observed
+    reporter = st.PodView(**{**reporter.__dict__, "failure": st.PodFailure(
+        pod="job-p0", node="gpu-7", exit_code=1, reason="Error", finished_at="2026-11-23T05:00:00Z",
+        restart_attempt=0, message="Last error:\nNET/IB: Got completion from peer 10.4.0.7<43617> with status=12")})
+    events = observe(ctl, body(status=running), jobset(restarts=1), [reporter])
+    assert kube.of("delete") == [("delete", "job")]  # gpu-9 is Ready: the JobSet is recreated without it
+    (ev,) = [e for e in events if e.reason == "AvoidingNode"]
+    assert "gpu-9" in ev.message and "10.4.0.7" in ev.message
+
+
 @pytest.mark.parametrize("pod", [failed_pod(143, disruption="DeletionByTaintManager"), failed_pod(1)])
 def test_other_failures_leave_the_jobset_to_its_own_gang_restart(ctl, kube, pod):
     # A node not ready is tainted NoSchedule, so JobSet's own restart avoids it (it is still recorded,

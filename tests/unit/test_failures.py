@@ -203,3 +203,38 @@ def test_avoided_nodes_keep_the_latest_16():
     s, _ = derive(obs(jobset=js(restarts=1), pods=[PodView.from_pod(pod("a", code=6, node="n16"))],
                       previous=prev), NOW)
     assert [a["node"] for a in s["avoidedNodes"]] == [f"n{i}" for i in range(1, 17)]
+
+
+NCCL_IB = ("rank 3: exit 1 (error; retried) during training: DistBackendError: NCCL error in: "
+           "ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error, NCCL version 2.27.3\n"
+           "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.\n"
+           "Last error:\nNET/IB: Got completion from peer 10.4.0.7<43617> with status=IBV_WC_RETRY_EXC_ERR(12) "
+           "opcode=IBV_WC_SEND(0) vendor_err=129 localGid ::ffff:10.4.0.5 remoteGids::ffff:10.4.0.7 hca mlx5_0")
+
+
+@pytest.mark.parametrize(("message", "peers"), [
+    (NCCL_IB, ["10.4.0.7"]),
+    ("Last error:\nConnection closed by remote peer 10.4.0.9<57124>", ["10.4.0.9"]),
+    ("Last error:\nsocketProgress: Connection closed by remote peer [fd00::12]<40000>; peer 10.4.0.9<1>",
+     ["fd00::12", "10.4.0.9"]),
+    ("NCCL watchdog: collective operation timeout", []),  # a timeout names nobody
+])
+def test_the_peers_an_nccl_error_names(message, peers):
+    assert PodFailure(pod="p", node="n", exit_code=1, reason="Error", message=message,
+                      finished_at=None).nccl_peers() == peers
+
+
+def test_an_nccl_error_blames_the_node_of_the_peer_it_names_never_the_reporters():
+    reporter = PodView.from_pod(pod("job-worker-3-0-x", code=1, message=NCCL_IB, node="gpu-p5-5"))
+    peer_nodes = {"10.4.0.7": "gpu-p5-7", "10.4.0.5": "gpu-p5-5"}
+    s, events = derive(obs(jobset=js(restarts=1), pods=[reporter], previous={"phase": "Running"},
+                           peer_nodes=peer_nodes), NOW)
+    (avoided,) = s["avoidedNodes"]
+    assert avoided["node"] == "gpu-p5-7"
+    assert avoided["reason"] == "NCCL: pod job-worker-3-0-x lost its connection to peer 10.4.0.7 on this node"
+    assert "AvoidingNode" in [e.reason for e in events]
+    # an address that is not one of the job's pods, or the reporter's own node: nobody is blamed
+    for nodes in ({}, {"10.4.0.7": "gpu-p5-5"}):
+        s, _ = derive(obs(jobset=js(restarts=1), pods=[reporter], previous={"phase": "Running"}, peer_nodes=nodes),
+                      NOW)
+        assert "avoidedNodes" not in s

@@ -97,7 +97,7 @@ def test_stop_drops_what_waits_unless_asked_to_drain():
         q.add(("ns", "c"), False)
         q.stop(timeout_s=0, drain=drain)  # while "a" is still being handled
         gate.release.set()
-        wait_until(lambda: not q.alive())
+        wait_until(lambda q=q: not q.alive())
         assert [k[1] for k, _ in gate.calls] == expected
 
 
