@@ -70,16 +70,17 @@ def parse_body(body: dict[str, Any], settings: Settings | None = None) -> Parsed
     return Parsed(job, [], report)
 
 
-def _avoided(status: dict[str, Any]) -> set[str]:
-    """The nodes in a status's avoidedNodes."""
-    return {a["node"] for a in status.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")}
-
-
-def _blamed_ready_node(previous: dict[str, Any], desired: dict[str, Any]) -> bool:
-    """The latest failure added a node to avoidedNodes that the scheduler would pick again: a GPU fault
-    (the trainer's exit code) or an NCCL peer, not a lost node (tainted NoSchedule already)."""
+def _new_gang_wanted(previous: dict[str, Any], desired: dict[str, Any], phase: str) -> bool:
+    """The JobSet is to be deleted and created again (it resumes from the last checkpoint): the job
+    Stalled with spec.restart.onStall (stallRestarts went up), or a failure added a node to
+    avoidedNodes that the scheduler would pick again (a GPU fault, an NCCL peer; a lost node is
+    tainted NoSchedule, so JobSet's own gang restart avoids it). JobSet allows no affinity change,
+    so the new pods' rule needs a new JobSet."""
+    if int(desired.get("stallRestarts") or 0) > int(previous.get("stallRestarts") or 0):
+        return True
     failure = desired.get("lastFailure") or {}
-    return bool(_avoided(desired) - _avoided(previous)) and not failure.get("disruption")
+    return phase not in st.TERMINAL and bool(st.avoided_nodes(desired) - st.avoided_nodes(previous)) \
+        and not failure.get("disruption")
 
 
 Snapshot = Callable[[], tuple[dict[str, Any] | None, dict[str, Any] | None, list[st.PodView]]]
@@ -246,14 +247,14 @@ class Controller:
             if js_view is None and phase not in st.TERMINAL:
                 if not awaiting:  # else: found a moment ago; its watch event has yet to arrive
                     try:
-                        self.ensure_children(job, body, emit, _avoided(desired))
+                        self.ensure_children(job, body, emit, st.avoided_nodes(desired))
                     except (TransientError, PermanentApiError) as exc:
                         kind = "transient" if isinstance(exc, TransientError) else "api"
                         self.metrics.errors.labels(kind="MegatronJob", error=kind).inc()
                         log.warning(f"{ns}/{name}: children not created, retried on the next event or "
                                     f"resync: {exc}")
                         return  # nothing written, no event
-                    awaiting, created = self._awaiting_jobset(key, meta["uid"])
+                    _, created = self._awaiting_jobset(key, meta["uid"])
                     if created is not None:  # derive from the JobSet just created, not "creating" it
                         obs.jobset = st.JobSetView.from_jobset(created)
                         desired, events = st.derive(obs)
@@ -263,17 +264,8 @@ class Controller:
             elif js_view is not None:
                 if phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
                     self.kube.delete_jobset(ns, js_view.name)
-                elif int(desired.get("stallRestarts") or 0) > int(previous.get("stallRestarts") or 0):
+                elif _new_gang_wanted(previous, desired, phase):
                     self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes
-                    self._created.pop(key, None)
-                elif phase not in st.TERMINAL and _blamed_ready_node(previous, desired):
-                    # A failure blamed a node the scheduler would pick again (it is Ready: a GPU fault,
-                    # an NCCL peer):
-                    # JobSet allows no affinity change, so the JobSet is recreated by the next pass,
-                    # its pods kept off status.avoidedNodes; it resumes from the last checkpoint. (A
-                    # node lost or not ready is avoided by its NoSchedule taint: JobSet's own gang
-                    # restart does, and the node is in the affinity of any later JobSet.)
-                    self.kube.delete_jobset(ns, js_view.name)
                     self._created.pop(key, None)
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name), workload)

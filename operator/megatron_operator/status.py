@@ -373,12 +373,21 @@ def blamed_node(failure: PodFailure, peer_nodes: dict[str, str]) -> tuple[str, s
     return None
 
 
+def _avoided_entries(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [a for a in status.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")]
+
+
+def avoided_nodes(status: dict[str, Any]) -> set[str]:
+    """The node names in a status's avoidedNodes."""
+    return {a["node"] for a in _avoided_entries(status)}
+
+
 def _avoided_nodes(prev: dict[str, Any], new_failure: PodFailure | None, now: datetime,
                    peer_nodes: dict[str, str]) -> list[dict[str, Any]]:
     """status.avoidedNodes: the previous ones, plus the node a new failure blames."""
-    avoided = [a for a in prev.get("avoidedNodes") or [] if isinstance(a, dict) and a.get("node")]
+    avoided = _avoided_entries(prev)
     blamed = blamed_node(new_failure, peer_nodes) if new_failure is not None else None
-    if blamed is None or blamed[0] in {a["node"] for a in avoided}:
+    if blamed is None or blamed[0] in avoided_nodes(prev):
         return avoided
     avoided.append({"node": blamed[0], "reason": blamed[1], "time": new_failure.finished_at or iso(now)})
     return avoided[-MAX_AVOIDED_NODES:]
