@@ -218,6 +218,10 @@ class Controller:
         js_view = st.JobSetView.from_jobset(jobset) if jobset else None
         workload = self.workload(ns, jobset, spec)
         pod_list = list(pods)
+        peer_nodes = self._remember_peers(key, pod_list)  # every pod seen, the torn-down gang's too
+        if jobset is not None:  # the gang is this JobSet's pods: a deleted JobSet's may linger (GC)
+            js_uid = (jobset.get("metadata") or {}).get("uid")
+            pod_list = [p for p in pod_list if p.jobset_uid in (None, js_uid)]
         obs = st.Observation(
             name=name, generation=int(meta.get("generation") or 0),
             num_nodes=spec.num_nodes if spec else 0,
@@ -232,7 +236,7 @@ class Controller:
             restart_on_stall=spec.restart.on_stall if spec else False,
             not_owned=self.not_owned(meta),
             workload=workload,
-            peer_nodes=self._remember_peers(key, pod_list),
+            peer_nodes=peer_nodes,
         )
         try:
             desired, events = st.derive(obs)

@@ -20,6 +20,7 @@ JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
 JOBSET_PLURAL = "jobsets"
 JOBSET_GLOBAL_INDEX_LABEL = "jobset.sigs.k8s.io/job-global-index"
 JOBSET_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
 
 # What the operator writes and selects on
 FIELD_MANAGER = "megatron-operator"

@@ -16,7 +16,7 @@ from typing import Any
 from .failures import JOBSET_FAIL_ACTION_REASON, PodFailure
 from .kueue import WorkloadView
 from .memory import FitReport
-from .names import FIELD_MANAGER, JOBSET_RESTART_ATTEMPT_LABEL, TRAINER_CONTAINER
+from .names import FIELD_MANAGER, JOBSET_RESTART_ATTEMPT_LABEL, JOBSET_UID_LABEL, TRAINER_CONTAINER
 from .rules import Problem
 from .spec import MAX_AVOIDED_NODES, Condition, MegatronJobStatus
 
@@ -148,6 +148,7 @@ class PodView:
     failure: PodFailure | None = None  # a Failed pod: its node, exit code, reason and last lines
     ip: str | None = None  # status.podIP: what NCCL names a peer by
     node: str | None = None  # spec.nodeName
+    jobset_uid: str | None = None  # the JobSet the pod belongs to (JobSet's label)
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -173,6 +174,7 @@ class PodView:
             failure=PodFailure.from_pod(pod, TRAINER_CONTAINER, int(attempt) if attempt and attempt.isdigit() else None),
             ip=status.get("podIP"),
             node=(pod.get("spec") or {}).get("nodeName"),
+            jobset_uid=(meta.get("labels") or {}).get(JOBSET_UID_LABEL),
         )
 
 

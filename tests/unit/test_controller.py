@@ -418,6 +418,20 @@ def failed_pod(code: int, node: str = "gpu-7", disruption: str | None = None) ->
     return st.PodView.from_pod(doc)
 
 
+def test_pods_of_a_deleted_jobset_do_not_count_for_its_successor(ctl, kube):
+    # After a stall restart or a node blame the old gang's pods linger until garbage collection;
+    # they must not make the new JobSet look Running.
+    old_gang = [st.PodView(name=f"job-old{i}", phase="Running", ready=True, restart_attempt=0,
+                           jobset_uid="old-js-uid") for i in range(2)]
+    b = body(status={"phase": "Pending", "reason": "PodsStarting", "jobSetName": "job"})
+    observe(ctl, b, jobset(), old_gang)
+    assert kube.of("status")[-1][1:] == ("Pending", "PodsStarting")
+    new_gang = [st.PodView(name=f"job-new{i}", phase="Running", ready=True, restart_attempt=0,
+                           jobset_uid="js-uid") for i in range(2)]
+    observe(ctl, b, jobset(), old_gang + new_gang)
+    assert kube.of("status")[-1][1:] == ("Running", "AllPodsRunning")
+
+
 def test_a_gpu_fault_recreates_the_jobset_once_with_the_node_excluded(ctl, kube):
     created: list[dict] = []
     create = kube.create
