@@ -238,8 +238,13 @@ def alone_with_the_jobs(cluster: Cluster, namespace: str, timeout: float = 180):
         op.stop()
     try:
         def others_gone() -> bool:
+            # Only jobs on their way out: jobs a person left running (the demo's, `make demo` before
+            # `make test`) never go, and are no earlier test's.
+            nss = json.loads(cluster.kubectl("get", "namespaces", "-o", "json").stdout)["items"]
+            terminating = {n["metadata"]["name"] for n in nss if n["metadata"].get("deletionTimestamp")}
             out = cluster.kubectl("get", "megatronjobs", "-A", "-o", "json").stdout
-            return not [i for i in json.loads(out)["items"] if i["metadata"]["namespace"] != namespace]
+            return not [i for i in json.loads(out)["items"]
+                        if i["metadata"]["namespace"] != namespace and i["metadata"]["namespace"] in terminating]
 
         cluster.wait_for(others_gone, timeout, "MegatronJobs of earlier tests to be deleted with their namespaces",
                          kinds=("megatronjobs",))
