@@ -44,13 +44,29 @@ MANAGED = MANAGED_LABELS
 OBSERVE_THREADS = 16
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: kopf diffs each object against its last handled state for create/update/resume
+    handlers and daemons, and this operator has none (the module docstring says why). kopf still built
+    that state, a deep copy of the object, for every event of every job, JobSet and pod: a quarter of
+    its event loop's CPU in a burst of jobs (py-spy, docs/benchmarks.md)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        raise RuntimeError("a kopf create/update/resume handler or daemon was added: it needs a real diff base "
+                           "storage (kopf.AnnotationsDiffBaseStorage) instead of NoDiffBase")
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    # Handler progress and the diff base live in annotations: the structural CRD would prune
-    # kopf's status.kopf, and status belongs to the operator's own fields and the trainer's progress.
+    # Handler progress would live in annotations (the structural CRD would prune kopf's status.kopf,
+    # and status belongs to the operator's own fields and the trainer's progress); there is none.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.level = logging.WARNING  # explicit events below; kopf's own only for problems
     # kopf logs "Handler ... succeeded" for every event of every pod, JobSet and job: tens of thousands
     # of lines in a burst of jobs, each formatted and written. Its warnings and errors stay.
