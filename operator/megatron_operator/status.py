@@ -325,6 +325,10 @@ class _Conditions:
     def was_true(self, kind: str) -> bool:
         return (self.previous.get(kind) or {}).get("status") == "True"
 
+    def transition_time(self, kind: str) -> datetime | None:
+        """``lastTransitionTime`` of ``kind`` as set in this derivation (None if it was not set)."""
+        return next((c.last_transition_time for c in self.items if c.type == kind), None)
+
     def set(self, kind: str, status: bool, reason: str, message: str = "") -> None:
         value = "True" if status else "False"
         old = self.previous.get(kind)
@@ -419,6 +423,10 @@ def _describe_wire(failure: dict[str, Any]) -> str:
                       disruption=failure.get("disruption")).describe()
 
 
+#: A new iteration is recorded in status at most this many times per stall timeout (see derive).
+PROGRESS_RECORDS_PER_TIMEOUT = 4
+
+
 def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
     """The operator-owned status fields (wire form, built through ``MegatronJobStatus``) and the events
     for this observation."""
@@ -470,15 +478,29 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
         conditions.set(ConditionType.QUEUED, waiting, reason if waiting else Reason.not_(ConditionType.QUEUED),
                        message if waiting else "")
 
-    # Stalled: Running, but the trainer's reported iteration has not moved for stall_timeout_s
+    # Stalled: Running, but the trainer's reported iteration has not moved for stall_timeout_s.
+    # A new iteration is recorded (lastProgressIteration/Time) at most once per stall_timeout_s /
+    # PROGRESS_RECORDS_PER_TIMEOUT: recording every report (the trainer's, every 30 s) cost one more
+    # status write per report and job. Recording late only makes Stalled late, never early: the stall
+    # check below records a new iteration it finds before it counts time (at most 1.25x the timeout).
     progress = prev.get("progress") or {}
     it = progress.get("iteration")
     last_it, last_t = prev.get("lastProgressIteration"), prev.get("lastProgressTime")
-    if (it is not None and it != last_it) or (last_it is not None and past_time(last_t, now) is None):
+    recorded = past_time(last_t, now)
+    if it is not None and it != last_it:
+        if last_it is None or recorded is None or \
+                (now - recorded).total_seconds() >= o.stall_timeout_s / PROGRESS_RECORDS_PER_TIMEOUT:
+            last_it, last_t = it, iso(now)
+    elif last_it is not None and recorded is None:  # a future (or unreadable) time restarts the clock now
         last_it, last_t = it, iso(now)
     stall_restarts = int(prev.get("stallRestarts") or 0)
     if phase == Phase.RUNNING:
         since = past_time(last_t, now) or past_time(start, now) or now
+        # never count the time before the gang (re)entered Running: after a gang restart, its start-up
+        running_since = conditions.transition_time(ConditionType.RUNNING) \
+            if ConditionType.RUNNING in conditions.previous else None
+        if running_since is not None and since < running_since <= now:
+            since = running_since
         idle = (now - since).total_seconds()
         if idle > o.stall_timeout_s:
             msg = (f"no new iteration for {int(idle)} s (last reported: {last_it if last_it is not None else 'none'}); "

@@ -200,6 +200,47 @@ def test_stalled_after_timeout_without_new_iteration():
     assert cond(s2, "Stalled")["status"] == "False" and s2["lastProgressIteration"] == 11
 
 
+def test_new_iterations_recorded_at_most_four_times_per_stall_timeout():
+    """The trainer reports progress every 30 s; the operator records a new iteration (one status write)
+    only once a quarter of the stall timeout has passed since the last record, and Stalled is never early."""
+    first, _ = derive(obs(jobset=js(), pods=pods(2), previous={"progress": {"iteration": 10}},
+                          stall_timeout_s=600), NOW)
+    assert first["lastProgressIteration"] == 10 and first["lastProgressTime"] == iso(NOW)
+    prev = first
+    for k in range(1, 5):  # reports at 30 s intervals, within 150 s (600 / 4): nothing to write
+        s, _ = derive(obs(jobset=js(), pods=pods(2), previous={**prev, "progress": {"iteration": 10 + k}},
+                          stall_timeout_s=600), NOW + timedelta(seconds=30 * k))
+        assert not changed(first, s), k
+    later, _ = derive(obs(jobset=js(), pods=pods(2), previous={**first, "progress": {"iteration": 16}},
+                          stall_timeout_s=600), NOW + timedelta(seconds=150))
+    assert later["lastProgressIteration"] == 16 and later["lastProgressTime"] == iso(NOW + timedelta(seconds=150))
+    # past the timeout with an iteration never recorded: recorded now, not Stalled
+    late, events = derive(obs(jobset=js(), pods=pods(2), previous={**first, "progress": {"iteration": 12}},
+                              stall_timeout_s=600), NOW + timedelta(seconds=601))
+    assert cond(late, "Stalled")["status"] == "False" and late["lastProgressIteration"] == 12 and not events
+    # the same iteration past the timeout: Stalled
+    stalled, events = derive(obs(jobset=js(), pods=pods(2), previous={**first, "progress": {"iteration": 10}},
+                                 stall_timeout_s=600), NOW + timedelta(seconds=601))
+    assert cond(stalled, "Stalled")["status"] == "True" and [e.reason for e in events] == ["Stalled"]
+
+
+def test_stall_clock_starts_when_the_new_gang_is_running():
+    """After a stall restart the new gang's start-up (slower than the stall timeout here) is not
+    counted: a second restart came right after the first when the pods took longer to run (e2e flake)."""
+    prev = {"phase": "Running", "startTime": iso(NOW - timedelta(hours=1)), "stallRestarts": 1,
+            "lastProgressTime": iso(NOW - timedelta(seconds=40))}  # the restart, 40 s ago
+    starting, _ = derive(obs(jobset=js(), pods=pods(2, phase="Pending"), previous=prev, stall_timeout_s=15),
+                         NOW - timedelta(seconds=1))
+    assert starting["phase"] != "Running"
+    running, events = derive(obs(jobset=js(), pods=pods(2), previous=starting, stall_timeout_s=15), NOW)
+    assert running["phase"] == "Running" and running["stallRestarts"] == 1
+    assert [e.reason for e in events] == ["Running"]  # no Stalled, no StallRestart
+    assert cond(running, "Stalled")["status"] == "False"
+    stalled, _ = derive(obs(jobset=js(), pods=pods(2), previous=running, stall_timeout_s=15),
+                        NOW + timedelta(seconds=16))
+    assert cond(stalled, "Stalled")["status"] == "True"
+
+
 def test_operator_never_writes_progress():
     s, _ = derive(obs(jobset=js(), pods=pods(2), previous={"progress": {"iteration": 5, "loss": 2.0}}), NOW)
     assert "progress" not in s
