@@ -44,7 +44,7 @@ import kubernetes
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "bench")]
 
 from k8s import GPU_TOLERATION, Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
 from megatron_operator.render import render  # noqa: E402
@@ -488,12 +488,19 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for each burst")
     ap.add_argument("--profile", default=None, help="record py-spy profiles of the operator into this directory")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--crd", default=None,
+                    help="a what-if run with another CRD: 'no-cel' (crds/ without its CEL rules) or a CRD file "
+                         "(recorded in the JSON's meta)")
     args = ap.parse_args()
 
     local = load_cluster_module()
     state = local.up()
     cluster = Cluster(kubeconfig=Path(state["kubeconfig"]), run_dir=local.run_dir(), kubectl_path=Path(state["kubectl"]))
-    cluster.apply(CRD_FILE)
+    if args.crd == "no-cel":
+        from crd_write_cost import variant_crd
+        cluster.apply(variant_crd("no-cel", None))
+    else:
+        cluster.apply(Path(args.crd) if args.crd else CRD_FILE)
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
     systems: list[Any] = []
     for s in args.systems:
@@ -523,7 +530,8 @@ def main() -> int:
         cluster.kubectl("delete", "nodes", "-l", f"{NODE_LABEL}=true", "--wait=false", check=False)
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
             "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}), shared with other work",
-            "command": " ".join(sys.argv), "peer": f"kubeflow trainer v{TRAINER_VERSION}"}
+            "command": " ".join(sys.argv), "peer": f"kubeflow trainer v{TRAINER_VERSION}",
+            "crd": args.crd or str(CRD_FILE.relative_to(ROOT))}
     doc = {"meta": meta, "results": results, "ratios": ratios(results)}
     print(json.dumps(doc, indent=2))
     if args.out:
