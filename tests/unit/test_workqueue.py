@@ -37,11 +37,17 @@ class Gate:
             self.running[key] -= 1
 
 
-def test_events_of_a_waiting_key_add_nothing_and_resync_is_kept():
+def busy_with_a(threads: int, **kw) -> tuple[Gate, WorkQueue]:
+    """A queue of ``threads`` workers, one of them held inside key "a" until ``gate.release``."""
     gate = Gate()
-    q = WorkQueue(gate, threads=1, merge=lambda waiting, new: waiting or new)
+    q = WorkQueue(gate, threads=threads, **kw)
     q.add(("ns", "a"), False)
-    assert gate.inside.wait(10)  # the only worker is busy with "a"
+    assert gate.inside.wait(10)
+    return gate, q
+
+
+def test_events_of_a_waiting_key_add_nothing_and_resync_is_kept():
+    gate, q = busy_with_a(1, merge=lambda waiting, new: waiting or new)  # the only worker is busy with "a"
     for _ in range(5):
         q.add(("ns", "b"), False)
     q.add(("ns", "b"), True)
@@ -54,10 +60,7 @@ def test_events_of_a_waiting_key_add_nothing_and_resync_is_kept():
 
 
 def test_a_key_changed_while_processed_runs_once_more_and_never_twice_at_once():
-    gate = Gate()
-    q = WorkQueue(gate, threads=4)
-    q.add(("ns", "a"), False)
-    assert gate.inside.wait(10)
+    gate, q = busy_with_a(4)
     q.add(("ns", "a"), False)
     q.add(("ns", "a"), False)
     time.sleep(0.05)  # three idle workers had the chance to take it
@@ -89,10 +92,7 @@ def test_a_failing_observation_stops_nothing():
 
 def test_stop_drops_what_waits_unless_asked_to_drain():
     for drain, expected in ((False, ["a"]), (True, ["a", "b", "c"])):
-        gate = Gate()
-        q = WorkQueue(gate, threads=1)
-        q.add(("ns", "a"), False)
-        assert gate.inside.wait(10)
+        gate, q = busy_with_a(1)
         q.add(("ns", "b"), False)
         q.add(("ns", "c"), False)
         q.stop(timeout_s=0, drain=drain)  # while "a" is still being handled
