@@ -42,10 +42,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "bench"), str(ROOT / "operator")]
 
+import operator_latency  # noqa: E402
 from k8s import Cluster, load_cluster_module  # noqa: E402
 from megatron_operator.kube import Kube  # noqa: E402
 from mjob import CRD_FILE, GROUP, PLURAL, VERSION  # noqa: E402
-from operator_latency import megatron_job, new_namespace  # noqa: E402
+from operator_latency import component_cpu, megatron_job, new_namespace  # noqa: E402
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CEL_METRIC = "apiserver_cel_evaluation_duration_seconds"
@@ -53,19 +54,8 @@ CEL_METRIC = "apiserver_cel_evaluation_duration_seconds"
 
 def control_plane_cpu() -> float:
     """CPU seconds so far of kube-apiserver and etcd together."""
-    total = 0.0
-    ticks = os.sysconf("SC_CLK_TCK")
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv0 = Path((d / "cmdline").read_bytes().split(b"\0", 1)[0].decode()).name
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, UnicodeDecodeError, IndexError):
-            continue
-        if argv0 in ("kube-apiserver", "etcd"):
-            total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+    cpu = component_cpu()
+    return cpu.get("kube-apiserver", 0.0) + cpu.get("etcd", 0.0)
 
 
 def cel_seconds(cluster: Cluster) -> tuple[float, float]:
@@ -173,10 +163,9 @@ def run_variant(cluster: Cluster, name: str, crd: dict, n: int) -> list[dict]:
 
 
 def git_commit() -> str:
-    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "crds", "operator"],
                            capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + ("+uncommitted" if dirty else "")
+    return operator_latency.git_commit() + ("+uncommitted" if dirty else "")
 
 
 def main() -> int:
