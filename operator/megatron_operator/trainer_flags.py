@@ -28,9 +28,12 @@ VALUE_FLAGS: tuple[str, ...] = (
     "ffn-hidden-size",
     "fp8-format",
     "global-batch-size",
+    "hf-export",
+    "hf-init",
     "hidden-dropout",
     "hidden-size",
     "init-method-std",
+    "kv-channels",
     "load",
     "log-interval",
     "lr",
@@ -45,6 +48,7 @@ VALUE_FLAGS: tuple[str, ...] = (
     "micro-batch-size",
     "min-lr",
     "moe-router-topk",
+    "norm-epsilon",
     "normalization",
     "num-attention-heads",
     "num-experts",
@@ -57,6 +61,7 @@ VALUE_FLAGS: tuple[str, ...] = (
     "recompute-granularity",
     "recompute-method",
     "recompute-num-layers",
+    "rope-scaling-factor",
     "rotary-base",
     "save",
     "save-interval",
@@ -82,6 +87,7 @@ VALUE_FLAGS: tuple[str, ...] = (
 )
 # Flags that take none (--name)
 SWITCH_FLAGS: tuple[str, ...] = (
+    "add-qkv-bias",
     "async-save",
     "bf16",
     "ckpt-assume-constant-structure",
@@ -93,6 +99,7 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "exit-signal-handler",
     "fp16",
     "group-query-attention",
+    "hf-export-only",
     "log-memory-to-tensorboard",
     "log-num-zeros-in-grad",
     "log-params-norm",
@@ -114,6 +121,7 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "no-rope-fusion",
     "overlap-grad-reduce",
     "overlap-param-gather",
+    "qk-layernorm",
     "reset-attention-mask",
     "reset-position-ids",
     "sequence-parallel",
@@ -122,4 +130,5 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "use-distributed-optimizer",
     "use-mcore-models",
     "use-persistent-ckpt-worker",
+    "use-rope-scaling",
 )

@@ -96,6 +96,13 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"], "must be >= 1"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--use-distributed-optimizer", "--overlap-grad-reduce",
                     "--overlap-param-gather"], "drop --overlap-param-gather"),
+    (lambda a: a + ["--norm-epsilon", "0"], "--norm-epsilon must be in (0, 1)"),
+    (lambda a: a + ["--use-rope-scaling"], "needs --position-embedding-type rope"),
+    (lambda a: a + ["--kv-channels", "0"], "--kv-channels must be >= 1"),
+    (lambda a: a + ["--hf-export-only", "--hf-export", "/out"], "--hf-export-only needs --load"),
+    (lambda a: a + ["--hf-init", "relative/dir"], "--hf-init must be an absolute directory path"),
+    (lambda a: a + ["--hf-export", "/ckpt/../etc"], "without '..' components"),
+    (lambda a: a + ["--hf-init", "/m/x", "--hf-export", "/m/x/"], "never overwrites its source"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -215,3 +222,17 @@ def test_every_accepted_compat_flag_is_documented():
     assert given <= documented, given - documented
     known = set(build_parser()._option_string_actions)
     assert documented - known == set()
+
+
+def test_llama_family_flags(mock_argv):
+    cfg = parse_args(without(mock_argv, "--position-embedding-type") + [
+        "--position-embedding-type", "rope", "--norm-epsilon", "1e-6", "--kv-channels", "128", "--qk-layernorm",
+        "--add-qkv-bias", "--use-rope-scaling", "--rope-scaling-factor", "32", "--hf-init", "/hf/in",
+        "--hf-export", "/hf/out"])
+    m, c = cfg.model, cfg.checkpoint
+    assert (m.norm_epsilon, m.kv_channels, m.head_dim, m.qk_layernorm, m.add_qkv_bias) == (1e-6, 128, 128, True, True)
+    assert (m.use_rope_scaling, m.rope_scaling_factor) == (True, 32.0)
+    assert (c.hf_init, c.hf_export, c.hf_export_only) == ("/hf/in", "/hf/out", False)
+    # --kv-channels lifts the hidden % heads rule (Qwen3: hidden 1024, 16 heads of 128)
+    argv = without(without(mock_argv, "--hidden-size"), "--num-attention-heads")
+    assert parse_args(argv + ["--hidden-size", "1000", "--num-attention-heads", "16", "--kv-channels", "64"]).model.head_dim == 64

@@ -101,6 +101,21 @@ class ModelConfig:
         "--disable-bias-linear", action="store_false", help="No biases in the linear layers."))
     init_method_std: float = field(default=0.02, metadata=flag(
         "--init-method-std", type=float, help="Std of the normal weight initialisation."))
+    norm_epsilon: float = field(default=1e-5, metadata=flag(
+        "--norm-epsilon", type=float, help="Epsilon of the LayerNorm/RMSNorm layers (Hugging Face rms_norm_eps)."))
+    kv_channels: int | None = field(default=None, metadata=flag(
+        "--kv-channels", type=int,
+        help="Attention head dimension (default hidden / heads; Qwen3 and Mistral-Nemo set it apart)."))
+    qk_layernorm: bool = field(default=False, metadata=flag(
+        "--qk-layernorm", action="store_true", help="Normalise queries and keys per head (Qwen3)."))
+    add_qkv_bias: bool = field(default=False, metadata=flag(
+        "--add-qkv-bias", action="store_true",
+        help="Biases on the query/key/value projection only (Qwen2), also with --disable-bias-linear."))
+    use_rope_scaling: bool = field(default=False, metadata=flag(
+        "--use-rope-scaling", action="store_true",
+        help="Llama 3.1-style RoPE frequency scaling (low/high frequency factors 1 and 4, original context 8192)."))
+    rope_scaling_factor: float = field(default=8.0, metadata=flag(
+        "--rope-scaling-factor", type=float, help="Factor of --use-rope-scaling (Llama 3.1: 8, Llama 3.2: 32)."))
     hidden_dropout: float = field(default=0.0, metadata=flag(
         "--hidden-dropout", type=float, help="Dropout after attention/MLP (0 for LLM pretraining)."))
     attention_dropout: float = field(default=0.0, metadata=flag(
@@ -114,6 +129,10 @@ class ModelConfig:
     @property
     def effective_ffn_hidden_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -294,6 +313,16 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = field(default=False, metadata=flag(
         "--exit-on-missing-checkpoint", action="store_true",
         help="Fail instead of starting from scratch when --load holds no complete checkpoint."))
+    hf_init: str | None = field(default=None, metadata=flag(
+        "--hf-init", help="A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer) to take the "
+        "weights from when --load holds no checkpoint: a fresh optimizer at iteration 0. Resumes never read it."))
+    hf_export: str | None = field(default=None, metadata=flag(
+        "--hf-export", help="Write the model as a Hugging Face checkpoint (safetensors, config.json, tokenizer) to "
+        "this directory when training finishes (created through a temporary directory and a rename)."))
+    hf_export_only: bool = field(default=False, metadata=flag(
+        "--hf-export-only", action="store_true",
+        help="Export the newest complete checkpoint under --load to --hf-export and exit (no training; any "
+             "TP/PP layout)."))
     exit_signal_handler: bool = field(default=False, metadata=flag(
         "--exit-signal-handler", action="store_true",
         help="On SIGTERM: all ranks agree, save a checkpoint, exit 0."))
@@ -460,9 +489,17 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
     if m.num_attention_heads % p.tensor:
         raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
                          f"--tensor-model-parallel-size ({p.tensor})")
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ValueError(f"--hidden-size ({m.hidden_size}) must be divisible by --num-attention-heads "
-                         f"({m.num_attention_heads})")
+                         f"({m.num_attention_heads}), or give --kv-channels")
+    if m.kv_channels is not None and m.kv_channels < 1:
+        raise ValueError(f"--kv-channels must be >= 1, got {m.kv_channels}")
+    if not 0 < m.norm_epsilon < 1:
+        raise ValueError(f"--norm-epsilon must be in (0, 1), got {m.norm_epsilon}")
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        raise ValueError("--use-rope-scaling needs --position-embedding-type rope")
+    if m.use_rope_scaling and not m.rope_scaling_factor >= 1:
+        raise ValueError(f"--rope-scaling-factor must be >= 1, got {m.rope_scaling_factor}")
     if m.num_query_groups is not None and not m.group_query_attention:
         raise ValueError("--num-query-groups needs --group-query-attention")
     groups = m.effective_num_query_groups
@@ -587,6 +624,13 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
         raise ValueError("--async-save needs --use-persistent-ckpt-worker")
     if c.exit_on_missing_checkpoint and not c.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
+    if c.hf_export_only and not (c.hf_export and c.load):
+        raise ValueError("--hf-export-only needs --load DIR (the checkpoint) and --hf-export DIR (where to write)")
+    for name, path in (("--hf-init", c.hf_init), ("--hf-export", c.hf_export)):
+        if path is not None and (not path.startswith("/") or ".." in path.split("/") or path.rstrip("/") == ""):
+            raise ValueError(f"{name} must be an absolute directory path without '..' components, got {path!r}")
+    if c.hf_init and c.hf_export and c.hf_init.rstrip("/") == c.hf_export.rstrip("/"):
+        raise ValueError("--hf-export must not be the --hf-init directory (an export never overwrites its source)")
 
 
 def ignored_flags(cfg: TrainerConfig) -> list[str]:

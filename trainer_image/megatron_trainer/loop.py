@@ -175,7 +175,7 @@ class Trainer:
         self.tokens_per_iteration = gbs * m.seq_length
         self.flops_per_iteration = flops_mod.megatron_flops_per_iteration(
             gbs, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.effective_num_query_groups,
-            m.effective_ffn_hidden_size, self.padded_vocab, swiglu=m.swiglu,
+            m.effective_ffn_hidden_size, self.padded_vocab, swiglu=m.swiglu, kv_channels=m.kv_channels,
             moe_topk=m.moe_router_topk if m.num_experts else 1)
         self.classic_flops_per_iteration = flops_mod.classic_flops_per_iteration(
             gbs, m.seq_length, m.num_layers, m.hidden_size, self.vocab_size)

@@ -71,6 +71,10 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         num_query_groups=m.effective_num_query_groups,
         ffn_hidden_size=m.effective_ffn_hidden_size,
         normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        kv_channels=m.kv_channels,
+        qk_layernorm=m.qk_layernorm,
+        add_qkv_bias=m.add_qkv_bias,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear,
@@ -113,15 +117,19 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts,
-                                                          fp8=t.fp8_format)
+                                                          fp8=t.fp8_format, qk_layernorm=m.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from .norm import TorchNorm
 
-    spec = get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization,
+                                    qk_layernorm=m.qk_layernorm)
     # torch norms that allow sequence parallelism (Megatron's WrappedTorchNorm refuses it)
     spec.submodules.input_layernorm = TorchNorm
     spec.submodules.pre_mlp_layernorm = TorchNorm
+    if m.qk_layernorm:  # per-head norms (hidden size = head dim); their TP grads are summed by finalize_model_grads
+        spec.submodules.self_attention.submodules.q_layernorm = TorchNorm
+        spec.submodules.self_attention.submodules.k_layernorm = TorchNorm
     if t.attention_backend not in ("unfused", "local"):
         from .attention import make_sdpa_attention
 
@@ -170,9 +178,12 @@ def build_model(cfg: TrainerConfig, tconfig, path: ModelPath, vocab_size: int, d
             share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type,
             rotary_base=m.rotary_base,
+            rope_scaling=m.use_rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=vp_stage,
         )
-        chunk.cuda(torch.cuda.current_device())
+        if not tconfig.use_cpu_initialization:
+            chunk.cuda(torch.cuda.current_device())
         if t.bf16 or t.fp16:
             chunk = Float16Module(tconfig, chunk)
         chunks.append(chunk)
