@@ -29,6 +29,14 @@ EXTRA_CASES = {
                            "model": {"preset": "gpt-7.5b"},
                            "training": {"trainIters": 10, "precision": "fp8", "attentionBackend": "unfused"},
                            "data": {"pvc": "d", "paths": [{"prefix": "x/y"}], "tokenizer": {"type": "Null"}}},
+    "llama-family-fields": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2},
+                            "model": {"numLayers": 4, "hiddenSize": 1000, "numAttentionHeads": 8,
+                                      "numQueryGroups": 2, "kvChannels": 128, "ffnHiddenSize": 2048,
+                                      "seqLength": 1024, "vocabSize": 32000, "activation": "swiglu",
+                                      "normalization": "RMSNorm", "positionEmbedding": "rope",
+                                      "rotaryBase": 1000000, "normEpsilon": 1e-6, "qkLayernorm": True,
+                                      "addQkvBias": True, "addBiasLinear": False, "ropeScalingFactor": 32},
+                            "training": {"trainIters": 10, "transformerImpl": "local"}},
 }
 
 
@@ -101,6 +109,14 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert (m.num_experts or 0) == (model["numExperts"] or 0)
     assert m.untie_embeddings_and_output_weights == model["untieEmbeddings"]
     assert m.add_bias_linear == model["addBiasLinear"]
+    assert m.norm_epsilon == model["normEpsilon"]
+    assert m.head_dim == model["kvChannels"]
+    assert (m.qk_layernorm, m.add_qkv_bias) == (model["qkLayernorm"], model["addQkvBias"])
+    assert m.use_rope_scaling == bool(model["ropeScalingFactor"])
+    if m.use_rope_scaling:
+        assert m.rope_scaling_factor == model["ropeScalingFactor"]
+    if model["positionEmbedding"] == "rope":
+        assert m.rotary_base == model["rotaryBase"]
     assert (t.micro_batch_size, t.global_batch_size, t.train_iters) == (spec.training.micro_batch_size,
                                                                        layout["globalBatchSize"],
                                                                        spec.training.train_iters)

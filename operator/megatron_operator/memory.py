@@ -139,12 +139,14 @@ def estimate(job: MegatronJob) -> Estimate:
     swiglu = m["activation"] == "swiglu"
     bias = m["addBiasLinear"]
     experts = m["numExperts"] or 0
-    head_dim = h / a
+    head_dim = m["kvChannels"] or h / a  # kvChannels: heads sized apart from hidden / heads (Qwen3)
+    q = a * head_dim
     kv = g * head_dim
     act_bytes = 2  # bf16/fp16 activations (fp8 keeps bf16 activations between layers)
 
     # ---- parameters per GPU -------------------------------------------------------------------
-    attn_params = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if bias else 0)
+    attn_params = (h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if bias else 0)
+                   + (q + 2 * kv if m["addQkvBias"] and not bias else 0))
     mlp_one = (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
     norm_params = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
     dense_per_layer = attn_params / tp + norm_params + (0 if experts else mlp_one / tp)

@@ -3,7 +3,8 @@
 GPT sizes: the table of Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM" (heads / hidden / layers; sequence 2048, vocabulary 51200, GeLU,
 LayerNorm, learned absolute positions, tied embeddings). Llama-style sizes: Llama 3 8B and 70B
-(GQA with 8 query groups, SwiGLU, RMSNorm, RoPE base 500000, untied embeddings, no linear bias).
+(GQA with 8 query groups, SwiGLU, RMSNorm with epsilon 1e-5, RoPE base 500000, untied embeddings, no
+linear bias; Llama 3.1's RoPE scaling is spec.model.ropeScalingFactor: 8, not part of the preset).
 
 A preset gives only what defines the architecture; values it leaves out are derived the same way
 as for explicit models (query groups = heads, FFN = 4 x hidden, max positions = sequence length).
@@ -33,6 +34,7 @@ _LLAMA_COMMON: dict[str, Any] = {
     "vocabSize": 128256,
     "activation": "swiglu",
     "normalization": "RMSNorm",
+    "normEpsilon": 1e-5,
     "positionEmbedding": "rope",
     "rotaryBase": 500000,
     "untieEmbeddings": True,

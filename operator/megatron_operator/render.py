@@ -42,6 +42,8 @@ CONTAINER_NAME = TRAINER_CONTAINER
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
+# Megatron-Core's TransformerConfig.layernorm_epsilon default (and the trainer's --norm-epsilon default).
+DEFAULT_NORM_EPSILON = 1e-5
 
 EFA_ENV = {
     # aws-ofi-nccl: use the EFA libfabric provider with GPUDirect RDMA (p4d/p5) and make
@@ -136,6 +138,19 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("untie-embeddings-and-output-weights")
     if not model["addBiasLinear"]:
         flag("disable-bias-linear")
+    # The Llama-family fields render only away from Megatron's defaults, so existing jobs render as before.
+    if model["normEpsilon"] != DEFAULT_NORM_EPSILON:
+        flag("norm-epsilon", _fmt(model["normEpsilon"]))
+    heads = model["numAttentionHeads"]
+    if model["hiddenSize"] % heads or model["kvChannels"] != model["hiddenSize"] // heads:
+        flag("kv-channels", model["kvChannels"])
+    if model["qkLayernorm"]:
+        flag("qk-layernorm")
+    if model["addQkvBias"]:
+        flag("add-qkv-bias")
+    if model["ropeScalingFactor"]:
+        flag("use-rope-scaling")
+        flag("rope-scaling-factor", _fmt(model["ropeScalingFactor"]))
     flag("hidden-dropout", _fmt(spec.model.hidden_dropout))
     flag("attention-dropout", _fmt(spec.model.attention_dropout))
     # training

@@ -112,13 +112,21 @@ position_embedding = model_value("positionEmbedding", "learned_absolute")
 rotary_base = model_value("rotaryBase", 10000)
 untie_embeddings = model_value("untieEmbeddings", False)
 add_bias_linear = model_value("addBiasLinear", True)
+# Megatron's defaults (TransformerConfig): layernorm_epsilon 1e-5, kv_channels hidden / heads (0 marks an
+# incomplete model), no QK norm, no QKV bias; 0 marks "no RoPE scaling".
+norm_epsilon = model_value("normEpsilon", 1e-5)
+kv_channels = model_value("kvChannels", cond(heads > 0, hidden // heads, 0))
+qk_layernorm = model_value("qkLayernorm", False)
+add_qkv_bias = model_value("addQkvBias", False)
+rope_scaling_factor = model_value("ropeScalingFactor", 0)
 
 MODEL_VALUES: dict[str, Expr] = {
     "numLayers": layers, "hiddenSize": hidden, "numAttentionHeads": heads, "numQueryGroups": groups,
     "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
     "numExperts": experts, "moeRouterTopk": topk, "activation": activation, "normalization": normalization,
     "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
-    "addBiasLinear": add_bias_linear,
+    "addBiasLinear": add_bias_linear, "normEpsilon": norm_epsilon, "kvChannels": kv_channels,
+    "qkLayernorm": qk_layernorm, "addQkvBias": add_qkv_bias, "ropeScalingFactor": rope_scaling_factor,
 }
 
 model_complete = (layers > 0) & (hidden > 0) & (heads > 0) & (seq > 0) & (vocab > 0)
@@ -134,7 +142,8 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "num-layers", "hidden-size", "num-attention-heads", "group-query-attention", "num-query-groups",
     "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
     "moe-router-topk", "swiglu", "normalization", "position-embedding-type", "rotary-base",
-    "untie-embeddings-and-output-weights", "disable-bias-linear", "hidden-dropout", "attention-dropout",
+    "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
+    "add-qkv-bias", "use-rope-scaling", "rope-scaling-factor", "hidden-dropout", "attention-dropout",
     "transformer-impl", "attention-backend",
     "micro-batch-size", "global-batch-size", "train-iters", "lr", "min-lr", "lr-decay-style",
     "lr-warmup-iters", "lr-decay-iters", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "bf16",
@@ -266,11 +275,17 @@ SPEC_RULES: list[Rule] = [
          (heads % tp).eq(0), when=model_complete,
          message=fmt("spec.model.numAttentionHeads: ", heads.str(), " heads are not divisible by "
                       "spec.parallelism.tensor ", tp.str(), "; use a tensor size that divides ", heads.str())),
-    # arguments.validate_args (kv_channels = hidden / heads)
+    # arguments.validate_args (kv_channels = hidden / heads, unless given)
     Rule("hidden-divisible-by-heads", "model.hiddenSize",
-         (hidden % heads).eq(0), when=model_complete,
+         (hidden % heads).eq(0), when=model_complete & ~has("model.kvChannels"),
          message=fmt("spec.model.hiddenSize: ", hidden.str(), " is not divisible by numAttentionHeads ",
-                      heads.str(), "; use a multiple of ", heads.str(), multiple_hint(hidden, heads))),
+                      heads.str(), "; use a multiple of ", heads.str(), multiple_hint(hidden, heads),
+                      ", or give the head dimension as kvChannels")),
+    # RotaryEmbedding(rope_scaling=...) is only built for rope (gpt_model.py); arguments.validate_args
+    Rule("rope-scaling-needs-rope", "model.ropeScalingFactor",
+         position_embedding.eq("rope"), when=has("model.ropeScalingFactor"),
+         message=fmt("spec.model.ropeScalingFactor: RoPE scaling needs positionEmbedding rope (it is ",
+                     position_embedding, "); set positionEmbedding: rope or omit ropeScalingFactor")),
     # attention.py (heads per query group)
     Rule("heads-divisible-by-groups", "model.numQueryGroups",
          (heads % groups).eq(0), when=model_complete,

@@ -165,6 +165,20 @@ class ModelSpec(ApiModel):
                                           "(--untie-embeddings-and-output-weights). Default false.")
     add_bias_linear: bool | None = Field(None, description="Biases in linear layers; false renders "
                                          "--disable-bias-linear. Default true.")
+    norm_epsilon: float | None = Field(None, gt=0, lt=1, description="Epsilon of the RMSNorm/LayerNorm layers "
+                                       "(--norm-epsilon; Hugging Face rms_norm_eps). Default 1e-5.")
+    kv_channels: int | None = Field(None, ge=1, le=16384, description="Attention head dimension (--kv-channels; "
+                                    "Hugging Face head_dim). Default hiddenSize / numAttentionHeads; set it for "
+                                    "models whose heads are sized apart (Qwen3, Mistral-Nemo).")
+    qk_layernorm: bool | None = Field(None, description="Normalise queries and keys per head (--qk-layernorm; "
+                                      "Qwen3). Default false.")
+    add_qkv_bias: bool | None = Field(None, description="Biases on the query/key/value projection only "
+                                      "(--add-qkv-bias; Qwen2), also with addBiasLinear false. Default false.")
+    rope_scaling_factor: float | None = Field(
+        None, ge=1, le=1024, description="Llama 3.1-style RoPE frequency scaling with this factor (--use-rope-scaling "
+        "--rope-scaling-factor; Llama 3.1: 8, Llama 3.2: 32). Low/high frequency factors 1 and 4 and the original "
+        "context 8192 are fixed (the only kind Megatron-Core 0.19 implements). Needs positionEmbedding rope. "
+        "Omit for no scaling.")
     hidden_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after attention and MLP "
                                   "(--hidden-dropout). 0 for LLM pretraining (Megatron-LM's own default is 0.1).")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities "

@@ -229,6 +229,33 @@ def test_expert_run_has_no_experts_flag_when_dense():
     assert "--num-experts" not in args and "--swiglu" not in args and "--group-query-attention" not in args
 
 
+LLAMA_FAMILY_FLAGS = ("--norm-epsilon", "--kv-channels", "--qk-layernorm", "--add-qkv-bias", "--use-rope-scaling",
+                      "--rope-scaling-factor")
+
+
+@pytest.mark.parametrize("model", [{"preset": "llama3-8b"}, {"preset": "gpt-1.7b"},
+                                   {"preset": "llama3-8b", "normEpsilon": 1e-5, "kvChannels": 128}])
+def test_llama_family_flags_render_only_away_from_megatrons_defaults(model):
+    args = megatron_args(parse_job(make_job(model=model, training={"trainIters": 10})))
+    assert not set(LLAMA_FAMILY_FLAGS) & set(args)
+
+
+def test_llama_family_flags_and_their_values():
+    args = megatron_args(parse_job(make_job(model={"preset": "llama3-8b", "normEpsilon": 1e-6, "kvChannels": 64,
+                                                   "qkLayernorm": True, "addQkvBias": True,
+                                                   "ropeScalingFactor": 8},
+                                            training={"trainIters": 10})))
+    assert args[args.index("--norm-epsilon") + 1] == "1e-06"
+    assert args[args.index("--kv-channels") + 1] == "64"
+    assert args[args.index("--rope-scaling-factor") + 1] == "8.0"
+    assert {"--qk-layernorm", "--add-qkv-bias", "--use-rope-scaling"} <= set(args)
+
+
+def test_kv_channels_renders_when_hidden_is_not_divisible_by_heads():
+    args = megatron_args(parse_job(make_job(model__hiddenSize=1000, model__kvChannels=62)))
+    assert args[args.index("--kv-channels") + 1] == "62"
+
+
 def test_cuda_device_max_connections_only_where_megatron_requires_it():
     assert env_of(container(objects(make_job())["JobSet"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     js = objects(make_job(parallelism={"pipeline": 2}, training__globalBatchSize=32))["JobSet"]
