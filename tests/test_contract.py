@@ -36,7 +36,10 @@ EXTRA_CASES = {
                                       "normalization": "RMSNorm", "positionEmbedding": "rope",
                                       "rotaryBase": 1000000, "normEpsilon": 1e-6, "qkLayernorm": True,
                                       "addQkvBias": True, "addBiasLinear": False, "ropeScalingFactor": 32},
-                            "training": {"trainIters": 10, "transformerImpl": "local"}},
+                            "training": {"trainIters": 10, "transformerImpl": "local"},
+                            "init": {"huggingFace": {"pvc": "models", "path": "qwen/qwen3-tiny"}},
+                            "export": {"huggingFace": {"pvc": "models", "path": "exports/qwen3-tiny-ft"}},
+                            "checkpoint": {"pvc": "c"}},
 }
 
 
@@ -135,6 +138,9 @@ def test_trainer_parses_the_rendered_command_line(job):
         assert cfg.checkpoint.async_save == spec.checkpoint.async_
     else:
         assert cfg.checkpoint.save is None
+    assert cfg.checkpoint.hf_init == (f"/hf-init/{spec.init.hugging_face.path}" if spec.init else None)
+    assert cfg.checkpoint.hf_export == (f"/hf-export/{spec.export.hugging_face.path}" if spec.export else None)
+    assert not cfg.checkpoint.hf_export_only
     if spec.data.mock:
         assert cfg.data.mock_data
     else:
@@ -177,6 +183,15 @@ def test_extra_args_reach_the_trainer_and_unknown_ones_are_refused_clearly(capsy
     assert "--record-memory-history" in capsys.readouterr().err
     # The common logging flags of Megatron-LM launch scripts are accepted (trainer-contract.md, extraArgs).
     assert parse_args(trainer_argv(job) + ["--log-throughput", "--manual-gc"]).training.manual_gc
+
+
+def test_hf_export_only_is_the_trainer_command_for_a_rendered_export_job():
+    """`python -m megatron_trainer <the job's flags> --hf-export-only` (docs/trainer-contract.md) parses:
+    the rendered job gives the trainer --load and --hf-export, which the command needs."""
+    job = parse_job({"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+                     "metadata": {"name": "x", "namespace": "ns"}, "spec": EXTRA_CASES["llama-family-fields"]})
+    cfg = parse_args(trainer_argv(job) + ["--hf-export-only"])
+    assert cfg.checkpoint.hf_export_only and cfg.checkpoint.load and cfg.checkpoint.hf_export
 
 
 def test_rendered_flags_list_is_what_the_renderer_emits():

@@ -262,6 +262,20 @@ def lookup(table: dict[str, Any], key: Expr) -> Expr:
 
 
 @dataclass(frozen=True, eq=False)
+class StartsWith(Expr):
+    """CEL ``s.startsWith(prefix)``."""
+
+    inner: Expr
+    prefix: Expr
+
+    def cel(self) -> str:
+        return f"{self.inner.cel()}.startsWith({self.prefix.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return self.inner.eval(env).startswith(self.prefix.eval(env))
+
+
+@dataclass(frozen=True, eq=False)
 class Matches(Expr):
     """CEL ``s.matches(re)`` (RE2, unanchored like ``re.search``: anchor the pattern yourself)."""
 

@@ -42,6 +42,8 @@ CONTAINER_NAME = TRAINER_CONTAINER
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
+HF_INIT_MOUNT = "/hf-init"
+HF_EXPORT_MOUNT = "/hf-export"
 # Megatron-Core's TransformerConfig.layernorm_epsilon default (and the trainer's --norm-epsilon default).
 DEFAULT_NORM_EPSILON = 1e-5
 
@@ -216,6 +218,11 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("exit-signal-handler")
         if spec.logging.tensorboard:
             flag("tensorboard-dir", f"{ckpt_dir}/tensorboard")
+    # Hugging Face import/export
+    if spec.init is not None:
+        flag("hf-init", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
+    if spec.export is not None:
+        flag("hf-export", f"{HF_EXPORT_MOUNT}/{spec.export.hugging_face.path}")
     return a + list(tr.extra_args)
 
 
@@ -340,6 +347,13 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
     if spec.data.pvc is not None:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
+    if spec.init is not None:
+        volumes.append({"name": "hf-init", "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
+                                                                     "readOnly": True}})
+        mounts.append({"name": "hf-init", "mountPath": HF_INIT_MOUNT, "readOnly": True})
+    if spec.export is not None:
+        volumes.append({"name": "hf-export", "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}})
+        mounts.append({"name": "hf-export", "mountPath": HF_EXPORT_MOUNT})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image or settings.default_image,

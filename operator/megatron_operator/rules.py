@@ -26,6 +26,7 @@ from .expr import (
     Matches,
     Missing,
     Size,
+    StartsWith,
     Var,
     cond,
     fmt,
@@ -150,14 +151,18 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "fp16", "fp8-format", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
     "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
-    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir",
+    "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir", "hf-init", "hf-export",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (
     "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size", "world-size", "rank",
     "local-rank",
 )
-MANAGED_FLAGS: tuple[str, ...] = RENDERED_FLAGS + ALIAS_FLAGS
+# Trainer commands that are not a training job's flags: --hf-export-only exports a finished job's
+# checkpoint (`python -m megatron_trainer <job flags> --hf-export-only`); in extraArgs it would turn the
+# job into an export that never trains.
+COMMAND_FLAGS: tuple[str, ...] = ("hf-export-only",)
+MANAGED_FLAGS: tuple[str, ...] = RENDERED_FLAGS + ALIAS_FLAGS + COMMAND_FLAGS
 MANAGED_FLAG_RE = r"^--(" + "|".join(fl.replace(".", r"\.") for fl in MANAGED_FLAGS) + r")(=.*)?$"
 # The trainer's own flag table (trainer_flags.py, generated from its parser): an extraArgs item that
 # starts with "-" must be one of them, spelled out (the trainer refuses abbreviations; --help is not
@@ -505,6 +510,48 @@ SPEC_RULES: list[Rule] = [
          when=has("data.tokenizer"),
          message=lit("spec.data.tokenizer.path: a HuggingFace tokenizer needs path (a directory in the data PVC); "
                      "a Null tokenizer takes none")),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face import/export (spec.init.huggingFace, spec.export.huggingFace)
+# --------------------------------------------------------------------------------------------
+
+
+def llama_family_rule(name: str, where: str, what: str) -> Rule:
+    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3 (SwiGLU, RMSNorm, RoPE, no linear
+    biases, dense): any other model has no Hugging Face counterpart it can read or write."""
+    off = [(activation.ne("swiglu"), fmt(" activation is ", activation, " (set swiglu);")),
+           (normalization.ne("RMSNorm"), fmt(" normalization is ", normalization, " (set RMSNorm);")),
+           (position_embedding.ne("rope"), fmt(" positionEmbedding is ", position_embedding, " (set rope);")),
+           (add_bias_linear, lit(" addBiasLinear is true (set false);")),
+           (experts > 0, fmt(" numExperts is ", experts.str(), " (omit it: the converter handles dense models);"))]
+    ok: Expr = Lit(True)
+    for bad, _ in off:
+        ok = ok & ~bad
+    return Rule(name, where, ok, when=has(where.split(".")[0]),
+                message=fmt(f"spec.{where}: {what} needs a Llama-family spec.model (Llama, Mistral, Qwen2, Qwen3), "
+                            "but in spec.model", *[cond(bad, part, "") for bad, part in off],
+                            " `megatron-operator hf-config config.json` prints the matching spec.model"))
+
+
+init_pvc, init_path = f("init.huggingFace.pvc"), f("init.huggingFace.path")
+export_pvc, export_path = f("export.huggingFace.pvc"), f("export.huggingFace.path")
+
+SPEC_RULES += [
+    llama_family_rule("hf-init-llama-family", "init.huggingFace", "a Hugging Face import"),
+    llama_family_rule("hf-export-llama-family", "export.huggingFace", "a Hugging Face export"),
+    # The trainer never overwrites its source; an export inside the source (or around it) would
+    # mix the two checkpoints' files.
+    Rule("hf-export-outside-init", "export.huggingFace.path",
+         ~(export_path.eq(init_path) | StartsWith(export_path, init_path + "/")
+           | StartsWith(init_path, export_path + "/")),
+         when=has("init") & has("export") & export_pvc.eq(init_pvc),
+         message=fmt("spec.export.huggingFace.path: ", export_path,
+                     cond(export_path.eq(init_path), " is the same directory as",
+                          cond(StartsWith(export_path, init_path + "/"), " is inside", " contains")),
+                     " spec.init.huggingFace.path ", init_path, " on PVC ", init_pvc,
+                     "; export to a directory apart from the source, e.g. exports/<name>")),
 ]
 
 

@@ -284,6 +284,34 @@ class CheckpointSpec(ApiModel):
                       "deleted (the newest is never deleted). 0 keeps all.")
 
 
+class HuggingFaceDir(ApiModel):
+    """A Hugging Face model directory (config.json, *.safetensors, tokenizer files) on a PVC."""
+
+    pvc: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim that holds the "
+                     "directory.")
+    path: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Directory inside the PVC "
+                      "(relative: no leading '/', no '..' or '.' components).")
+
+
+class InitSpec(ApiModel):
+    """Where the weights come from when the job has no checkpoint yet (a fine-tune)."""
+
+    hugging_face: HuggingFaceDir = Field(..., description="A Hugging Face checkpoint of a Llama-family model, "
+                                         "mounted read-only at /hf-init (--hf-init): its weights start the job at "
+                                         "iteration 0 with a fresh optimizer; a resume from spec.checkpoint never "
+                                         "reads it. spec.model must match its config.json (megatron-operator "
+                                         "hf-config prints the block).")
+
+
+class ExportSpec(ApiModel):
+    """Where the trained model is written when training finishes."""
+
+    hugging_face: HuggingFaceDir = Field(..., description="Write the model as a Hugging Face checkpoint "
+                                         "(safetensors, config.json, tokenizer) to this directory when training "
+                                         "finishes; the PVC is mounted read-write at /hf-export (--hf-export). "
+                                         "Never the init directory, nor inside it or around it.")
+
+
 class LoggingSpec(ApiModel):
     """What the trainer writes besides its log lines."""
 
@@ -395,6 +423,10 @@ class MegatronJobSpec(ApiModel):
                            "(default: mock data).")
     checkpoint: CheckpointSpec | None = Field(None, description="Checkpoints; without them a restart "
                                               "starts from iteration 0.")
+    init: InitSpec | None = Field(None, description="Start from existing weights (a Hugging Face checkpoint) "
+                                  "instead of a random initialisation.")
+    export: ExportSpec | None = Field(None, description="Export the trained model (as a Hugging Face "
+                                      "checkpoint) when training finishes.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard event files.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources and placement.")
     restart: RestartSpec = Field(default_factory=RestartSpec, description="Restart policy.")

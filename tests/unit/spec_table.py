@@ -10,6 +10,11 @@ from factory import DELETE, make_job
 GPT_1200_12 = {"numLayers": 8, "hiddenSize": 1200, "numAttentionHeads": 12, "numQueryGroups": 4,
                "seqLength": 2048, "vocabSize": 32000}
 
+# A Llama-family model, as spec.init / spec.export need.
+LLAMA_TINY = {"numLayers": 8, "hiddenSize": 1024, "numAttentionHeads": 16, "numQueryGroups": 4, "seqLength": 2048,
+              "vocabSize": 32000, "activation": "swiglu", "normalization": "RMSNorm", "positionEmbedding": "rope",
+              "addBiasLinear": False}
+
 # (id, manifest, violated rule or None)
 CASES: list[tuple[str, dict[str, Any], str | None]] = [
     # ---------------------------------------------------------------- valid
@@ -53,6 +58,13 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
                                            "normEpsilon": 1e-6, "qkLayernorm": True, "addQkvBias": True,
                                            "ropeScalingFactor": 8, "addBiasLinear": False}), None),
     ("kv-channels-apart-from-hidden", make_job(model__hiddenSize=1000, model__kvChannels=128), None),
+    ("hf-init-export", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "models", "path": "llama/3.2-1b"}},
+                                export={"huggingFace": {"pvc": "models", "path": "exports/llama-ft"}}), None),
+    ("hf-export-sibling-prefix", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "m", "path": "llama"}},
+                                          export={"huggingFace": {"pvc": "m", "path": "llama-ft"}}), None),
+    ("hf-export-same-path-other-pvc", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "a", "path": "x"}},
+                                               export={"huggingFace": {"pvc": "b", "path": "x"}}), None),
+    ("hf-export-only", make_job(model=LLAMA_TINY, export={"huggingFace": {"pvc": "b", "path": "x"}}), None),
     ("pod-metadata", make_job(podMetadata={"labels": {"team": "nlp"}, "annotations": {"a/b": "c"}}), None),
     # ---------------------------------------------------------------- invalid: one rule each
     ("bad-world", make_job(numNodes=1, gpusPerNode=6), "world-divisible"),
@@ -62,6 +74,21 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("bad-heads-vs-tensor", make_job(parallelism={"tensor": 8}, model=GPT_1200_12), "heads-divisible-by-tensor"),
     ("bad-hidden-vs-heads", make_job(model__hiddenSize=1000), "hidden-divisible-by-heads"),
     ("bad-rope-scaling-without-rope", make_job(model__ropeScalingFactor=8), "rope-scaling-needs-rope"),
+    ("bad-hf-init-gpt", make_job(init={"huggingFace": {"pvc": "m", "path": "x"}}), "hf-init-llama-family"),
+    ("bad-hf-init-moe", make_job(model={**LLAMA_TINY, "numExperts": 4}, init={"huggingFace": {"pvc": "m", "path": "x"}}),
+     "hf-init-llama-family"),
+    ("bad-hf-export-bias", make_job(model={**LLAMA_TINY, "addBiasLinear": True},
+                                    export={"huggingFace": {"pvc": "m", "path": "x"}}), "hf-export-llama-family"),
+    ("bad-hf-export-same-dir", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "m", "path": "a/b"}},
+                                        export={"huggingFace": {"pvc": "m", "path": "a/b"}}), "hf-export-outside-init"),
+    ("bad-hf-export-inside-init", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "m", "path": "a"}},
+                                           export={"huggingFace": {"pvc": "m", "path": "a/ft"}}),
+     "hf-export-outside-init"),
+    ("bad-hf-init-inside-export", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "m", "path": "a/src"}},
+                                           export={"huggingFace": {"pvc": "m", "path": "a"}}),
+     "hf-export-outside-init"),
+    ("bad-extra-args-hf-export-only", make_job(training__extraArgs=["--hf-export-only"]), "extra-args-not-managed"),
+    ("bad-extra-args-hf-init", make_job(training__extraArgs=["--hf-init=/data/x"]), "extra-args-not-managed"),
     ("bad-heads-vs-groups", make_job(model__numQueryGroups=6), "heads-divisible-by-groups"),
     ("bad-groups-vs-tensor", make_job(parallelism={"tensor": 8}, model={**GPT_1200_12, "numAttentionHeads": 24,
                                                                         "hiddenSize": 2400, "numQueryGroups": 12}),
@@ -201,6 +228,12 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("norm-epsilon-zero", make_job(model__normEpsilon=0), "spec.model.normEpsilon"),
     ("rope-scaling-below-one", make_job(model__positionEmbedding="rope", model__ropeScalingFactor=0.5),
      "spec.model.ropeScalingFactor"),
+    ("hf-init-path-dotdot", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "m", "path": "../x"}}),
+     "spec.init.huggingFace.path"),
+    ("hf-export-path-absolute", make_job(model=LLAMA_TINY, export={"huggingFace": {"pvc": "m", "path": "/x"}}),
+     "spec.export.huggingFace.path"),
+    ("hf-init-pvc-not-dns", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "Models", "path": "x"}}),
+     "spec.init.huggingFace.pvc"),
     ("num-nodes-string", make_job(numNodes="1"), "spec.numNodes"),
     ("suspend-string", make_job(suspend="yes"), "spec.suspend"),
     ("name-with-dot", make_job(metadata={"name": "team.job", "namespace": "team-a"}), "RFC 1035 label"),

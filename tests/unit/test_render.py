@@ -256,6 +256,30 @@ def test_kv_channels_renders_when_hidden_is_not_divisible_by_heads():
     assert args[args.index("--kv-channels") + 1] == "62"
 
 
+LLAMA = {"preset": "llama3-8b", "numLayers": 4}
+
+
+def test_hf_init_is_mounted_read_only_and_export_read_write():
+    js = objects(make_job(model=LLAMA, training={"trainIters": 10},
+                          init={"huggingFace": {"pvc": "models", "path": "meta/llama-3.1-8b"}},
+                          export={"huggingFace": {"pvc": "models", "path": "exports/ft"}}))["JobSet"]
+    volumes = {v["name"]: v for v in pod_spec(js)["volumes"]}
+    mounts = {m["name"]: m for m in container(js)["volumeMounts"]}
+    assert volumes["hf-init"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert mounts["hf-init"] == {"name": "hf-init", "mountPath": "/hf-init", "readOnly": True}
+    assert volumes["hf-export"]["persistentVolumeClaim"] == {"claimName": "models"}
+    assert mounts["hf-export"] == {"name": "hf-export", "mountPath": "/hf-export"}
+    args = container(js)["command"]
+    assert args[args.index("--hf-init") + 1] == "/hf-init/meta/llama-3.1-8b"
+    assert args[args.index("--hf-export") + 1] == "/hf-export/exports/ft"
+
+
+def test_no_hf_volumes_or_flags_without_init_and_export():
+    js = objects(make_job())["JobSet"]
+    assert not {"hf-init", "hf-export"} & {v["name"] for v in pod_spec(js)["volumes"]}
+    assert not {"--hf-init", "--hf-export", "--hf-export-only"} & set(container(js)["command"])
+
+
 def test_cuda_device_max_connections_only_where_megatron_requires_it():
     assert env_of(container(objects(make_job())["JobSet"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     js = objects(make_job(parallelism={"pipeline": 2}, training__globalBatchSize=32))["JobSet"]

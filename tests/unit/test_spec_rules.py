@@ -87,11 +87,14 @@ def test_name_rule_in_cel():
     ("activeDeadlineSeconds", None, 3600, True),
     ("checkpoint", None, {"pvc": "c"}, False),
     ("training", {"trainIters": 100}, {"trainIters": 200}, False),
+    ("init", None, {"huggingFace": {"pvc": "m", "path": "a"}}, False),
+    ("init", {"huggingFace": {"pvc": "m", "path": "a"}}, {"huggingFace": {"pvc": "m", "path": "b"}}, False),
+    ("export", {"huggingFace": {"pvc": "m", "path": "a"}}, None, False),
 ])
 def test_immutability_transition_rules(field, old, new, allowed):
     spec_schema = ROOT["properties"]["spec"]
     old_doc = make_job() if old is None else make_job(**{field: old})
-    new_doc = make_job(**{field: new})
+    new_doc = make_job() if new is None else make_job(**{field: new})
     if field == "training":
         old_doc = make_job(training={**make_job()["spec"]["training"], **old})
         new_doc = make_job(training={**make_job()["spec"]["training"], **new})
