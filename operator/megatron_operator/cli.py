@@ -1,4 +1,4 @@
-"""``megatron-operator``: validate, render, crd, estimate, run.
+"""``megatron-operator``: validate, render, crd, estimate, hf-config, run.
 
 Bad YAML, bad values or a missing file end with a one-line message per problem and a non-zero
 exit code, never a traceback. Exit codes: 0 ok, 1 invalid input, 2 usage error.
@@ -211,10 +211,87 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0 if all(r.fits is not False for _, _, r in results) else 1
 
 
+def cmd_hf_config(args: argparse.Namespace) -> int:
+    """Print the spec.model of a Hugging Face config.json, or check manifests' spec.model against it."""
+    from pydantic import ValidationError
+
+    from .crd import to_yaml
+    from .hf_config import HfConfigError, load_config, mismatches, parse_config, spec_model
+    from .rules import resolved_model
+    from .spec import ModelSpec
+    from .validation import problems_from
+
+    try:
+        config = load_config(args.config)
+    except HfConfigError as exc:
+        print(f"{args.config}: {exc.problems[0]}", file=sys.stderr)
+        return 1
+
+    def model_for(seq_length: int | None, from_option: bool = True) -> dict[str, Any] | None:
+        try:
+            hf = parse_config(config, seq_length)
+        except HfConfigError as exc:
+            for problem in exc.problems:
+                print(f"{args.config}: {problem}", file=sys.stderr)
+            return None
+        if from_option and seq_length is not None and seq_length > hf.max_position_embeddings:
+            print(f"{args.config}: --seq-length {seq_length} is longer than config.json max_position_embeddings "
+                  f"{hf.max_position_embeddings}", file=sys.stderr)
+            return None
+        block = spec_model(hf)
+        try:
+            ModelSpec.model_validate(block)  # the spec's bounds (e.g. vocabSize, rotaryBase)
+        except ValidationError as exc:
+            for p in problems_from(exc):
+                print(f"{args.config}: spec.model.{p.message}", file=sys.stderr)
+            return None
+        return {"hf": hf, "block": block}
+
+    if args.check is None:
+        found = model_for(args.seq_length)
+        if found is None:
+            return 1
+        hf = found["hf"]
+        print(f"# spec.model for {hf.architecture} ({Path(args.config).name}); seqLength: "
+              f"{'--seq-length' if args.seq_length else 'min(max_position_embeddings, 4096)'}")
+        sys.stdout.write(to_yaml({"model": found["block"]}))
+        return 0
+    jobs, failures = _jobs([args.check], sys.stderr)
+    if failures:
+        return 1
+    if not jobs:
+        print(f"{args.check}: no MegatronJob found", file=sys.stderr)
+        return 1
+    mismatched = 0
+    for where, job in jobs:
+        model = resolved_model(job.spec.wire())
+        found = model_for(model["seqLength"], from_option=False)  # the job's sequence: sliding-window check
+        if found is None:
+            return 1
+        lines = mismatches(model, found["hf"])
+        for line in lines:
+            print(f"{where}: {line}", file=sys.stderr)
+        if lines:
+            mismatched += 1
+        else:
+            print(f"{where}: {job.metadata.name}: spec.model matches {args.config}")
+    return 1 if mismatched else 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .operator_main import run_operator
 
     return run_operator(args)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text[:80]!r}") from None
+    if not 16 <= value <= 1048576:
+        raise argparse.ArgumentTypeError(f"expected 16 to 1048576 (spec.model.seqLength), got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,6 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "and kind: List ok")
     e.add_argument("-o", "--output", choices=["table", "json"], default="table")
     e.set_defaults(func=cmd_estimate)
+
+    h = sub.add_parser("hf-config", help="print the spec.model of a Hugging Face config.json, or check a "
+                       "MegatronJob against it (exit 1 on any mismatch)")
+    h.add_argument("config", metavar="CONFIG_JSON", help="a Hugging Face model's config.json")
+    h.add_argument("--seq-length", type=_positive_int, default=None, metavar="N",
+                   help="training sequence length (default: min(max_position_embeddings, 4096))")
+    h.add_argument("--check", metavar="MANIFEST", default=None,
+                   help="check the resolved spec.model of each MegatronJob in MANIFEST against CONFIG_JSON: one "
+                        "line per mismatch, naming both values")
+    h.set_defaults(func=cmd_hf_config)
 
     o = sub.add_parser("run", help="run the operator (watches MegatronJobs)")
     o.add_argument("--namespace", action="append", default=None,
