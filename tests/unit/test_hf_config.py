@@ -257,3 +257,9 @@ def test_block_outside_the_specs_bounds_is_refused(tmp_path):
     d["vocab_size"] = 10**7
     r = cli("hf-config", write(tmp_path, "config.json", json.dumps(d)))
     assert r.returncode == 1 and "spec.model.vocabSize" in r.stderr
+
+
+def test_the_finetune_example_matches_the_published_llama31_config():
+    example = Path(__file__).parents[2] / "examples" / "llama3-8b-finetune.yaml"
+    r = cli("hf-config", str(FIXTURES / "llama31-8b-published.json"), "--check", str(example))
+    assert r.returncode == 0, r.stderr
