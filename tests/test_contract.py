@@ -244,3 +244,53 @@ def test_every_flag_admission_accepts_is_accepted_by_the_trainer():
     for name in VALUE_FLAGS:
         assert actions[f"--{name}"].nargs != 0, name
     assert "--help" not in SWITCH_FLAGS + VALUE_FLAGS
+
+
+HF_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "hf").glob("*.json"))
+
+
+def _hf_job(config_path: Path, capsys) -> tuple[dict, object]:
+    """config.json -> `megatron-operator hf-config` output -> a MegatronJob around it."""
+    import json
+
+    from megatron_operator.cli import main
+
+    assert main(["hf-config", str(config_path)]) == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    hf = json.loads(config_path.read_text())
+    groups = model["numQueryGroups"]
+    job = parse_job({"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+                     "metadata": {"name": "hf", "namespace": "ns"},
+                     "spec": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": min(groups, 2)},
+                              "model": model, "training": {"trainIters": 10, "transformerImpl": "local"},
+                              "init": {"huggingFace": {"pvc": "models", "path": config_path.stem}},
+                              "export": {"huggingFace": {"pvc": "models", "path": f"exports/{config_path.stem}"}},
+                              "checkpoint": {"pvc": "ckpt"}}})
+    return hf, job
+
+
+@pytest.mark.parametrize("config_path", HF_FIXTURES, ids=[p.stem for p in HF_FIXTURES])
+def test_hf_config_output_reaches_the_trainer_as_the_config_json_model(config_path, capsys):
+    """For every fixture: hf-config's spec.model, rendered, parses in the trainer into the model that
+    config.json describes (read here straight from the JSON, not through the operator's mapping)."""
+    hf, job = _hf_job(config_path, capsys)
+    m = parse_args(trainer_argv(job)).model
+    heads = hf["num_attention_heads"]
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    scaled = rope.get("rope_type", rope.get("type", "default")) == "llama3"
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (hf["num_hidden_layers"], hf["hidden_size"], heads)
+    assert m.effective_num_query_groups == hf.get("num_key_value_heads", heads)
+    assert m.effective_ffn_hidden_size == hf["intermediate_size"]
+    assert m.vocab_size == hf["vocab_size"]
+    assert m.norm_epsilon == hf["rms_norm_eps"]
+    assert m.head_dim == (hf.get("head_dim") or hf["hidden_size"] // heads)
+    assert m.qk_layernorm == (hf["model_type"] == "qwen3")
+    assert m.add_qkv_bias == (hf["model_type"] == "qwen2")
+    assert m.rotary_base == rope.get("rope_theta", hf.get("rope_theta"))
+    assert m.use_rope_scaling == scaled
+    if scaled:
+        assert m.rope_scaling_factor == rope["factor"]
+    assert m.untie_embeddings_and_output_weights == (not hf.get("tie_word_embeddings", False))
+    assert (m.swiglu, m.normalization, m.position_embedding_type, m.add_bias_linear) == (True, "RMSNorm", "rope",
+                                                                                         False)
+    assert (m.num_experts or 0) == 0
