@@ -105,7 +105,6 @@ def megatron_logits(model: list, tokens, vocab: int, device: str):
     """Logits [b, s, vocab] of the whole model on the last stage (None elsewhere); PP by send/recv."""
     import torch
     from megatron.core import parallel_state as ps
-
     from megatron_trainer.checkpoint import unwrap
 
     tokens = tokens.to(device)
@@ -161,7 +160,6 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
 
     import torch
     from megatron.core import parallel_state as ps
-
     from megatron_trainer.hf_source import validate_source
     from megatron_trainer.hf_torch import export_weights, import_weights
 
@@ -171,6 +169,9 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
         # Megatron-Core moves RoPE frequencies to torch.cuda.current_device() at the first forward
         # (rotary_pos_embedding.py get_emb); on a CPU-only machine that device is the CPU.
         torch.cuda.current_device = lambda: "cpu"
+        # ...and with tied embeddings over PP > 1 it moves the last stage's output weight to the GPU
+        # for the embedding all-reduce (language_module.setup_embeddings_and_output_layer).
+        torch.Tensor.cuda = lambda self, *a, **k: self
     result: dict = {"rank": rank}
     try:
         if device == "cuda":
@@ -183,30 +184,34 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(1234)
-        src = Path(args.src)
-        config = json.loads((src / "config.json").read_text())
-        argv = trainer_argv(config, args.tp, args.pp, args.precision)
-        cfg, model, padded = build(argv + ["--hf-init", str(src.resolve()), "--hf-export", str(Path(args.out).resolve())],
-                                   device)
-        source = validate_source(src, cfg)
-        figures = import_weights(model, source, args.tp, ps.get_tensor_model_parallel_rank(), padded)
-        result["import"] = figures
-        torch.manual_seed(7)
-        tokens = torch.randint(0, config["vocab_size"], (BATCH, SEQ))
-        logits = megatron_logits(model, tokens, config["vocab_size"], device)
-        if logits is not None:
-            ref_dtype = "float32" if args.precision == "fp32" else "bfloat16"
-            ref = hf_logits(src, tokens, ref_dtype, device)
-            ref32 = hf_logits(src, tokens, "float32", device) if ref_dtype != "float32" else ref
-            result["max_abs_diff"] = float((logits - ref).abs().max())
-            result["max_abs_diff_vs_fp32_hf"] = float((logits - ref32).abs().max())
-            result["hf_bf16_vs_fp32"] = float((ref - ref32).abs().max())
-            result["logit_scale"] = float(ref32.abs().max())
-            result["argmax_equal"] = float((logits.argmax(-1) == ref32.argmax(-1)).float().mean())
         env = Env(rank, world, cpu_group)
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                      hf_export=str(Path(args.out).resolve())))
-        result["export"] = export_weights(model, cfg, env, 0, padded, max_shard_bytes=args.max_shard_bytes)
+        result["jobs"] = []
+        for src, out, precision in args.jobs:
+            src, out = Path(src), Path(out)
+            job: dict = {"src": src.name, "precision": precision}
+            result["jobs"].append(job)
+            config = json.loads((src / "config.json").read_text())
+            argv = trainer_argv(config, args.tp, args.pp, precision)
+            cfg, model, padded = build(argv + ["--hf-init", str(src.resolve())], device)
+            source = validate_source(src, cfg)
+            job["import"] = import_weights(model, source, args.tp, ps.get_tensor_model_parallel_rank(), padded)
+            torch.manual_seed(7)
+            tokens = torch.randint(0, config["vocab_size"], (BATCH, SEQ))
+            logits = megatron_logits(model, tokens, config["vocab_size"], device)
+            if logits is not None:
+                ref_dtype = "float32" if precision == "fp32" else "bfloat16"
+                ref = hf_logits(src, tokens, ref_dtype, device)
+                ref32 = hf_logits(src, tokens, "float32", device) if ref_dtype != "float32" else ref
+                job["max_abs_diff"] = float((logits - ref).abs().max())
+                job["max_abs_diff_vs_fp32_hf"] = float((logits - ref32).abs().max())
+                job["hf_bf16_vs_fp32"] = float((ref - ref32).abs().max())
+                job["logit_scale"] = float(ref32.abs().max())
+                job["argmax_equal"] = float((logits.argmax(-1) == ref32.argmax(-1)).float().mean())
+                job["argmax_equal_vs_hf_same_dtype"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                job["hf_bf16_argmax_vs_fp32"] = float((ref.argmax(-1) == ref32.argmax(-1)).float().mean())
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, hf_export=str(out.resolve())))
+            job["export"] = export_weights(model, cfg, env, 0, padded, max_shard_bytes=args.max_shard_bytes)
+            del model
     except BaseException as e:  # report, do not hang the other ranks' collectives forever
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         Path(results_path + f".{rank}").write_text(json.dumps(result))
@@ -234,29 +239,44 @@ def compare_export(src: Path, out: Path) -> dict:
     diff = [k for k in a if k not in b or a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
             or not bool((a[k].view(-1).view(dtype=__import__("torch").uint8)
                          == b[k].view(-1).view(dtype=__import__("torch").uint8)).all())]
+    from megatron_trainer.hf_config import parse_config
+
     cfg_a = json.loads((src / "config.json").read_text())
     cfg_b = json.loads((out / "config.json").read_text())
     return {"tensors": len(a), "exported": len(b), "not_identical": diff, "extra": sorted(set(b) - set(a)),
-            "config_equal": cfg_a == cfg_b, "files": sorted(p.name for p in out.iterdir())}
+            "config_equal": cfg_a == cfg_b, "config_equivalent": parse_config(cfg_a) == parse_config(cfg_b),
+            "files": sorted(p.name for p in out.iterdir())}
 
 
-def run(arch: str, tp: int, pp: int, precision: str = "fp32", device: str = "cpu", work: Path | None = None,
-        max_shard_bytes: int = 5 * 10**9) -> dict:
+def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32",), device: str = "cpu",
+        work: Path | None = None, max_shard_bytes: int = 5 * 10**9) -> list[dict]:
+    """Every (arch, precision) at one TP x PP layout, in one set of worker processes: one result each."""
+
+
+    work = work or Path(tempfile.mkdtemp(prefix="hfcheck-"))
+    jobs = []
+    for arch in archs:
+        for precision in precisions:
+            src = work / f"{arch}-src-{precision}"
+            if not src.exists():
+                src.mkdir(parents=True)
+                make_model(arch, src, "float32" if precision == "fp32" else "bfloat16")
+            jobs.append((str(src), str(work / f"{arch}-tp{tp}pp{pp}-{precision}-export"), precision))
+    return run_jobs(jobs, tp, pp, device, work, max_shard_bytes)
+
+
+def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, work: Path,
+             max_shard_bytes: int = 5 * 10**9) -> list[dict]:
+    """(HF source directory, export directory, precision) jobs at one layout, one set of workers."""
     import socket
 
     import torch.multiprocessing as mp
 
-    work = work or Path(tempfile.mkdtemp(prefix="hfcheck-"))
-    src, out = work / f"{arch}-src", work / f"{arch}-tp{tp}pp{pp}-{precision}-export"
-    if not src.exists():
-        src.mkdir(parents=True)
-        make_model(arch, src, "float32" if precision == "fp32" else "bfloat16")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = argparse.Namespace(tp=tp, pp=pp, src=str(src), out=str(out), precision=precision, device=device,
-                              max_shard_bytes=max_shard_bytes)
-    results = str(work / f"results-{arch}-{tp}-{pp}-{precision}")
+    args = argparse.Namespace(tp=tp, pp=pp, jobs=jobs, device=device, max_shard_bytes=max_shard_bytes)
+    results = str(work / f"results-{tp}-{pp}")
     world = tp * pp
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, args, port, results)) for r in range(world)]
@@ -268,30 +288,38 @@ def run(arch: str, tp: int, pp: int, precision: str = "fp32", device: str = "cpu
             p.kill()
     per_rank = [json.loads(Path(results + f".{r}").read_text()) if Path(results + f".{r}").exists() else
                 {"rank": r, "error": "no result"} for r in range(world)]
-    summary = {"arch": arch, "tp": tp, "pp": pp, "precision": precision, "ranks": per_rank}
     errors = [r["error"] for r in per_rank if "error" in r]
-    if errors:
-        summary["error"] = errors[0]
-        return summary
-    last = per_rank[-1]
-    summary.update({k: last.get(k) for k in ("max_abs_diff", "max_abs_diff_vs_fp32_hf", "hf_bf16_vs_fp32",
-                                             "logit_scale", "argmax_equal")})
-    summary["roundtrip"] = compare_export(src, out)
-    return summary
+    out = []
+    for i, (src, dst, precision) in enumerate(jobs):
+        summary = {"arch": Path(src).name.split("-src")[0], "tp": tp, "pp": pp, "precision": precision}
+        done = [r["jobs"][i] for r in per_rank if len(r.get("jobs", [])) > i]
+        if len(done) < world or errors:
+            summary["error"] = errors[0] if errors else "not run"
+            out.append(summary)
+            continue
+        last = done[-1]
+        summary.update({k: last.get(k) for k in ("max_abs_diff", "max_abs_diff_vs_fp32_hf", "hf_bf16_vs_fp32",
+                                                 "logit_scale", "argmax_equal", "argmax_equal_vs_hf_same_dtype",
+                                                 "hf_bf16_argmax_vs_fp32")})
+        summary["import_s_max"] = max(d["import"]["seconds"] for d in done)
+        summary["roundtrip"] = compare_export(Path(src), Path(dst))
+        out.append(summary)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="tiny-llama3")
+    ap.add_argument("--arch", default="tiny-llama3", help="comma-separated fixture names")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--precision", default="fp32", help="comma-separated: fp32,bf16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--work")
     args = ap.parse_args()
-    out = run(args.arch, args.tp, args.pp, args.precision, args.device, Path(args.work) if args.work else None)
+    out = run(args.arch.split(","), args.tp, args.pp, tuple(args.precision.split(",")), args.device,
+              Path(args.work) if args.work else None)
     print(json.dumps(out, indent=2))
-    return 0 if "error" not in out else 1
+    return 0 if all("error" not in r for r in out) else 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def setup_logging(rank: int, world_size: int) -> None:
 def hf_start(cfg):
     """The checked --hf-init source when this start imports it (no complete checkpoint under --load),
     else None: a resume never reads the Hugging Face directory. Fatal on bad input."""
-    if not cfg.checkpoint.hf_init:
+    if not cfg.checkpoint.hf_init or cfg.checkpoint.hf_export_only:  # an export reads only its config and tokenizer
         return None
     from .ckpt_layout import find_resume_checkpoint
     from .hf_source import validate_source
@@ -44,7 +44,7 @@ def main(argv: Sequence[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.checkpoint.hf_export_only:  # weights only, from any layout; no data
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
-            cfg.checkpoint, no_load_optim=True, no_load_rng=True, hf_init=None))
+            cfg.checkpoint, no_load_optim=True, no_load_rng=True))
     try:
         hf_source = hf_start(cfg)  # before anything is written: bad input leaves the checkpoint directory as it was
     except Fatal as exc:
