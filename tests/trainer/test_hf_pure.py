@@ -17,7 +17,7 @@ from megatron_trainer.config import parse_args
 from megatron_trainer.exitcodes import ExitCode, Fatal
 from megatron_trainer.hf_config import HfConfigError, export_config, mismatches, parse_config
 from megatron_trainer.hf_mapping import exported_by, hf_tensor_shapes, megatron_names, param_plan
-from megatron_trainer.hf_source import validate_source
+from megatron_trainer.hf_source import MARKER, PARTIAL_MARKER, prepare_export_dir, validate_source
 from megatron_trainer.safetensors_io import (
     MAX_HEADER_BYTES,
     PlannedTensor,
@@ -357,3 +357,37 @@ def test_source_check_refuses_missing_config_and_extra_tensors(tmp_path):
     write_file(d2 / "model.safetensors", tensors)
     with pytest.raises(Fatal, match="no place for: model.layers.0.self_attn.q_proj.bias"):
         validate_source(d2, parse_args(_argv_for("tiny-llama3")))
+
+
+# ------------------------------------------------------------------------------------ the export directory
+def test_export_never_overwrites_a_directory_it_did_not_create(tmp_path):
+    served = tmp_path / "models" / "served"
+    served.mkdir(parents=True)
+    (served / "config.json").write_text("{}")
+    verdict, message = prepare_export_dir(served, 20)
+    assert verdict == "fail" and "did not create" in message and (served / "config.json").read_text() == "{}"
+    link = tmp_path / "models" / "dangling"
+    link.symlink_to(tmp_path / "nowhere")
+    assert prepare_export_dir(link, 20)[0] == "fail"
+
+
+def test_export_of_the_same_iteration_is_skipped_another_refused(tmp_path):
+    done = tmp_path / "out"
+    done.mkdir()
+    (done / MARKER).write_text(json.dumps({"iteration": 20}))
+    assert prepare_export_dir(done, 20)[0] == "skip"
+    verdict, message = prepare_export_dir(done, 30)
+    assert verdict == "fail" and "an export of iteration 20" in message
+
+
+def test_export_starts_in_a_fresh_partial_directory_and_cleans_only_its_own(tmp_path):
+    final = tmp_path / "exports" / "ft"
+    ours = tmp_path / "exports" / ".ft.partial-10"
+    ours.mkdir(parents=True)
+    (ours / PARTIAL_MARKER).write_text("{}")
+    (ours / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    foreign = tmp_path / "exports" / ".ft.partial-keep"
+    foreign.mkdir()
+    verdict, tmp = prepare_export_dir(final, 20)
+    assert verdict == "go" and Path(tmp).name == ".ft.partial-20" and (Path(tmp) / PARTIAL_MARKER).is_file()
+    assert not ours.exists() and foreign.exists() and not final.exists()

@@ -9,6 +9,8 @@ before the trainer writes anything (main.py calls this before the attempt log an
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,10 @@ from .safetensors_io import FLOAT_DTYPES, SafetensorsCheckpoint, SafetensorsErro
 #: Tokenizer files copied into an export (whichever the source has).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+#: In a finished export (iteration, shards); an export is complete only once it has this.
+MARKER = ".megatron-export.json"
+#: In an export's temporary directory while it is written.
+PARTIAL_MARKER = ".megatron-export-partial"
 #: One of these makes a directory a tokenizer.
 TOKENIZER_REQUIRED = ("tokenizer.json", "tokenizer.model")
 
@@ -103,3 +109,31 @@ def copy_tokenizer(source: Path | None, target: Path) -> list[str]:
             shutil.copyfile(path, target / name)
             copied.append(name)
     return copied
+
+
+def prepare_export_dir(final: Path, iteration: int) -> tuple[str, str]:
+    """Rank 0, before an export: ('go', the temporary directory to write) | ('skip', why: this
+    iteration is already exported there) | ('fail', message). An export never overwrites a directory:
+    an existing target is refused unless it is this job's export of the same iteration. Temporary
+    directories an earlier attempt left (`.<name>.partial-*` holding our marker) are removed."""
+    if os.path.lexists(final):  # a dangling symlink is an existing entry too: never renamed over
+        marker = final / MARKER
+        try:
+            done = json.loads(marker.read_text()) if marker.is_file() else None
+        except (OSError, ValueError):
+            done = None
+        if isinstance(done, dict) and done.get("iteration") == iteration:
+            return "skip", f"{final} already holds the export of iteration {iteration}"
+        what = f"an export of iteration {done.get('iteration')}" if isinstance(done, dict) else \
+            "a directory this trainer did not create"
+        return "fail", (f"--hf-export {final} already exists ({what}); an export never overwrites a directory "
+                        "(choose another spec.export path, or delete it)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.partial-*"):
+        # only what an earlier attempt of this export left
+        if not stale.is_symlink() and (stale / PARTIAL_MARKER).is_file():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.parent / f".{final.name}.partial-{iteration}"
+    tmp.mkdir()
+    (tmp / PARTIAL_MARKER).write_text(json.dumps({"iteration": iteration}))
+    return "go", str(tmp)

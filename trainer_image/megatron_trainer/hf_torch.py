@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from .config import TrainerConfig
 from .exitcodes import ExitCode, Fatal
 from .hf_config import HF_DTYPES, HfModel, export_config, generation_config, parse_config
 from .hf_mapping import ParamPlan, exported_by, megatron_names, param_plan
-from .hf_source import HfSource, copy_tokenizer
+from .hf_source import MARKER, PARTIAL_MARKER, HfSource, copy_tokenizer, prepare_export_dir
 from .safetensors_io import (
     INDEX_NAME,
     PlannedTensor,
@@ -46,8 +45,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 #: Hugging Face's default shard size limit (5 GB).
 MAX_SHARD_BYTES = 5 * 10**9
-MARKER = ".megatron-export.json"
-PARTIAL_MARKER = ".megatron-export-partial"
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 CODES = {v: k for k, v in TORCH_DTYPES.items()}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -146,30 +143,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prepare(final: Path, iteration: int) -> tuple[str, str]:
-    """Rank 0: ('go', temp dir) | ('skip', why) | ('fail', message)."""
-    if final.exists():
-        marker = final / MARKER
-        try:
-            done = json.loads(marker.read_text()) if marker.is_file() else None
-        except (OSError, ValueError):
-            done = None
-        if isinstance(done, dict) and done.get("iteration") == iteration:
-            return "skip", f"{final} already holds the export of iteration {iteration}"
-        what = f"an export of iteration {done.get('iteration')}" if isinstance(done, dict) else \
-            "a directory this trainer did not create"
-        return "fail", (f"--hf-export {final} already exists ({what}); an export never overwrites a directory "
-                        "(choose another spec.export path, or delete it)")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.partial-*"):
-        if (stale / PARTIAL_MARKER).is_file():  # only what an earlier attempt of this export left
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = final.parent / f".{final.name}.partial-{iteration}"
-    tmp.mkdir()
-    (tmp / PARTIAL_MARKER).write_text(json.dumps({"iteration": iteration}))
-    return "go", str(tmp)
-
-
 def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_vocab: int,
                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     """Collective on every rank: write the model as a Hugging Face checkpoint to --hf-export."""
@@ -180,7 +153,7 @@ def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_
     decision = [None]
     if env.is_rank0:
         try:
-            decision[0] = _prepare(final, iteration)
+            decision[0] = prepare_export_dir(final, iteration)
         except OSError as e:
             decision[0] = ("fail", f"--hf-export {final}: cannot create the export: {e}")
     torch.distributed.broadcast_object_list(decision, src=0, group=env.cpu_group)
