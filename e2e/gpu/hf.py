@@ -202,3 +202,45 @@ def scenario_hf_bench(ctx) -> dict:
         failures.append(f"figures missing: {e}")
     res["export_files"] = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
     return {"ok": not failures, "failures": failures, **res}
+
+
+def scenario_hf_pods(ctx) -> dict:
+    """The rendered pods of e2e/gpu/jobs/hf-llama-tp2.yaml, verbatim (the `pods` scenario's flow:
+    start 1 imports from the HF PVC and is SIGTERMed past its checkpoint of 10, start 2 resumes from
+    the job's own checkpoint and trains to the end), then the export on the PVC: written by the pods
+    (uid 1000), complete, loadable by transformers with Megatron's logits."""
+    import os
+    import subprocess
+
+    import pods as P
+
+    s = _suite()
+    models = P.PVC_ROOT / "models"
+    shutil.rmtree(models, ignore_errors=True)
+    src = models / "tiny-llama3"
+    src.mkdir(parents=True)
+    hc.make_model("tiny-llama3", src, "bfloat16")
+    subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)
+    (models / "exports").mkdir()
+    os.chown(models / "exports", 1000, 1000)  # the pods' user writes the export
+    result = s.pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "hf-llama-tp2.yaml")
+    failures = list(result.get("failures", []))
+    logs = sorted(s.LOGS.glob("pods_hf-llama-tp2_*.log"))
+    start1 = "".join(p.read_text(errors="replace") for p in logs if "_start1_" in p.name)
+    start2 = "".join(p.read_text(errors="replace") for p in logs if "_start2_" in p.name)
+    s.check("hf import:" in start1, "start 1 imported from the HF PVC", failures)
+    s.check("hf import:" not in start2, "start 2 resumed from its own checkpoint (no import)", failures)
+    out = models / "exports" / "hf-llama-tp2"
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    s.check({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files),
+            f"export files {files}", failures)
+    s.check(not list((models / "exports").glob(".hf-llama-tp2.partial-*")), "no partial directory left", failures)
+    if out.is_dir():
+        s.check(out.stat().st_uid == 1000, "the export belongs to the pods' user", failures)
+        check = hc.run_jobs([(str(out), str(s.WORK / "hf_pods_reexport"), "fp32")], 2, 1, "cuda", s.WORK)
+        result["export_logits"] = check
+        for r in check:
+            r["arch"] = "pods-export"
+            failures += [f for f in _verdict(r) if "round trip" not in f]
+    result.update(ok=not failures, failures=failures, export_files=files)
+    return result

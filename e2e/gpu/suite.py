@@ -1356,9 +1356,10 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
              "deterministic": scenario_deterministic, "detcost": scenario_detcost, "threeway": scenario_threeway}
 try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
-    from hf import scenario_hf_bench, scenario_hf_logits, scenario_hf_train
+    from hf import scenario_hf_bench, scenario_hf_logits, scenario_hf_pods, scenario_hf_train
 
-    SCENARIOS.update(hf_logits=scenario_hf_logits, hf_train=scenario_hf_train, hf_bench=scenario_hf_bench)
+    SCENARIOS.update(hf_logits=scenario_hf_logits, hf_train=scenario_hf_train, hf_bench=scenario_hf_bench,
+                     hf_pods=scenario_hf_pods)
 except ImportError as _e:  # pragma: no cover - reported by --only hf_*
     print(f"hf scenarios unavailable: {_e}", file=sys.stderr)
 
@@ -1416,7 +1417,8 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 300,
-                  "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200}
+                  "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
+                  "hf_pods": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):

@@ -391,3 +391,13 @@ def test_export_starts_in_a_fresh_partial_directory_and_cleans_only_its_own(tmp_
     verdict, tmp = prepare_export_dir(final, 20)
     assert verdict == "go" and Path(tmp).name == ".ft.partial-20" and (Path(tmp) / PARTIAL_MARKER).is_file()
     assert not ours.exists() and foreign.exists() and not final.exists()
+
+
+def test_a_shard_linked_out_of_the_model_directory_is_refused(tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    write_file(outside, {"a": np.ones(2, np.float32)})
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model.safetensors").symlink_to(outside)
+    with pytest.raises(SafetensorsError, match="outside"):
+        SafetensorsCheckpoint(d)

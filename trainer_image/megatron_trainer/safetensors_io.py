@@ -124,10 +124,13 @@ class SafetensorsCheckpoint:
         else:
             raise SafetensorsError(f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} "
                                    "(only safetensors checkpoints are read; no .bin/.pt)")
+        root = self.directory.resolve()
         for name, expected in sorted(files.items()):
             path = self.directory / name
             if not path.is_file():
                 raise SafetensorsError(f"{INDEX_NAME} names {name}, which is not in {self.directory}")
+            if root not in path.resolve().parents:  # a symlink out of the model directory (and its mount)
+                raise SafetensorsError(f"{name} is a link to {path.resolve()}, outside {self.directory}")
             header = read_header(path)
             if expected is not None:
                 missing = sorted(expected - header.keys())
