@@ -32,6 +32,10 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
   detcost    issue 17: the speed cost of --deterministic-mode on the benchmark model at TP=N
   threeway   issue 17: ours / Megatron-LM's pretrain_gpt.py (.run/mlm_peer.sh, source in .run/mlm) / the
              guides' loop, one layout per call (--threeway dp1|tp2|dp2|pp2), benchmark model
+  hf_logits, hf_train, hf_bench  issue 27: Hugging Face import/export (e2e/gpu/hf.py): logits against
+             transformers at TP=1/TP=2/PP=2 in fp32 and bf16 and bit-identical round trips; train 20
+             iterations from HF and export, export-only under another layout, resume without the HF
+             directory; a Llama-3.2-1B-architecture model: HF start vs torch_dist resume, RSS, export time
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -1351,6 +1355,13 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
              "deterministic": scenario_deterministic, "detcost": scenario_detcost, "threeway": scenario_threeway}
+try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
+    from hf import scenario_hf_bench, scenario_hf_logits, scenario_hf_pods, scenario_hf_train
+
+    SCENARIOS.update(hf_logits=scenario_hf_logits, hf_train=scenario_hf_train, hf_bench=scenario_hf_bench,
+                     hf_pods=scenario_hf_pods)
+except ImportError as _e:  # pragma: no cover - reported by --only hf_*
+    print(f"hf scenarios unavailable: {_e}", file=sys.stderr)
 
 
 def main() -> int:
@@ -1406,7 +1417,8 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 300,
-                  "detcost": 60, "threeway": 170}
+                  "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
+                  "hf_pods": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):

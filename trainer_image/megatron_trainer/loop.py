@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident set size (VmHWM)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (/proc), so start-up time includes interpreter and imports."""
     try:
@@ -58,12 +65,15 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, runtime: RuntimeConfig, lifecycle: Lifecycle | None = None):
+    def __init__(self, cfg: TrainerConfig, runtime: RuntimeConfig, lifecycle: Lifecycle | None = None,
+                 hf_source=None):
         from megatron.core import parallel_state
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.cfg, self.runtime = cfg, runtime
+        self.hf_source = hf_source  # hf_source.HfSource: weights for a start without a checkpoint (--hf-init)
+        self.export_only = cfg.checkpoint.hf_export_only
         self.loaded_iteration: int | None = None  # the iteration training starts from, once known
         self.lifecycle = lifecycle or Lifecycle()  # the stage a fatal error is reported in
         t, m = cfg.training, cfg.model
@@ -99,6 +109,13 @@ class Trainer:
         with data_errors_are_fatal("--tokenizer-model"):
             tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, m.vocab_size)
         self.vocab_size = tokenizer.vocab_size
+        if cfg.checkpoint.hf_init or cfg.checkpoint.hf_export:
+            # A Hugging Face model's vocabulary is config.json's vocab_size (--vocab-size, checked against it),
+            # which may be larger than the tokenizer's (Qwen2.5: 151936 rows for 151665 tokens).
+            if tokenizer.vocab_size > (m.vocab_size or 0):
+                raise Fatal(ExitCode.BAD_ARGUMENTS, f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
+                            f"--vocab-size {m.vocab_size} (the Hugging Face model's vocab_size)")
+            self.vocab_size = m.vocab_size
         self.lifecycle.enter("building the model")
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
@@ -157,6 +174,12 @@ class Trainer:
         self.lifecycle.enter("looking for a checkpoint")
         self.checkpointer.on_loading = lambda iteration: self.lifecycle.enter(f"loading checkpoint {iteration}")
         self.loaded = self.checkpointer.load()
+        self.hf_import = None
+        if self.loaded is None and self.export_only:
+            raise Fatal(ExitCode.BAD_CHECKPOINT, f"--hf-export-only: no complete checkpoint under "
+                        f"{cfg.checkpoint.load} to export")
+        if self.loaded is None and self.hf_source is not None:
+            self._import_hf()
         if self.loaded is not None:
             self.state.iteration = self.loaded.iteration
             self.state.consumed_samples = self.loaded.consumed_samples
@@ -165,10 +188,11 @@ class Trainer:
         # --- data (resumes from consumed samples) ---------------------------------------------
         from .data import build_data
 
-        self.lifecycle.enter("building the data index")
-        with data_errors_are_fatal("--data-path"):
-            _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
-                                                runtime.data_cache_shared)
+        if not self.export_only:  # an export needs the weights only
+            self.lifecycle.enter("building the data index")
+            with data_errors_are_fatal("--data-path"):
+                _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
+                                                    runtime.data_cache_shared)
         self.lifecycle.enter("running the first iteration")
 
         # --- throughput arithmetic -------------------------------------------------------------
@@ -203,6 +227,34 @@ class Trainer:
         self.first_iteration_age_s: float | None = None
         self.profiler = IterationProfiler.from_spec(runtime.profile, self.env.rank, {0, self.env.world_size - 1})
         self._log_startup()
+
+    def _import_hf(self) -> None:
+        """Weights from the Hugging Face directory (validated in main): this rank's slices only. A fresh
+        optimizer at iteration 0: its fp32 main parameters are copied from the loaded weights."""
+        from megatron.core import parallel_state
+
+        from .hf_torch import import_weights
+
+        self.lifecycle.enter("importing Hugging Face weights")
+        figures = import_weights(self.model, self.hf_source, parallel_state.get_tensor_model_parallel_world_size(),
+                                 parallel_state.get_tensor_model_parallel_rank(), self.padded_vocab)
+        self.optimizer.reload_model_params()
+        torch.distributed.barrier(group=self.env.cpu_group)
+        self.hf_import = {**figures, "peak_rss_gib": peak_rss_gib()}
+        log.info("hf import: %d tensors, %.2f GB read on this rank in %.1f s (peak RSS %.2f GiB) from %s",
+                 figures["tensors"], figures["bytes_read"] / 1e9, figures["seconds"], self.hf_import["peak_rss_gib"],
+                 self.hf_source.directory)
+
+    def export_hf(self) -> dict:
+        """Collective: the model as a Hugging Face checkpoint in --hf-export."""
+        from .hf_torch import export_weights
+
+        self.lifecycle.enter("exporting to Hugging Face format")
+        self.checkpointer.finalize(blocking=True)
+        torch.cuda.synchronize()
+        self.hf_export = export_weights(self.model, self.cfg, self.env, self.state.iteration, self.padded_vocab)
+        self.hf_export["peak_rss_gib"] = peak_rss_gib()
+        return self.hf_export
 
     # ------------------------------------------------------------------------------------------
     def _log_startup(self) -> None:
@@ -448,6 +500,8 @@ class Trainer:
                "load_s": self.loaded.seconds if self.loaded else None,
                "resumed_from": self.loaded.iteration if self.loaded else None,
                "startup_to_first_iteration_s": self.first_iteration_age_s,
+               "hf_import": self.hf_import, "hf_export": getattr(self, "hf_export", None),
+               "peak_rss_gib": peak_rss_gib(),
                "path": self.path.describe()}
         if median:
             out["megatron_formula"] = flops_mod.throughput(self.flops_per_iteration, self.tokens_per_iteration,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 from . import attemptlog
 from .config import parse_args, runtime_from_env
-from .exitcodes import ExitCode, Lifecycle, classify, fatal_message, write_termination_message
+from .exitcodes import ExitCode, Fatal, Lifecycle, classify, fatal_message, write_termination_message
 
 
 def setup_logging(rank: int, world_size: int) -> None:
@@ -18,6 +19,19 @@ def setup_logging(rank: int, world_size: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     logging.getLogger("megatron_trainer").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def hf_start(cfg):
+    """The checked --hf-init source when this start imports it (no complete checkpoint under --load),
+    else None: a resume never reads the Hugging Face directory. Fatal on bad input."""
+    if not cfg.checkpoint.hf_init or cfg.checkpoint.hf_export_only:  # an export reads only its config and tokenizer
+        return None
+    from .ckpt_layout import find_resume_checkpoint
+    from .hf_source import validate_source
+
+    if cfg.checkpoint.load and find_resume_checkpoint(cfg.checkpoint.load) is not None:
+        return None
+    return validate_source(cfg.checkpoint.hf_init, cfg)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -28,6 +42,16 @@ def main(argv: Sequence[str]) -> int:
         print(f"megatron_trainer: {e}", file=sys.stderr)
         return int(ExitCode.BAD_ARGUMENTS)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.checkpoint.hf_export_only:  # weights only, from any layout; no data
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+            cfg.checkpoint, no_load_optim=True, no_load_rng=True))
+    try:
+        hf_source = hf_start(cfg)  # before anything is written: bad input leaves the checkpoint directory as it was
+    except Fatal as exc:
+        message = f"rank {rank}: exit {int(exc.code)} (not retried) during start-up: {exc}"
+        print(f"megatron_trainer: {message}", file=sys.stderr, flush=True)
+        write_termination_message(message)
+        return int(exc.code)
     attemptlog.start(cfg.checkpoint.save, runtime.restart_attempt, rank)  # before logging picks its stream
     setup_logging(rank, world)
 
@@ -37,8 +61,10 @@ def main(argv: Sequence[str]) -> int:
     trainer = None
     lifecycle = Lifecycle()
     try:
-        trainer = Trainer(cfg, runtime, lifecycle)
-        reason = trainer.train()
+        trainer = Trainer(cfg, runtime, lifecycle, hf_source=hf_source)
+        reason = "export-only" if cfg.checkpoint.hf_export_only else trainer.train()
+        if cfg.checkpoint.hf_export and reason in ("done", "export-only"):
+            trainer.export_hf()
         summary = trainer.summary()
         if trainer.env.is_rank0 or trainer.is_logging_rank:
             summary["stop_reason"] = reason

@@ -1,0 +1,246 @@
+"""GPU scenarios of the Hugging Face import/export (issue 27); registered in suite.py.
+
+  hf_logits  every fixture architecture (tests/fixtures/hf: Llama 3, Llama 3.2 tied, Mistral, Qwen2,
+             Qwen3), tiny and random (made here with transformers), imported at TP=1, TP=2 and PP=2 in
+             fp32 and bf16 (tests/trainer/hf_cpu_check.py on CUDA/NCCL): logits against transformers'
+             own, argmax, then export -> every tensor bit-identical to the source, config.json equal
+  hf_train   the real trainer (torchrun, TP=2): --hf-init, 20 iterations, --hf-export; the saved
+             torch_dist checkpoint exported again under PP=2 with --hf-export-only must be
+             bit-identical; transformers' logits of the export against Megatron's (the export
+             imported); a resume with the HF directory gone uses the job's own checkpoint
+  hf_bench   a Llama-3.2-1B-architecture model (random, made here) at TP=2: start -> first iteration
+             from HF against resuming the same model from its torch_dist checkpoint (same call),
+             host peak RSS per rank (and a baseline run without any load), export time
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "trainer"))
+
+import hf_cpu_check as hc  # noqa: E402
+
+ARCHS = ["tiny-llama3", "tiny-llama32-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+FP32_TOL = 1e-4
+
+
+def _suite():
+    import suite  # the running suite module (Run, WORK, check, ...)
+
+    return sys.modules.get("__main__") if hasattr(sys.modules.get("__main__"), "Run") else suite
+
+
+def _verdict(r: dict) -> list[str]:
+    """What a logits/round-trip result fails, in words (empty: passed)."""
+    bad = []
+    if "error" in r:
+        return [f"{r['arch']} tp{r['tp']}pp{r['pp']} {r['precision']}: {r['error'][-400:]}"]
+    tag = f"{r['arch']} tp{r['tp']}pp{r['pp']} {r['precision']}"
+    if r["precision"] == "fp32":
+        if not r["max_abs_diff"] <= FP32_TOL:
+            bad.append(f"{tag}: fp32 max |diff| {r['max_abs_diff']:.2e} > {FP32_TOL}")
+        if r["argmax_equal"] != 1.0:
+            bad.append(f"{tag}: argmax differs on {1 - r['argmax_equal']:.1%} of tokens")
+    else:
+        # bf16: our error against transformers' fp32 logits must stay within twice transformers' own
+        # bf16 error (the same weights run in bf16 by transformers), plus 1 bf16 ulp at the logit scale.
+        budget = 2 * r["hf_bf16_vs_fp32"] + r["logit_scale"] * 2 ** -8
+        if not r["max_abs_diff_vs_fp32_hf"] <= budget:
+            bad.append(f"{tag}: bf16 error {r['max_abs_diff_vs_fp32_hf']:.3e} > budget {budget:.3e}")
+    rt = r["roundtrip"]
+    if rt["not_identical"] or rt["extra"] or not rt["config_equal"] or rt["tensors"] != rt["exported"]:
+        bad.append(f"{tag}: round trip not identical: {rt['not_identical'][:3]} extra {rt['extra'][:3]} "
+                   f"config equal {rt['config_equal']}")
+    return bad
+
+
+def scenario_hf_logits(ctx) -> dict:
+    work = _suite().WORK / "hf_logits"
+    out, failures = {}, []
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        results = hc.run(ARCHS, tp, pp, ("fp32", "bf16"), "cuda", work)
+        out[f"tp{tp}pp{pp}"] = results
+        for r in results:
+            failures += _verdict(r)
+    return {"ok": not failures, "failures": failures, "results": out}
+
+
+def _argv(config: dict, tp: int, pp: int, iters: int, extra: list[str]) -> list[str]:
+    argv = hc.trainer_argv(config, tp, pp, "bf16")
+    i = argv.index("--train-iters")
+    argv[i + 1] = str(iters)
+    return argv + ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
+                   "--log-interval", "1", "--use-distributed-optimizer", "--seed", "1234", *extra]
+
+
+def scenario_hf_train(ctx) -> dict:
+    s = _suite()
+    work = s.WORK / "hf_train"
+    src, ckpt = work / "src", work / "ckpt"
+    out_a, out_b, out_c = work / "export-tp2", work / "export-only-pp2", work / "export-resumed"
+    src.mkdir(parents=True)
+    config = hc.make_model("tiny-llama3", src, "bfloat16")
+    failures: list[str] = []
+    res: dict = {}
+    train = s.Run("hf_train_tp2", 2, _argv(config, 2, 1, 20, ["--hf-init", str(src), "--hf-export", str(out_a),
+                                                               "--save", str(ckpt), "--load", str(ckpt),
+                                                               "--save-interval", "10"]))
+    rc = train.wait(240)
+    losses = train.losses()
+    res["train"] = {"rc": rc, "losses": losses, "summary": train.summary()}
+    s.check(rc == 0, f"train with --hf-init/--hf-export exit {rc}", failures)
+    s.check(len(losses) == 20 and losses[20] < losses[1], f"loss falls over 20 iterations: {losses}", failures)
+    s.check((out_a / "config.json").is_file(), "export written on success", failures)
+    s.check("hf import:" in train.text(), "the trainer logged its HF import", failures)
+    only = s.Run("hf_export_only_pp2", 2, _argv(config, 1, 2, 20, ["--hf-init", str(src), "--load", str(ckpt),
+                                                                    "--hf-export", str(out_b), "--hf-export-only"]))
+    rc = only.wait(180)
+    res["export_only"] = {"rc": rc, "summary": only.summary()}
+    s.check(rc == 0, f"--hf-export-only under PP=2 exit {rc}", failures)
+    if out_a.is_dir() and out_b.is_dir():
+        same = hc.compare_export(out_a, out_b)
+        res["export_vs_export_only"] = same
+        s.check(not same["not_identical"] and same["config_equal"] and same["tensors"] == same["exported"],
+                f"export on success (TP=2) == export-only of the checkpoint (PP=2): {same['not_identical'][:3]}",
+                failures)
+        # transformers' logits of the export against Megatron's (the export imported, TP=2)
+        logits = hc.run_jobs([(str(out_a), str(work / "reexport"), "fp32"), (str(out_a), str(work / "reexport16"),
+                                                                               "bf16")], 2, 1, "cuda", work)
+        res["trained_logits"] = logits
+        for r in logits:
+            r["arch"] = "trained-export"
+            failures += [f for f in _verdict(r) if "round trip" not in f or r["precision"] == "bf16"]
+    # resume with the HF directory gone: the job's own checkpoint, never the HF directory
+    shutil.move(str(src), str(work / "src-moved-away"))
+    resumed = s.Run("hf_resume", 2, _argv(config, 2, 1, 25, ["--hf-init", str(src), "--hf-export", str(out_c),
+                                                              "--save", str(ckpt), "--load", str(ckpt),
+                                                              "--save-interval", "10"]))
+    rc = resumed.wait(180)
+    res["resume"] = {"rc": rc, "losses": resumed.losses()}
+    s.check(rc == 0 and min(resumed.losses() or {0: 0}) == 21, f"resume without the HF directory: exit {rc}, "
+            f"first iteration {min(resumed.losses() or {0: 0})}", failures)
+    s.check("hf import:" not in resumed.text(), "the resume did not import", failures)
+    for r in (train, only, resumed):
+        r.close()
+    return {"ok": not failures, "failures": failures, **res}
+
+
+LLAMA32_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+              "rope_theta": 500000.0, "head_dim": 64,
+              "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+
+
+def scenario_hf_bench(ctx) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = _suite()
+    work = s.WORK / "hf_bench"
+    src, ckpt, out = work / "llama32-1b", work / "ckpt", work / "export"
+    src.mkdir(parents=True)
+    t0 = time.monotonic()
+    cfg = dict(LLAMA32_1B)
+    hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg).to(torch.bfloat16)
+    model.save_pretrained(src, max_shard_size="1GB")
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    hc.make_tokenizer(src, hf_cfg.vocab_size)
+    config = json.loads((src / "config.json").read_text())
+    res: dict = {"model": {"params": params, "made_s": round(time.monotonic() - t0, 1),
+                           "files": sorted(p.name for p in src.iterdir())}}
+    failures: list[str] = []
+    seq = ["--seq-length", "2048"]
+
+    def argv(iters: int, extra: list[str]) -> list[str]:
+        a = _argv(config, 2, 1, iters, extra)
+        i = a.index("--seq-length")
+        return a[:i] + seq + a[i + 2:] + ["--attention-backend", "flash"]
+
+    runs = {
+        "baseline_random_init": argv(3, []),
+        "from_hf": argv(3, ["--hf-init", str(src), "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]),
+        "resume_torch_dist": argv(4, ["--hf-init", str(src), "--save", str(ckpt), "--load", str(ckpt)]),
+        "export_only": argv(4, ["--hf-init", str(src), "--load", str(ckpt), "--hf-export", str(out),
+                                "--hf-export-only"]),
+    }
+    for name, a in runs.items():
+        r = s.Run(f"hf_bench_{name}", 2, a)
+        rc = r.wait(240)
+        summaries = s.trainer_summaries(r.text())
+        res[name] = {"rc": rc, "startup_to_first_iteration_s": [x.get("startup_to_first_iteration_s") for x in summaries],
+                     "peak_rss_gib": [x.get("peak_rss_gib") for x in summaries],
+                     "hf_import": [x.get("hf_import") for x in summaries],
+                     "hf_export": [x.get("hf_export") for x in summaries], "load_s": [x.get("load_s") for x in summaries]}
+        s.check(rc == 0, f"{name}: exit {rc}", failures)
+        r.close()
+    try:
+        hf_s = max(res["from_hf"]["startup_to_first_iteration_s"])
+        ours_s = max(res["resume_torch_dist"]["startup_to_first_iteration_s"])
+        res["hf_vs_resume_startup_ratio"] = round(hf_s / ours_s, 3)
+        share_gib = params * 2 / 2 / 2**30  # bf16, TP=2 (tied: the embedding once)
+        # The process's peak RSS when the import ends (VmHWM: everything before it included, the CUDA
+        # context and the model build too); the end-of-run peaks also hold the checkpoint save.
+        at_import = max(x["peak_rss_gib"] for x in res["from_hf"]["hf_import"])
+        res["rank_share_gib"] = round(share_gib, 3)
+        res["peak_rss_at_import_end_gib"] = round(at_import, 3)
+        s.check(res["hf_vs_resume_startup_ratio"] <= 1.5, f"HF start {hf_s:.1f} s vs resume {ours_s:.1f} s", failures)
+        s.check(at_import <= 1.5 * share_gib + 1.0, f"peak RSS at the end of the import {at_import:.2f} GiB vs "
+                f"1.5 x the rank's share {1.5 * share_gib:.2f} GiB + 1 GiB", failures)
+    except (TypeError, ValueError, KeyError) as e:
+        failures.append(f"figures missing: {e}")
+    res["export_files"] = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
+    return {"ok": not failures, "failures": failures, **res}
+
+
+def scenario_hf_pods(ctx) -> dict:
+    """The rendered pods of e2e/gpu/jobs/hf-llama-tp2.yaml, verbatim (the `pods` scenario's flow:
+    start 1 imports from the HF PVC and is SIGTERMed past its checkpoint of 10, start 2 resumes from
+    the job's own checkpoint and trains to the end), then the export on the PVC: written by the pods
+    (uid 1000), complete, loadable by transformers with Megatron's logits."""
+    import os
+    import subprocess
+
+    import pods as P
+
+    s = _suite()
+    models = P.PVC_ROOT / "models"
+    shutil.rmtree(models, ignore_errors=True)
+    src = models / "tiny-llama3"
+    src.mkdir(parents=True)
+    hc.make_model("tiny-llama3", src, "bfloat16")
+    subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)
+    (models / "exports").mkdir()
+    os.chown(models / "exports", 1000, 1000)  # the pods' user writes the export
+    result = s.pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "hf-llama-tp2.yaml")
+    failures = list(result.get("failures", []))
+    logs = sorted(s.LOGS.glob("pods_hf-llama-tp2_*.log"))
+    start1 = "".join(p.read_text(errors="replace") for p in logs if "_start1_" in p.name)
+    start2 = "".join(p.read_text(errors="replace") for p in logs if "_start2_" in p.name)
+    s.check("hf import:" in start1, "start 1 imported from the HF PVC", failures)
+    s.check("hf import:" not in start2, "start 2 resumed from its own checkpoint (no import)", failures)
+    out = models / "exports" / "hf-llama-tp2"
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    s.check({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files),
+            f"export files {files}", failures)
+    s.check(not list((models / "exports").glob(".hf-llama-tp2.partial-*")), "no partial directory left", failures)
+    if out.is_dir():
+        s.check(out.stat().st_uid == 1000, "the export belongs to the pods' user", failures)
+        check = hc.run_jobs([(str(out), str(s.WORK / "hf_pods_reexport"), "fp32")], 2, 1, "cuda", s.WORK)
+        result["export_logits"] = check
+        for r in check:
+            r["arch"] = "pods-export"
+            failures += [f for f in _verdict(r) if "round trip" not in f]
+    result.update(ok=not failures, failures=failures, export_files=files)
+    return result

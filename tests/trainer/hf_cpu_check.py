@@ -1,0 +1,326 @@
+"""The Hugging Face import/export run for real on CPUs: transformers' own logits are the oracle.
+
+For each architecture, a tiny model is made with transformers (`from_config` + `save_pretrained`,
+random weights, nothing downloaded). Megatron-Core's GPTModel is built by the trainer's own
+functions (model.transformer_config/build_model, local spec) in `world` gloo processes at the given
+TP x PP, its weights filled by hf_torch.import_weights (each rank reads its own slices), and its
+fp32 logits on a fixed batch compared with transformers'. Then hf_torch.export_weights writes the
+model back out, and every tensor must be bit-identical to the source.
+
+    python tests/trainer/hf_cpu_check.py --tp 2 --pp 1 --arch tiny-qwen2 --out DIR
+
+Used by tests/trainer/test_hf_torch.py (skipped where torch, megatron-core or transformers is
+missing) and, on GPUs, by e2e/gpu/suite.py's `hf` scenario (same functions, NCCL, bf16 too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "trainer_image"))
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+SEQ, BATCH = 24, 2
+
+
+def make_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over `vocab_size` made-up words (tokenizers library, no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab.update({"<unk>": vocab_size - 2, "</s>": vocab_size - 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "unk_token": "<unk>",
+                                                                 "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def make_model(arch: str, directory: Path, dtype: str = "float32", seed: int = 0) -> dict:
+    """A tiny random HF model of fixture `arch` saved in `directory`; its config dict."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fixture = json.loads((FIXTURES / f"{arch}.json").read_text())
+    config = AutoConfig.for_model(fixture.pop("model_type"), **{k: v for k, v in fixture.items()
+                                                                 if k not in ("architectures", "transformers_version",
+                                                                              "dtype")})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    with torch.no_grad():  # RMSNorm weights start at 1: make them random so a swapped norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    make_tokenizer(directory, config.vocab_size)
+    return json.loads((directory / "config.json").read_text())
+
+
+def trainer_argv(config: dict, tp: int, pp: int, precision: str) -> list[str]:
+    """The trainer command line for the model (what `megatron-operator hf-config` + render produce)."""
+    from megatron_trainer.hf_config import parse_config
+
+    m = parse_config(config, SEQ)
+    argv = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+            "--num-attention-heads", str(m.num_heads), "--group-query-attention", "--num-query-groups",
+            str(m.num_kv_heads), "--ffn-hidden-size", str(m.ffn_hidden_size), "--seq-length", str(SEQ),
+            "--max-position-embeddings", str(m.max_position_embeddings), "--vocab-size", str(m.vocab_size),
+            "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--rotary-base", str(int(m.rope_theta)), "--disable-bias-linear", "--norm-epsilon", repr(m.norm_epsilon),
+            "--transformer-impl", "local", "--attention-backend", "auto", "--micro-batch-size", str(BATCH),
+            "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--eval-iters", "0"]
+    if m.explicit_head_dim:
+        argv += ["--kv-channels", str(m.head_dim)]
+    if m.rope_scaling_factor:
+        argv += ["--use-rope-scaling", "--rope-scaling-factor", repr(m.rope_scaling_factor)]
+    if not m.tied:
+        argv.append("--untie-embeddings-and-output-weights")
+    if m.qkv_bias:
+        argv.append("--add-qkv-bias")
+    if m.qk_norm:
+        argv.append("--qk-layernorm")
+    if precision == "bf16":
+        argv.append("--bf16")
+    return argv
+
+
+def hf_logits(directory: Path, tokens, dtype: str = "float32", device: str = "cpu"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype),
+                                                 attn_implementation="eager").to(device).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens.to(device)).logits.float().cpu()
+
+
+def megatron_logits(model: list, tokens, vocab: int, device: str):
+    """Logits [b, s, vocab] of the whole model on the last stage (None elsewhere); PP by send/recv."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron_trainer.checkpoint import unwrap
+
+    tokens = tokens.to(device)
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    chunk = model[0]
+    gpt = unwrap(chunk)
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    hidden_size = gpt.config.hidden_size
+    with torch.no_grad():
+        if pp_rank > 0:
+            recv = torch.empty((s, b, hidden_size), dtype=gpt.config.params_dtype, device=device)
+            torch.distributed.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+            chunk.set_input_tensor(recv)
+        out = chunk(tokens if pp_rank == 0 else None, position_ids, None)
+        if pp_rank < pp - 1:
+            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+        tp = ps.get_tensor_model_parallel_world_size()
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        full = torch.cat(parts, dim=-1)  # GPTModel returns [b, s, padded vocab / TP] without labels
+        return full[:, :, :vocab].float().cpu()
+
+
+class Env:
+    """What export_weights needs of the trainer's DistEnv."""
+
+    def __init__(self, rank: int, world_size: int, cpu_group):
+        self.rank, self.world_size, self.cpu_group = rank, world_size, cpu_group
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def build(argv: list[str], device: str):
+    """The trainer's own model construction (no DDP, no optimizer) for a parsed command line."""
+    from megatron_trainer.config import parse_args
+    from megatron_trainer.model import build_model, choose_path, transformer_config
+
+    cfg = parse_args(argv)
+    path = choose_path(cfg, have_te=False)
+    tconfig = transformer_config(cfg, path)
+    if device == "cpu":
+        tconfig.use_cpu_initialization = True
+    model, padded = build_model(cfg, tconfig, path, cfg.model.vocab_size, ddp=False)
+    return cfg, model, padded
+
+
+def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron_trainer.hf_source import validate_source
+    from megatron_trainer.hf_torch import export_weights, import_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = args.device
+    if device == "cpu":
+        # Megatron-Core moves RoPE frequencies to torch.cuda.current_device() at the first forward
+        # (rotary_pos_embedding.py get_emb); on a CPU-only machine that device is the CPU.
+        torch.cuda.current_device = lambda: "cpu"
+        # ...and with tied embeddings over PP > 1 it moves the last stage's output weight to the GPU
+        # for the embedding all-reduce (language_module.setup_embeddings_and_output_layer).
+        torch.Tensor.cuda = lambda self, *a, **k: self
+    result: dict = {"rank": rank}
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        torch.distributed.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world,
+                                             **({"device_id": torch.device("cuda", rank)} if device == "cuda" else {}))
+        cpu_group = torch.distributed.new_group(backend="gloo")
+        ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+        if device == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
+        env = Env(rank, world, cpu_group)
+        result["jobs"] = []
+        for src, out, precision in args.jobs:
+            src, out = Path(src), Path(out)
+            job: dict = {"src": src.name, "precision": precision}
+            result["jobs"].append(job)
+            config = json.loads((src / "config.json").read_text())
+            argv = trainer_argv(config, args.tp, args.pp, precision)
+            cfg, model, padded = build(argv + ["--hf-init", str(src.resolve())], device)
+            source = validate_source(src, cfg)
+            job["import"] = import_weights(model, source, args.tp, ps.get_tensor_model_parallel_rank(), padded)
+            torch.manual_seed(7)
+            tokens = torch.randint(0, config["vocab_size"], (BATCH, SEQ))
+            logits = megatron_logits(model, tokens, config["vocab_size"], device)
+            if logits is not None:
+                ref_dtype = "float32" if precision == "fp32" else "bfloat16"
+                ref = hf_logits(src, tokens, ref_dtype, device)
+                ref32 = hf_logits(src, tokens, "float32", device) if ref_dtype != "float32" else ref
+                job["max_abs_diff"] = float((logits - ref).abs().max())
+                job["max_abs_diff_vs_fp32_hf"] = float((logits - ref32).abs().max())
+                job["hf_bf16_vs_fp32"] = float((ref - ref32).abs().max())
+                job["logit_scale"] = float(ref32.abs().max())
+                job["argmax_equal"] = float((logits.argmax(-1) == ref32.argmax(-1)).float().mean())
+                job["argmax_equal_vs_hf_same_dtype"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                job["hf_bf16_argmax_vs_fp32"] = float((ref.argmax(-1) == ref32.argmax(-1)).float().mean())
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, hf_export=str(out.resolve())))
+            job["export"] = export_weights(model, cfg, env, 0, padded, max_shard_bytes=args.max_shard_bytes)
+            del model
+    except BaseException as e:  # report, do not hang the other ranks' collectives forever
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        Path(results_path + f".{rank}").write_text(json.dumps(result))
+        os._exit(1)
+    Path(results_path + f".{rank}").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+def compare_export(src: Path, out: Path) -> dict:
+    """Every exported tensor against the source: names, dtypes, shapes and bytes."""
+    from safetensors import safe_open
+
+    def tensors(d: Path) -> dict:
+        index = d / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+        out = {}
+        for f in files:
+            with safe_open(str(d / f), framework="pt") as h:
+                for k in h.keys():
+                    out[k] = h.get_tensor(k)
+        return out
+
+    a, b = tensors(src), tensors(out)
+    diff = [k for k in a if k not in b or a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+            or not bool((a[k].view(-1).view(dtype=__import__("torch").uint8)
+                         == b[k].view(-1).view(dtype=__import__("torch").uint8)).all())]
+    from megatron_trainer.hf_config import parse_config
+
+    cfg_a = json.loads((src / "config.json").read_text())
+    cfg_b = json.loads((out / "config.json").read_text())
+    return {"tensors": len(a), "exported": len(b), "not_identical": diff, "extra": sorted(set(b) - set(a)),
+            "config_equal": cfg_a == cfg_b, "config_equivalent": parse_config(cfg_a) == parse_config(cfg_b),
+            "files": sorted(p.name for p in out.iterdir())}
+
+
+def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32",), device: str = "cpu",
+        work: Path | None = None, max_shard_bytes: int = 5 * 10**9) -> list[dict]:
+    """Every (arch, precision) at one TP x PP layout, in one set of worker processes: one result each."""
+
+
+    work = work or Path(tempfile.mkdtemp(prefix="hfcheck-"))
+    jobs = []
+    for arch in archs:
+        for precision in precisions:
+            src = work / f"{arch}-src-{precision}"
+            if not src.exists():
+                src.mkdir(parents=True)
+                make_model(arch, src, "float32" if precision == "fp32" else "bfloat16")
+            jobs.append((str(src), str(work / f"{arch}-tp{tp}pp{pp}-{precision}-export"), precision))
+    return run_jobs(jobs, tp, pp, device, work, max_shard_bytes)
+
+
+def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, work: Path,
+             max_shard_bytes: int = 5 * 10**9) -> list[dict]:
+    """(HF source directory, export directory, precision) jobs at one layout, one set of workers."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = argparse.Namespace(tp=tp, pp=pp, jobs=jobs, device=device, max_shard_bytes=max_shard_bytes)
+    results = str(work / f"results-{tp}-{pp}")
+    world = tp * pp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, world, args, port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+        if p.is_alive():
+            p.kill()
+    per_rank = [json.loads(Path(results + f".{r}").read_text()) if Path(results + f".{r}").exists() else
+                {"rank": r, "error": "no result"} for r in range(world)]
+    errors = [r["error"] for r in per_rank if "error" in r]
+    out = []
+    for i, (src, dst, precision) in enumerate(jobs):
+        summary = {"arch": Path(src).name.split("-src")[0], "tp": tp, "pp": pp, "precision": precision}
+        done = [r["jobs"][i] for r in per_rank if len(r.get("jobs", [])) > i]
+        if len(done) < world or errors:
+            summary["error"] = errors[0] if errors else "not run"
+            out.append(summary)
+            continue
+        last = done[-1]
+        summary.update({k: last.get(k) for k in ("max_abs_diff", "max_abs_diff_vs_fp32_hf", "hf_bf16_vs_fp32",
+                                                 "logit_scale", "argmax_equal", "argmax_equal_vs_hf_same_dtype",
+                                                 "hf_bf16_argmax_vs_fp32")})
+        summary["import_s_max"] = max(d["import"]["seconds"] for d in done)
+        summary["roundtrip"] = compare_export(Path(src), Path(dst))
+        out.append(summary)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="tiny-llama3", help="comma-separated fixture names")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--precision", default="fp32", help="comma-separated: fp32,bf16")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--work")
+    args = ap.parse_args()
+    out = run(args.arch.split(","), args.tp, args.pp, tuple(args.precision.split(",")), args.device,
+              Path(args.work) if args.work else None)
+    print(json.dumps(out, indent=2))
+    return 0 if all("error" not in r for r in out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Which rows and columns of which Hugging Face tensors make each tensor-parallel shard of each
+Megatron-Core parameter (pure: no torch). Import and export both execute these plans.
+
+Megatron-Core GPTModel names (global layer index L), local spec [Transformer Engine spec]:
+
+    embedding.word_embeddings.weight                 <- model.embed_tokens.weight       (vocab rows)
+    decoder.layers.L.input_layernorm.weight          <- model.layers.L.input_layernorm.weight
+      [decoder.layers.L.self_attention.linear_qkv.layer_norm_weight]
+    decoder.layers.L.self_attention.linear_qkv.weight/.bias <- q_proj, k_proj, v_proj  (interleaved)
+    decoder.layers.L.self_attention.q_layernorm.weight / k_layernorm.weight <- self_attn.q_norm / k_norm
+    decoder.layers.L.self_attention.linear_proj.weight  <- self_attn.o_proj.weight      (input columns)
+    decoder.layers.L.pre_mlp_layernorm.weight        <- post_attention_layernorm.weight
+      [decoder.layers.L.mlp.linear_fc1.layer_norm_weight]
+    decoder.layers.L.mlp.linear_fc1.weight           <- gate_proj ; up_proj            (per-rank halves)
+    decoder.layers.L.mlp.linear_fc2.weight           <- mlp.down_proj.weight           (input columns)
+    decoder.final_layernorm.weight                   <- model.norm.weight
+    output_layer.weight                              <- lm_head.weight (embed_tokens when tied)
+
+The QKV layout is Megatron's (attention.py, get_query_key_value_tensors): the full output dimension
+is, per query group g, [q heads of g (heads/groups x d) | k_g (d) | v_g (d)], and TP rank r holds the
+contiguous r-th 1/TP of it (also when TP > groups, where a rank holds part of one group). SwiGLU's
+linear_fc1 on rank r is [gate rows of r ; up rows of r] (Megatron's glu chunks the output in two).
+RoPE needs no permutation: Megatron's non-interleaved rotary is HF's rotate_half. Vocabulary rows
+past the HF vocabulary (Megatron's padding to a multiple of 128 x TP) are zero on import and dropped
+on export.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .hf_config import HfModel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows (axis 0) or columns (axis 1) `dst` of the Megatron shard are `src` of HF tensor `hf`."""
+
+    hf: str
+    axis: int
+    dst: tuple[int, int]
+    src: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str  # Megatron name, global layer index
+    shape: tuple[int, ...]  # this rank's shard
+    pieces: tuple[Piece, ...]  # what is not covered is zero (vocabulary padding)
+
+
+def hf_tensor_shapes(m: HfModel) -> dict[str, tuple[int, ...]]:
+    """Every tensor the HF checkpoint holds for this architecture, with its shape, in export order."""
+    h, d, q, kv = m.hidden_size, m.head_dim, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m.vocab_size, h)}
+    for L in range(m.num_layers):
+        p = f"model.layers.{L}."
+        out[p + "input_layernorm.weight"] = (h,)
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out[p + f"self_attn.{proj}.weight"] = (rows, h)
+            if m.qkv_bias:
+                out[p + f"self_attn.{proj}.bias"] = (rows,)
+        if m.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (d,)
+            out[p + "self_attn.k_norm.weight"] = (d,)
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (m.ffn_hidden_size, h)
+        out[p + "mlp.up_proj.weight"] = (m.ffn_hidden_size, h)
+        out[p + "mlp.down_proj.weight"] = (h, m.ffn_hidden_size)
+    out["model.norm.weight"] = (h,)
+    if not m.tied:
+        out["lm_head.weight"] = (m.vocab_size, h)
+    return out
+
+
+#: HF buffers some checkpoints carry that hold no weights (RoPE frequencies are recomputed).
+IGNORED_HF = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _split(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    if total % tp:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor parallel size {tp}")
+    n = total // tp
+    return rank * n, (rank + 1) * n
+
+
+def _qkv_pieces(m: HfModel, L: int, suffix: str, start: int, end: int) -> list[Piece]:
+    """Rows [start, end) of the full interleaved QKV output -> pieces of q/k/v_proj."""
+    d, per_group = m.head_dim, m.num_heads // m.num_kv_heads
+    block = (per_group + 2) * d
+    pieces = []
+    for g in range(m.num_kv_heads):
+        base = g * block
+        for proj, off, rows, src0 in (("q_proj", 0, per_group * d, g * per_group * d),
+                                      ("k_proj", per_group * d, d, g * d),
+                                      ("v_proj", per_group * d + d, d, g * d)):
+            a, b = max(start, base + off), min(end, base + off + rows)
+            if a < b:
+                pieces.append(Piece(f"model.layers.{L}.self_attn.{proj}.{suffix}", 0, (a - start, b - start),
+                                    (src0 + a - base - off, src0 + b - base - off)))
+    return pieces
+
+
+def param_plan(name: str, m: HfModel, tp: int, rank: int, padded_vocab: int) -> ParamPlan:
+    """The plan of one Megatron parameter (global layer index in `name`) on TP rank `rank`.
+    ValueError for a parameter this converter does not know."""
+    h, q, ffn = m.hidden_size, m.num_heads * m.head_dim, m.ffn_hidden_size
+
+    def whole(hf: str, shape: tuple[int, ...]) -> ParamPlan:
+        return ParamPlan(name, shape, (Piece(hf, 0, (0, shape[0]), (0, shape[0])),))
+
+    def vocab_rows(hf: str) -> ParamPlan:
+        a, b = _split(padded_vocab, tp, rank, "padded vocabulary")
+        hi = min(b, m.vocab_size)
+        pieces = (Piece(hf, 0, (0, hi - a), (a, hi)),) if a < hi else ()
+        return ParamPlan(name, (b - a, h), pieces)
+
+    if name == "embedding.word_embeddings.weight":
+        return vocab_rows("model.embed_tokens.weight")
+    if name == "output_layer.weight":
+        return vocab_rows("model.embed_tokens.weight" if m.tied else "lm_head.weight")
+    if name == "decoder.final_layernorm.weight":
+        return whole("model.norm.weight", (h,))
+    match = _LAYER.match(name)
+    if match is None:
+        raise ValueError(f"no Hugging Face tensor for Megatron parameter {name}")
+    L, rest = int(match.group(1)), match.group(2)
+    p = f"model.layers.{L}."
+    if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+        return whole(p + "input_layernorm.weight", (h,))
+    if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+        return whole(p + "post_attention_layernorm.weight", (h,))
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        suffix = rest.rsplit(".", 1)[1]
+        if suffix == "bias" and not m.qkv_bias:
+            raise ValueError(f"{name}: the Hugging Face model has no QKV bias")
+        total = q + 2 * m.num_kv_heads * m.head_dim
+        a, b = _split(total, tp, rank, "QKV output size")
+        shape = (b - a, h) if suffix == "weight" else (b - a,)
+        return ParamPlan(name, shape, tuple(_qkv_pieces(m, L, suffix, a, b)))
+    if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight") and m.qk_norm:
+        return whole(p + f"self_attn.{rest.split('.')[1][0]}_norm.weight", (m.head_dim,))
+    if rest == "self_attention.linear_proj.weight":
+        a, b = _split(q, tp, rank, "attention output columns")
+        return ParamPlan(name, (h, b - a), (Piece(p + "self_attn.o_proj.weight", 1, (0, b - a), (a, b)),))
+    if rest == "mlp.linear_fc1.weight":
+        a, b = _split(ffn, tp, rank, "--ffn-hidden-size")
+        n = b - a
+        return ParamPlan(name, (2 * n, h), (Piece(p + "mlp.gate_proj.weight", 0, (0, n), (a, b)),
+                                            Piece(p + "mlp.up_proj.weight", 0, (n, 2 * n), (a, b))))
+    if rest == "mlp.linear_fc2.weight":
+        a, b = _split(ffn, tp, rank, "--ffn-hidden-size")
+        return ParamPlan(name, (h, b - a), (Piece(p + "mlp.down_proj.weight", 1, (0, b - a), (a, b)),))
+    raise ValueError(f"no Hugging Face tensor for Megatron parameter {name}")
+
+
+def megatron_names(m: HfModel, te_norms: bool = False) -> list[str]:
+    """Every Megatron parameter of the whole model (global layer indices), in export order."""
+    names = ["embedding.word_embeddings.weight"]
+    for L in range(m.num_layers):
+        p = f"decoder.layers.{L}."
+        names.append(p + ("self_attention.linear_qkv.layer_norm_weight" if te_norms else "input_layernorm.weight"))
+        names.append(p + "self_attention.linear_qkv.weight")
+        if m.qkv_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        if m.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names.append(p + "self_attention.linear_proj.weight")
+        names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_norms else "pre_mlp_layernorm.weight"))
+        names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    names.append("decoder.final_layernorm.weight")
+    if not m.tied:
+        names.append("output_layer.weight")
+    return names
+
+
+def exported_by(name: str, m: HfModel) -> list[str]:
+    """The HF tensors a Megatron parameter completes on export, in order (the tied output layer's
+    embedding is the first stage's, so it exports nothing)."""
+    if name == "output_layer.weight" and m.tied:
+        return []
+    seen: list[str] = []
+    for piece in param_plan(name, m, 1, 0, _padded(m.vocab_size)).pieces:
+        if piece.hf not in seen:
+            seen.append(piece.hf)
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):  # q, k, v in that order
+        order = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+        seen.sort(key=lambda n: order[n.split(".")[-2]])
+    return seen
+
+
+def _padded(v: int) -> int:
+    return v  # TP=1 with no padding: the plan covers every HF row once

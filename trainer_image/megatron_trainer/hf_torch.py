@@ -1,0 +1,263 @@
+"""Hugging Face weights into a Megatron-Core model, and out of one (torch side of the converter).
+
+Import: each rank reads only its own TP/PP slice, straight from the safetensors shards
+(safetensors_io.read_rows_into: positional reads of the rows it needs, a bounded chunk at a time
+for column slices), and copies it into its parameters. No TP=1 copy, no conversion job, no process
+that holds the whole model.
+
+Export: per parameter, the TP shards are gathered on the stage's TP rank 0 (data-parallel replica 0
+only), turned into the HF tensors by the same plans, and streamed into safetensors shards (at most
+`max_shard_bytes`, never mixing pipeline stages) that each stage writes itself, inside a temporary
+directory that is renamed to the target only when everything is written: a crash mid-export never
+leaves a directory that looks complete. No rank holds more than one full parameter at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .config import TrainerConfig
+from .exitcodes import ExitCode, Fatal
+from .hf_config import HF_DTYPES, HfModel, export_config, generation_config, parse_config
+from .hf_mapping import ParamPlan, exported_by, megatron_names, param_plan
+from .hf_source import MARKER, PARTIAL_MARKER, HfSource, copy_tokenizer, prepare_export_dir
+from .safetensors_io import (
+    INDEX_NAME,
+    PlannedTensor,
+    StreamingWriter,
+    TensorInfo,
+    plan_shards,
+    read_rows_into,
+    shard_name,
+)
+
+log = logging.getLogger(__name__)
+
+#: The largest read buffer for a column slice (rows are read this much at a time).
+CHUNK_BYTES = 64 << 20
+#: Hugging Face's default shard size limit (5 GB).
+MAX_SHARD_BYTES = 5 * 10**9
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+CODES = {v: k for k, v in TORCH_DTYPES.items()}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def unwrap(chunk):
+    from .checkpoint import unwrap as _unwrap
+
+    return _unwrap(chunk)
+
+
+def global_params(model: list) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(Megatron name with the GLOBAL layer index, parameter) for every parameter of this rank's chunks."""
+    for chunk in model:
+        gpt = unwrap(chunk)
+        layers = gpt.decoder.layers if getattr(gpt, "decoder", None) is not None else []
+        global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+        for name, param in gpt.named_parameters():
+            match = _LAYER.match(name)
+            if match:
+                name = f"decoder.layers.{global_index[int(match.group(1))]}.{match.group(2)}"
+            yield name, param
+
+
+# ------------------------------------------------------------------------------------------ import
+def _read(info: TensorInfo, axis: int, start: int, end: int) -> torch.Tensor:
+    """Rows (axis 0) or columns (axis 1) [start, end) of a tensor, on the CPU, in its own dtype."""
+    dtype = TORCH_DTYPES[info.dtype]
+    if axis == 0:
+        out = torch.empty((end - start, *info.shape[1:]), dtype=dtype)
+        read_rows_into(info, start, end, memoryview(out.view(-1).view(torch.uint8).numpy()))
+        return out
+    rows, cols = info.shape
+    out = torch.empty((rows, end - start), dtype=dtype)
+    step = max(1, CHUNK_BYTES // info.row_bytes)
+    buf = torch.empty((min(step, rows), cols), dtype=dtype)
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        read_rows_into(info, r0, r0 + n, memoryview(buf[:n].view(-1).view(torch.uint8).numpy()))
+        out[r0:r0 + n].copy_(buf[:n, start:end])
+    return out
+
+
+def import_weights(model: list, source: HfSource, tp: int, tp_rank: int, padded_vocab: int) -> dict:
+    """Fill this rank's parameters from the HF checkpoint; figures for the log."""
+    t0 = time.monotonic()
+    m = source.model
+    plans: list[tuple[ParamPlan, torch.nn.Parameter]] = []
+    problems = []
+    for name, param in global_params(model):
+        try:
+            plan = param_plan(name, m, tp, tp_rank, padded_vocab)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if tuple(param.shape) != plan.shape:
+            problems.append(f"{name}: this rank's shard is {list(param.shape)}, the plan expects {list(plan.shape)}")
+        plans.append((plan, param))
+    if problems:  # the flags were checked against config.json: this is a converter bug, said plainly
+        raise Fatal(ExitCode.BAD_ARGUMENTS, "Hugging Face import: " + "; ".join(problems[:5]))
+    read_bytes = 0
+    with torch.no_grad():
+        for plan, param in plans:
+            covered = sum((p.dst[1] - p.dst[0]) for p in plan.pieces if p.axis == 0)
+            if covered < plan.shape[0] and all(p.axis == 0 for p in plan.pieces):
+                param.data.zero_()  # vocabulary padding rows
+            for piece in plan.pieces:
+                info = source.checkpoint.info(piece.hf)
+                src = _read(info, piece.axis, *piece.src)
+                read_bytes += src.numel() * src.element_size()
+                param.data.narrow(piece.axis, piece.dst[0], piece.dst[1] - piece.dst[0]).copy_(src)
+                del src
+    return {"tensors": len(plans), "bytes_read": read_bytes, "seconds": time.monotonic() - t0}
+
+
+# ------------------------------------------------------------------------------------------ export
+def hf_model_for_export(cfg: TrainerConfig) -> tuple[HfModel, dict | None]:
+    """The architecture to export and the source config.json (from --hf-init), if any."""
+    from .hf_config import load_config
+
+    source = None
+    if cfg.checkpoint.hf_init:
+        try:
+            source = load_config(cfg.checkpoint.hf_init)
+        except ValueError as e:
+            log.warning("hf export: the --hf-init config.json cannot be read (%s): writing one from the flags", e)
+    config = source if source is not None else export_config(cfg, None, "float32")
+    return parse_config(config, cfg.model.seq_length), source
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_vocab: int,
+                   max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Collective on every rank: write the model as a Hugging Face checkpoint to --hf-export."""
+    from megatron.core import parallel_state as ps
+
+    t0 = time.monotonic()
+    final = Path(cfg.checkpoint.hf_export)
+    decision = [None]
+    if env.is_rank0:
+        try:
+            decision[0] = prepare_export_dir(final, iteration)
+        except OSError as e:
+            decision[0] = ("fail", f"--hf-export {final}: cannot create the export: {e}")
+    torch.distributed.broadcast_object_list(decision, src=0, group=env.cpu_group)
+    verdict, detail = decision[0]
+    if verdict == "fail":
+        raise Fatal(ExitCode.BAD_ARGUMENTS, detail)
+    if verdict == "skip":
+        if env.is_rank0:
+            log.info("hf export: %s", detail)
+        return {"skipped": detail}
+    tmp = Path(detail)
+
+    m, source_config = hf_model_for_export(cfg)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    local = dict(global_params(model))
+    dtype = next(iter(local.values())).dtype
+    code = CODES[dtype]
+    # Which stage owns each Megatron parameter (every rank learns every rank's names).
+    mine = (pp_rank, dp_rank, sorted(local))
+    everyone = [None] * env.world_size
+    torch.distributed.all_gather_object(everyone, mine, group=env.cpu_group)
+    stage_of: dict[str, int] = {}
+    for stage, dp, names in everyone:
+        if dp == 0:
+            for n in names:
+                stage_of.setdefault(n, stage)
+    te_norms = any(n.endswith("layer_norm_weight") for n in stage_of)
+    order = [n for n in megatron_names(m, te_norms) if n in stage_of or (n == "output_layer.weight" and m.tied)]
+    missing = [n for n in megatron_names(m, te_norms) if n not in stage_of and not (n == "output_layer.weight"
+                                                                                    and m.tied)]
+    if missing:
+        raise Fatal(ExitCode.BAD_ARGUMENTS, f"hf export: the model has no {missing[0]} (architecture mismatch)")
+    from .hf_mapping import hf_tensor_shapes
+
+    shapes = hf_tensor_shapes(m)
+    planned = [(PlannedTensor(hf, code, shapes[hf]), stage_of[n]) for n in order for hf in exported_by(n, m)]
+    shards = plan_shards(planned, max_shard_bytes)
+    names = [shard_name(i, len(shards)) for i in range(len(shards))]
+    weight_map = {t.name: names[i] for i, (_, ts) in enumerate(shards) for t in ts}
+    total = sum(t.nbytes for t, _ in planned)
+
+    written = 0
+    if dp_rank == 0:
+        group = ps.get_tensor_model_parallel_group()
+        dst = torch.distributed.get_global_rank(group, 0) if tp > 1 else env.rank
+        my_shards = [(names[i], ts) for i, (stage, ts) in enumerate(shards) if stage == pp_rank]
+        shard_iter = iter(my_shards)
+        writer: StreamingWriter | None = None
+        pending: list[PlannedTensor] = []
+        for name in order:
+            if name not in local or not exported_by(name, m):
+                continue
+            param = local[name].detach().contiguous()
+            if tp > 1:
+                gathered = [torch.empty_like(param) for _ in range(tp)] if tp_rank == 0 else None
+                torch.distributed.gather(param, gathered, dst=dst, group=group)
+            else:
+                gathered = [param]
+            if tp_rank != 0:
+                continue
+            outputs = {hf: torch.empty(shapes[hf], dtype=dtype) for hf in exported_by(name, m)}
+            for r, shard in enumerate(gathered):
+                shard_cpu = shard.cpu()
+                for piece in param_plan(name, m, tp, r, padded_vocab).pieces:
+                    if piece.hf in outputs:
+                        outputs[piece.hf].narrow(piece.axis, piece.src[0], piece.src[1] - piece.src[0]).copy_(
+                            shard_cpu.narrow(piece.axis, piece.dst[0], piece.dst[1] - piece.dst[0]))
+            del gathered
+            for hf, tensor in outputs.items():
+                if not pending:
+                    fname, planned_here = next(shard_iter)
+                    pending = list(planned_here)
+                    writer = StreamingWriter(tmp / fname, planned_here, {"format": "pt"})
+                writer.write(hf, tensor.contiguous().view(-1).view(torch.uint8).numpy())
+                written += tensor.numel() * tensor.element_size()
+                pending.pop(0)
+                if not pending:
+                    writer.close()
+                    writer = None
+        if writer is not None:
+            writer.close()
+    torch.distributed.barrier(group=env.cpu_group)
+
+    if env.is_rank0:
+        config = export_config(cfg, source_config, {v: k for k, v in HF_DTYPES.items()}[code])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        src_dir = Path(cfg.checkpoint.hf_init) if cfg.checkpoint.hf_init else \
+            (Path(cfg.data.tokenizer_model) if cfg.data.tokenizer_model else None)
+        gen = generation_config(Path(cfg.checkpoint.hf_init) if cfg.checkpoint.hf_init else None, config)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2, sort_keys=True) + "\n")
+        tokenizer = copy_tokenizer(src_dir, tmp)
+        (tmp / MARKER).write_text(json.dumps({"iteration": iteration, "shards": names, "dtype": code}) + "\n")
+        (tmp / PARTIAL_MARKER).unlink()
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        log.info("hf export: iteration %d -> %s: %d tensors, %.2f GB in %d shard(s), tokenizer files %s, %.1f s",
+                 iteration, final, len(planned), total / 1e9, len(names), tokenizer or "none", time.monotonic() - t0)
+    torch.distributed.barrier(group=env.cpu_group)
+    return {"seconds": time.monotonic() - t0, "bytes": total, "shards": len(names), "written_here": written}
