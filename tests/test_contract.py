@@ -294,3 +294,48 @@ def test_hf_config_output_reaches_the_trainer_as_the_config_json_model(config_pa
     assert (m.swiglu, m.normalization, m.position_embedding_type, m.add_bias_linear) == (True, "RMSNorm", "rope",
                                                                                          False)
     assert (m.num_experts or 0) == 0
+
+
+def _agreement_cases():
+    import copy
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "unit"))
+    from test_hf_config import REFUSALS
+
+    fixtures = {p.stem: json.loads(p.read_text()) for p in HF_FIXTURES}
+    for stem, config in fixtures.items():
+        yield pytest.param(config, True, id=stem)
+    for case_id, base, mutate, _ in REFUSALS:
+        config = copy.deepcopy(fixtures[base])
+        mutate(config)
+        yield pytest.param(config, False, id=f"refused-{case_id}")
+
+
+@pytest.mark.parametrize("config,accepted", list(_agreement_cases()))
+def test_operator_and_trainer_agree_on_config_json(config, accepted):
+    """The operator's hf-config mapping and the trainer's --hf-init check (megatron_trainer.hf_config)
+    accept and refuse the same config.json files; for an accepted one, the job built from the
+    operator's spec.model has no mismatch in the trainer's eyes, and a changed field is one in both."""
+    from megatron_operator import hf_config as operator_hf
+    from megatron_trainer import hf_config as trainer_hf
+
+    if not accepted:
+        with pytest.raises(operator_hf.HfConfigError):
+            operator_hf.parse_config(config)
+        with pytest.raises(trainer_hf.HfConfigError):
+            trainer_hf.parse_config(config, seq_length=min(config.get("max_position_embeddings", 4096), 4096))
+        return
+    model = operator_hf.spec_model(operator_hf.parse_config(config))
+    for changed in ({}, {"hiddenSize": model["hiddenSize"] * 2, "numLayers": model["numLayers"] * 2}):
+        spec = {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2}, "model": {**model, **changed},
+                "training": {"trainIters": 10, "transformerImpl": "local"}}
+        job = parse_job({"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+                         "metadata": {"name": "hf", "namespace": "ns"}, "spec": spec})
+        cfg = parse_args(trainer_argv(job))
+        trainer_says = trainer_hf.mismatches(cfg, trainer_hf.parse_config(config, cfg.model.seq_length))
+        operator_says = operator_hf.mismatches(resolved_model(job.spec.wire()),
+                                               operator_hf.parse_config(config, cfg.model.seq_length))
+        assert len(trainer_says) == len(operator_says), (trainer_says, operator_says)
+        assert bool(operator_says) == bool(changed), operator_says
