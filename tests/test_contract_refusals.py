@@ -45,6 +45,10 @@ OPERATOR_ONLY = {
     "env-one-source": "pod environment",
     "env-names-unique": "pod environment",
     "tensor-groups-fit-one-jobset": "the size of the JobSet object",
+    "hf-init-llama-family": "the trainer refuses it at start-up, against the checkpoint's config.json",
+    "hf-export-llama-family": "not a command-line rule: the trainer's converter meets the model only when it exports",
+    "hf-export-outside-init": "the two PVCs are mounted apart (/hf-init, /hf-export): the trainer cannot see "
+                              "that two paths are one directory of one volume",
 }
 
 

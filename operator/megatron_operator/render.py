@@ -144,7 +144,8 @@ def megatron_args(job: MegatronJob) -> list[str]:
     if model["normEpsilon"] != DEFAULT_NORM_EPSILON:
         flag("norm-epsilon", _fmt(model["normEpsilon"]))
     heads = model["numAttentionHeads"]
-    if model["hiddenSize"] % heads or model["kvChannels"] != model["hiddenSize"] // heads:
+    if spec.model.kv_channels is not None and (model["hiddenSize"] % heads
+                                               or model["kvChannels"] != model["hiddenSize"] // heads):
         flag("kv-channels", model["kvChannels"])
     if model["qkLayernorm"]:
         flag("qk-layernorm")
