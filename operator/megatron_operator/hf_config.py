@@ -165,8 +165,8 @@ def _rope(d: dict[str, Any], problems: list[str]) -> tuple[int, float | None]:
             problems.append(f"config.json rope scaling {key}: {_show(got)}, but Megatron-Core's llama3 RoPE "
                             f"scaling is fixed at {want:g}; the converter cannot represent it")
     factor = merged.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1 or factor > 1024:
-        problems.append(f"config.json rope scaling factor: expected a number from 1 to 1024, got {_show(factor)}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        problems.append(f"config.json rope scaling factor: expected a number >= 1, got {_show(factor)}")
         return int(theta), None
     return int(theta), float(factor)
 

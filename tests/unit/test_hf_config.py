@@ -154,7 +154,7 @@ REFUSALS = [
      "high_freq_factor: 8.0, but"),
     ("llama3-original-context", "tiny-llama3", _set("rope_parameters.original_max_position_embeddings", 4096),
      "original_max_position_embeddings: 4096, but"),
-    ("llama3-factor-below-one", "tiny-llama3", _set("rope_parameters.factor", 0.5), "factor: expected a number from 1"),
+    ("llama3-factor-below-one", "tiny-llama3", _set("rope_parameters.factor", 0.5), "factor: expected a number >= 1"),
     ("rope-parameters-not-object", "tiny-llama3", _set("rope_parameters", "llama3"), "rope_parameters: expected an object"),
     ("attention-bias-llama", "tiny-llama3", _set("attention_bias", True), "attention_bias: True"),
     ("attention-bias-qwen3", "tiny-qwen3", _set("attention_bias", True), "attention_bias: True"),
@@ -252,7 +252,9 @@ def test_missing_manifest_for_check():
 
 
 @pytest.mark.parametrize("key,value,field", [("vocab_size", 10**7, "vocabSize"), ("rms_norm_eps", 1, "normEpsilon"),
-                                             ("attention_dropout", 1.5, "attentionDropout")])
+                                             ("attention_dropout", 1.5, "attentionDropout"),
+                                             ("rope_parameters", {**config("tiny-llama3")["rope_parameters"],
+                                                                  "factor": 2048.0}, "ropeScalingFactor")])
 def test_block_outside_the_specs_bounds_is_refused(tmp_path, key, value, field):
     d = config("tiny-llama3")
     d[key] = value
