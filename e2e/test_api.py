@@ -106,6 +106,43 @@ def test_immutable_fields_and_suspend(cluster, crd, namespace):
     assert "spec.checkpoint is immutable" in e.value.body
 
 
+HF_CASES = {c[0]: c for c in CASES if c[0].startswith(("hf-", "bad-hf-"))}
+
+
+@pytest.mark.parametrize("case_id,fragment", [
+    ("bad-hf-init-gpt", "spec.init.huggingFace: a Hugging Face import needs a Llama-family spec.model"),
+    ("bad-hf-export-inside-init", "spec.export.huggingFace.path: a/ft is inside spec.init.huggingFace.path a on "
+                                  "PVC m"),
+    ("hf-init-export", None),
+], ids=["init-non-llama-refused", "export-inside-init-refused", "init-and-export-admitted"])
+def test_hf_init_and_export_rules_at_the_api_server(cluster, crd, namespace, case_id, fragment):
+    """The Hugging Face rules by name (the table above runs them all): the API server's message."""
+    verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace,
+                             HF_CASES[case_id][1])
+    assert verdict is None if fragment is None else (verdict is not None and fragment in verdict), verdict
+
+
+def test_hf_init_and_export_are_immutable(cluster, crd, namespace):
+    api = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    doc = copy.deepcopy(HF_CASES["hf-init-export"][1])
+    doc["metadata"] = {"name": "hf-immut"}
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    for patch, field in (({"init": {"huggingFace": {"pvc": "models", "path": "other"}}}, "spec.init"),
+                         ({"export": {"huggingFace": {"pvc": "other", "path": "exports/x"}}}, "spec.export"),
+                         ({"init": None}, "spec.init")):
+        with pytest.raises(kubernetes.client.ApiException) as e:
+            api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "hf-immut", {"spec": patch})
+        assert f"{field} is immutable" in e.value.body, e.value.body
+    doc = copy.deepcopy(CASES[0][1])
+    doc["metadata"] = {"name": "hf-late"}
+    doc["spec"]["model"] = copy.deepcopy(HF_CASES["hf-init-export"][1]["spec"]["model"])
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    with pytest.raises(kubernetes.client.ApiException) as e:
+        api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "hf-late",
+                                           {"spec": {"init": {"huggingFace": {"pvc": "m", "path": "x"}}}})
+    assert "spec.init is immutable" in e.value.body, e.value.body
+
+
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
 def test_examples_apply_and_renders_pass_server_dry_run(cluster, crd, namespace, path):
     doc = yaml.safe_load(path.read_text())
