@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from test_helm import Release, e2e_values
 
 pytestmark = pytest.mark.e2e
 
+ROOT = Path(__file__).resolve().parents[1]
 POLICY_TIMEOUT_S = 30
 GUARDRAILS = {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml/"],
               "allowedPriorityClasses": ["training", "training-high"],
@@ -88,6 +91,7 @@ def guarded(cluster: Cluster, crd: None, namespace: str, tmp_path: Path):
     rel.install(e2e_values(watchNamespaces=[namespace], guardrails=GUARDRAILS))
     try:
         env = {e["name"]: e.get("value") for e in rel.deployment()["spec"]["template"]["spec"]["containers"][0]["env"]}
+        env = {k: v for k, v in env.items() if k.startswith("MEGATRON_OPERATOR_") and v is not None}
         settings = Settings.from_env(env)
         probe = job("probe", {"image": "docker.io/x:1"})
 
@@ -99,22 +103,43 @@ def guarded(cluster: Cluster, crd: None, namespace: str, tmp_path: Path):
         cluster.wait_for(in_force, POLICY_TIMEOUT_S, "the guardrails policy refusing a job from docker.io",
                          namespace=namespace, kinds=("validatingadmissionpolicies",
                                                      "validatingadmissionpolicybindings", "megatronjobs"))
-        yield settings
+        # the API server type-checked every expression against the CRD's schema: no warnings
+        policy_name = f"{rel.name}-megatron-operator-guardrails"
+
+        def checked() -> dict[str, Any]:
+            out = cluster.kubectl("get", "validatingadmissionpolicy", policy_name, "-o", "json").stdout
+            status = json.loads(out).get("status") or {}
+            return status if status.get("observedGeneration") else {}
+
+        status = cluster.wait_for(checked, POLICY_TIMEOUT_S, f"type checking of {policy_name}",
+                                  kinds=("validatingadmissionpolicies",))
+        assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+        yield settings, env
     finally:
         rel.uninstall()
         kubernetes.client.CoreV1Api(cluster.api_client()).delete_namespace(rel.namespace)
 
 
+def cli_validate(doc: dict[str, Any], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`megatron-operator validate -` with the operator's environment from the installed Deployment."""
+    return subprocess.run([sys.executable, "-m", "megatron_operator", "validate", "-"], input=yaml.safe_dump(doc),
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "operator"), **env})
+
+
 def test_api_server_refuses_each_guardrail_with_the_operators_message(cluster, namespace, guarded):
+    settings, env = guarded
     for name, overrides in VIOLATIONS:
         doc = job(name, overrides)
         expected = guardrail_problems(parse_job({**doc, "metadata": {**doc["metadata"], "namespace": namespace}}),
-                                      guarded)
+                                      settings)
         assert len(expected) == 1, (name, expected)  # each case breaks exactly one guardrail, once
         out = kubectl_apply(cluster, namespace, doc)
         assert out.returncode != 0, f"{name}: admitted: {out.stdout}"
         assert "ValidatingAdmissionPolicy" in out.stderr and expected[0].message in out.stderr, (
             f"{name}: expected the operator's message\n  {expected[0].message}\ngot\n  {out.stderr}")
+        cli = cli_validate(doc, env)  # the pull-request check says the same
+        assert cli.returncode == 1 and cli.stderr == f"-: {expected[0].message}\n", (name, cli.stderr)
     stored = json.loads(cluster.kubectl("get", "megatronjobs", "-n", namespace, "-o", "json").stdout)["items"]
     assert [j["metadata"]["name"] for j in stored] == ["stored-before"]
 
@@ -123,7 +148,8 @@ def test_api_server_admits_compliant_jobs_and_checks_only_spec_writes(cluster, n
     for name, overrides in COMPLIANT_EDGES:
         doc = job(name, overrides)
         assert guardrail_problems(parse_job({**doc, "metadata": {**doc["metadata"], "namespace": namespace}}),
-                                  guarded) == []
+                                  guarded[0]) == []
+        assert cli_validate(doc, guarded[1]).returncode == 0, name
         out = kubectl_apply(cluster, namespace, doc)
         assert out.returncode == 0, f"{name}: refused: {out.stderr}"
     # only creation is checked (every guarded field is immutable): a job stored before the guardrails

@@ -88,11 +88,18 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .advice import size_problems, spec_warnings
+    from .guardrails import guardrail_problems
     from .memory import fit_report
+    from .settings import Settings
 
+    try:  # the cluster's guardrails, as the operator reads them (defaults: the chart's)
+        settings = Settings.from_env()
+    except ValueError as exc:
+        print(f"settings: {exc}", file=sys.stderr)
+        return 2
     jobs, failures = _jobs(args.files, sys.stderr)
     for where, job in jobs:
-        for p in size_problems(job):
+        for p in guardrail_problems(job, settings) + size_problems(job, settings):
             print(f"{where}: {p.message}", file=sys.stderr)
             failures += 1
         for warning in spec_warnings(job):
