@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 import yaml
 from factory import make_job
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from megatron_operator import __version__, crd
 from megatron_operator.cli import build_parser
 from megatron_operator.metrics import Metrics
@@ -715,6 +718,9 @@ def _guardrail_job(overrides: dict[str, Any]) -> dict[str, Any]:
     return make_job(**{k: (DELETE if v == "DELETE" else v) for k, v in {**base, **overrides}.items()})
 
 
+_CEL_PROGRAMS: dict[str, Any] = {}
+
+
 def _policy_messages(policy: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     """The messages of the policy's failed validations for `obj`, evaluated as the API server does
     (the CRD's defaults applied first) with cel-python plus lowerAscii()."""
@@ -727,7 +733,9 @@ def _policy_messages(policy: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     functions = {"lowerAscii": lambda s: celpy.celtypes.StringType(re.sub("[A-Z]", lambda m: m.group().lower(), s))}
 
     def run(expr: str) -> Any:
-        result = env.program(env.compile(expr), functions=functions).evaluate(activation)
+        if expr not in _CEL_PROGRAMS:
+            _CEL_PROGRAMS[expr] = env.program(env.compile(expr), functions=functions)
+        result = _CEL_PROGRAMS[expr].evaluate(activation)
         assert not isinstance(result, celpy.CELEvalError), f"{expr}: {result}"
         return result
 
@@ -799,3 +807,56 @@ def test_the_policy_checks_only_creation_because_every_guarded_field_is_immutabl
     rules = " ".join(r["rule"] for r in crd.immutability_rules(crd.spec_schema()))
     for name in top_level:
         assert f"self.{name} == oldSelf.{name}" in rules, name
+
+
+# Random jobs near every guardrail's edge: the policy and the operator must agree on each.
+_KEYS = ["nvidia.com/gpu", "dedicated", "Dedicated", "dedicated2", "node.kubernetes.io/instance-type",
+         "kubernetes.io/hostname", "app", "App2", "application", "team", "iam.amazonaws.com/role",
+         "iam.amazonaws.com", "container.apparmor.security.beta.kubernetes.io/t"]
+_GUARDRAIL_SPECS = st.fixed_dictionaries({}, optional={
+    "image": st.sampled_from(["nvcr.io/x:1", "nvcr.io", "nvcr.iox/y", "registry.example.com/ml/t",
+                              "registry.example.com/ml", "registry.example.com/mlx/t", "docker.io/x", "NVCR.io/x"]),
+    "priorityClassName": st.sampled_from(["training", "training-high", "train", "system-node-critical"]),
+    "resources__tolerations": st.lists(st.fixed_dictionaries({"operator": st.just("Exists")}, optional={
+        "key": st.sampled_from(_KEYS[:6])}), max_size=3),
+    "resources__nodeSelector": st.dictionaries(st.sampled_from(_KEYS[4:6]), st.just("v"), max_size=2),
+    "terminationGracePeriodSeconds": st.sampled_from([30, 899, 900, 901, 86400]),
+    "queueName": st.sampled_from(["team-a", "DELETE"]),
+    "env": st.lists(st.sampled_from([{"name": "A", "value": "1"},
+                                     {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+                                     {"name": "C", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+                    max_size=2, unique_by=lambda e: e["name"]),
+    "imagePullSecrets": st.lists(st.just("regcred"), max_size=1),
+    "podMetadata": st.fixed_dictionaries({"labels": st.dictionaries(st.sampled_from(["app", "application", "team"]),
+                                                                    st.just("x"), max_size=2),
+                                          "annotations": st.dictionaries(st.sampled_from(_KEYS[10:]), st.just("x"),
+                                                                         max_size=2)}),
+})
+
+
+class _Guarded:
+    """The rendered policy and the operator's settings (a short repr for hypothesis' reports)."""
+
+    def __init__(self, objs: list[dict[str, Any]]):
+        self.policy = one(objs, "ValidatingAdmissionPolicy", "-guardrails")
+        self.settings = Settings.from_env(env_of(objs))
+
+    def __repr__(self) -> str:
+        return "guardrails: GUARDRAILS_ON"
+
+
+@pytest.fixture(scope="module")
+def guarded(guardrails_on) -> _Guarded:
+    return _Guarded(guardrails_on)
+
+
+@hypothesis_settings(max_examples=150, deadline=None)
+@given(overrides=_GUARDRAIL_SPECS)
+def test_policy_and_operator_agree_on_random_jobs(guarded, overrides):
+    from megatron_operator.guardrails import guardrail_problems
+
+    doc = _guardrail_job(overrides)
+    operator = guardrail_problems(parse_job(doc), guarded.settings)
+    policy = _policy_messages(guarded.policy, doc)
+    assert {m.split(":")[0] for m in policy} == {p.field for p in operator}, (policy, operator)
+    assert set(policy) <= {p.message for p in operator}, (policy, operator)  # maps: one of the offenders
