@@ -92,6 +92,12 @@ HOSTILE: dict[str, tuple[bytes | str, str]] = {
     "control characters": (JOB.replace("job", "j\x07b", 1), "invalid YAML"),
     "unclosed flows": (JOB + "extra: [" * 50_000, "nested deeper than 64 levels"),
     "unclosed flow": (JOB + "extra: [1, 2\n", "invalid YAML"),
+    "huge integer": (JOB.replace("numNodes: 2", "numNodes: " + "9" * 200_000, 1), "the limit is 64"),
+    "huge hex integer": (JOB.replace("numNodes: 2", "numNodes: 0x" + "f" * 200_000, 1), "the limit is 64"),
+    "huge base-60 integer": (JOB.replace("numNodes: 2", "numNodes: 1" + ":59" * 80_000, 1), "the limit is 64"),
+    "huge float": (JOB.replace("numNodes: 2", "numNodes: 1." + "9" * 200_000, 1), "the limit is 64"),
+    "impossible date": (JOB + "extra: 2001-02-30\n", "invalid YAML: day is out of range for month"),
+    "impossible tagged timestamp": (JOB + "extra: !!timestamp 2001-99-99\n", "invalid YAML: month must be in"),
     "a Python tag": (JOB + "extra: !!python/object/apply:os.system ['true']\n", "invalid YAML"),
     "duplicate keys, many": (JOB + "".join(f"k: {i}\n" for i in range(3)), "duplicate key 'k'"),
     "non-string keys, many": (JOB + "extra: {" + ",".join(f"{i}: 1" for i in range(90_000)) + "}\n",
@@ -150,7 +156,7 @@ def test_the_alias_message_names_line_and_column():
 
 # Text built from YAML's own punctuation, anchors and aliases, indentation and odd characters:
 # whatever comes out, the loader returns documents or an InputError, within the caps.
-_PIECES = st.sampled_from(["&a ", "*a", "&b ", "*b", "<<: ", "[", "]", "{", "}", ", ", ": ", "- ", "\n", "  ",
+_PIECES = st.sampled_from(["2001-02-30", "!!timestamp ", "!!binary ", "!!int ", "!!float ", "1:2:3", "&a ", "*a", "&b ", "*b", "<<: ", "[", "]", "{", "}", ", ", ": ", "- ", "\n", "  ",
                            "---\n", "...\n", "? ", "!!str ", "!!python/name:os.system ", "!x ", "|\n", ">-\n",
                            "'", '"', "#", "%YAML 1.1\n", "\t", "\ufeff", "\x00", "\x85", "key", "1", "1.5",
                            "null", "~", "true", "0x1F", "é"])
