@@ -231,3 +231,34 @@ def test_a_manifest_with_a_problem_per_item_reports_a_bounded_list():
     assert time.monotonic() - start < 5
     assert len(err.value.problems) == MAX_PROBLEMS
     assert err.value.problems[-1].message.startswith("... and ")
+
+
+# The same through the CLI process under its limits, on generated hostile files: alias bombs of any
+# shape, nesting of any depth and style, long scalars, many documents, anywhere in a job.
+_FRAGMENT = st.one_of(
+    st.builds(lambda levels, width: "\n".join(f"  k{i}: {line}" for i, line in enumerate(_laughs(levels, width))),
+              st.integers(2, 12), st.integers(2, 12)),
+    st.builds(lambda depth, style: "  x: " + ("[" * depth + "]" * depth if style else "{a: " * depth + "1" + "}" * depth),
+              st.integers(1, 50_000), st.booleans()),
+    st.builds(lambda n, c: f"  x: {c * n}", st.integers(1, 600_000), st.sampled_from(["y", "9", "é", "\\t"])),
+    st.builds(lambda n: "  x: [" + ",".join(["1"] * n) + "]", st.integers(1, 300_000)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(fragment=_FRAGMENT, where=st.sampled_from(["metadata", "spec", "training", "top"]),
+       copies=st.integers(1, 1200))
+def test_generated_hostile_files_end_within_the_limits(tmp_path, fragment, where, copies):
+    anchor = {"metadata": "metadata:\n", "spec": "spec:\n", "training": "  training:\n", "top": None}[where]
+    if anchor is None:
+        doc = JOB + fragment.replace("  ", "", 1) + "\n"
+    else:
+        indent = "  " if where == "training" else ""
+        doc = JOB.replace(anchor, anchor + "\n".join(indent + line for line in fragment.split("\n")) + "\n", 1)
+    path = tmp_path / "generated.yaml"
+    path.write_text("---\n".join([doc] * min(copies, max(1, 4_000_000 // len(doc)))))
+    proc, took_s = run_bounded(["validate"], path)  # TimeoutExpired fails the test
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert all(len(line) < 1000 for line in proc.stderr.splitlines())
+    assert took_s < TIME_LIMIT_S
