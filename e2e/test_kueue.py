@@ -23,7 +23,7 @@ from mjob import (
 
 pytestmark = pytest.mark.e2e
 
-KUEUE = ("kueue.x-k8s.io", "v1beta1")
+KUEUE = ("kueue.x-k8s.io", "v1beta2")
 FLAVOR = "e2e-gpu"
 QUEUE = "team-a"
 QUOTA_GPUS = 2  # one small_job (2 pods x 1 GPU) at a time

@@ -10,73 +10,34 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
 from . import __version__
-
-
-class InputError(Exception):
-    """A file that cannot be read or parsed."""
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load, but a key given twice in one mapping is an error: YAML's "the last one wins" would
-    let a file that reads ``numNodes: 1`` launch 64 nodes."""
-
-
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: dict[Any, Any] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # keys merged in with << may be overridden: that is what merging is for
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            first = seen.get(key)
-        except TypeError:  # an unhashable key (a list or a map): the mapping constructor says so
-            break
-        if first is not None:
-            raise yaml.constructor.ConstructorError(
-                "while reading a mapping", node.start_mark,
-                f"duplicate key {str(key)[:80]!r} (first on line {first.line + 1})", key_node.start_mark)
-        seen[key] = key_node.start_mark
-    return loader.construct_mapping(node, deep=True)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+from .manifest_yaml import MAX_OBJECTS, InputError, load_documents, read_text
 
 
 def _documents(path: str) -> Iterator[tuple[int, Any]]:
-    """(1-based document number, document) for each non-empty YAML document."""
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        docs = list(yaml.load_all(text, Loader=_StrictLoader))  # a SafeLoader subclass
-    except RecursionError:
-        raise InputError("invalid YAML: nested too deeply") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise InputError(f"invalid YAML: {where}{problem}") from None
-    for i, doc in enumerate(docs, start=1):
+    """(1-based document number, document) for each non-empty YAML document (bounded work:
+    manifest_yaml refuses aliases and caps size, documents, nodes, depth and scalars)."""
+    text = read_text(path)
+    for i, doc in enumerate(load_documents(text), start=1):
         if doc is not None:
             yield i, doc
 
 
 def _items(path: str, docs: list[tuple[int, Any]], multi: bool) -> Iterator[tuple[str, Any]]:
-    """(where, object) for each document, with the items of a ``kind: List`` (``kubectl get -o yaml``)."""
+    """(where, object) for each document, with the items of a ``kind: List`` (``kubectl get -o yaml``);
+    InputError beyond MAX_OBJECTS in all."""
+    objects: list[tuple[str, Any]] = []
     for num, doc in docs:
         where = f"{path}[{num}]" if multi else path
         if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
-            for i, item in enumerate(doc["items"]):
-                yield f"{where}.items[{i}]", item
+            objects += [(f"{where}.items[{i}]", item) for i, item in enumerate(doc["items"])]
         else:
-            yield where, doc
+            objects.append((where, doc))
+        if len(objects) > MAX_OBJECTS:
+            raise InputError(f"more than {MAX_OBJECTS} objects (documents and List items); split the file")
+    return iter(objects)
 
 
 def _describe(doc: Any) -> str:
@@ -98,6 +59,7 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
     for path in paths:
         try:
             docs = list(_documents(path))
+            objects = _items(path, docs, len(docs) > 1)
         except InputError as exc:
             print(f"{path}: {exc}", file=err)
             failures += 1
@@ -105,8 +67,7 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
         if not docs:
             print(f"{path}: no documents", file=err)
             failures += 1
-        multi = len(docs) > 1
-        for where, doc in _items(path, docs, multi):
+        for where, doc in objects:
             if not is_megatronjob(doc):
                 if looks_like_megatronjob(doc):  # a typo in kind or apiVersion must not pass a CI gate
                     print(f"{where}: {_describe(doc)} is not a MegatronJob: use apiVersion: "
@@ -127,11 +88,18 @@ def _jobs(paths: list[str], err: TextIO) -> tuple[list[tuple[str, Any]], int]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .advice import size_problems, spec_warnings
+    from .guardrails import guardrail_problems
     from .memory import fit_report
+    from .settings import Settings
 
+    try:  # the cluster's guardrails, as the operator reads them (defaults: the chart's)
+        settings = Settings.from_env()
+    except ValueError as exc:
+        print(f"settings: {exc}", file=sys.stderr)
+        return 2
     jobs, failures = _jobs(args.files, sys.stderr)
     for where, job in jobs:
-        for p in size_problems(job):
+        for p in guardrail_problems(job, settings) + size_problems(job, settings):
             print(f"{where}: {p.message}", file=sys.stderr)
             failures += 1
         for warning in spec_warnings(job):

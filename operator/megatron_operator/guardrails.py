@@ -1,65 +1,170 @@
 """The cluster admin's guardrails (pure): what a MegatronJob may ask for on this cluster.
 
 Set through the operator's settings (Helm values under ``guardrails``); every one is off by default.
-A job that breaks one is refused like an invalid spec (phase Failed, reason InvalidSpec, condition
-InvalidSpec naming the field and the rule), before any child is created. The API server cannot see
-these settings; docs/install.md shows how to enforce the same at admission with a
-ValidatingAdmissionPolicy.
+They are enforced twice, from the one table below:
+
+- at admission, by the chart's ValidatingAdmissionPolicy (templates/guardrails-policy.yaml, written
+  by scripts/gen-chart-guardrails.py from ``GUARDRAILS``): ``kubectl apply`` of a job that breaks
+  one is refused by the API server;
+- by the operator, the second line (a policy switched off, a job stored before a guardrail was
+  tightened): the job is refused like an invalid spec (phase Failed, reason InvalidSpec, condition
+  InvalidSpec naming the field and the rule), before any child is created.
+
+Each guardrail's message is one template. The operator fills it with Python, the policy with a CEL
+``messageExpression`` generated from the same template, so the two cannot say different things
+(tests/unit/test_chart.py evaluates the rendered policy against the operator on a table of jobs).
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .rules import Problem
 from .settings import Settings
 from .spec import MegatronJob
 
 
+@dataclass(frozen=True)
+class Guardrail:
+    """One admission rule. In ``allowed`` and ``item`` (CEL), ``LIMIT`` stands for the Helm value
+    (a list of strings, or a number) and ``spec`` for ``object.spec``."""
+
+    rule: str  #: Problem.rule is ``guardrail-<rule>``
+    field: str  #: the field the message names
+    value: str  #: the Helm value under ``guardrails`` (and, in snake case, the Settings field)
+    message: str  #: after "<field>: "; {item}: the offending entry, {limit}: the value (a list joined by ", ")
+    allowed: str  #: CEL, true when the job keeps the guardrail
+    item: str = ""  #: CEL, the offending entry the message names (the first one, where there are several)
+
+
+def _lower_ascii(text: str) -> str:
+    """CEL's lowerAscii(): only A-Z change, so Python and the API server compare keys alike."""
+    return re.sub("[A-Z]", lambda m: m.group().lower(), text)
+
+
+def _metadata(where: str) -> Guardrail:
+    keys = f"spec.podMetadata.{where}"
+    return Guardrail(
+        "metadata-key", f"spec.podMetadata.{where}", "deniedMetadataKeys",
+        "{item} is denied on this cluster (denied key prefixes: {limit})",
+        f"!has(spec.podMetadata) || !has({keys}) || "
+        f"{keys}.all(k, !LIMIT.exists(d, k.lowerAscii().startsWith(d.lowerAscii())))",
+        f"{keys}.filter(k, LIMIT.exists(d, k.lowerAscii().startsWith(d.lowerAscii())))[0]")
+
+
+_TOLERATION_KEYS = "spec.resources.tolerations.map(t, has(t.key) ? t.key : '')"
+
+GUARDRAILS: tuple[Guardrail, ...] = (
+    Guardrail("image-registry", "spec.image", "allowedImageRegistries",
+              "this cluster runs images only from {limit}; use one of them (or omit spec.image for the "
+              "operator's default)",
+              "!has(spec.image) || spec.image == '' || "
+              "LIMIT.exists(r, spec.image.startsWith(r.endsWith('/') ? r : r + '/'))"),
+    Guardrail("priority-class", "spec.priorityClassName", "allowedPriorityClasses",
+              "{item} is not allowed here; use one of {limit} or omit it",
+              "!has(spec.priorityClassName) || spec.priorityClassName == '' || spec.priorityClassName in LIMIT",
+              "spec.priorityClassName"),
+    Guardrail("toleration-key", "spec.resources.tolerations", "allowedTolerationKeys",
+              "toleration key {item} is not allowed here; allowed keys: {limit}",
+              f"!has(spec.resources) || !has(spec.resources.tolerations) || {_TOLERATION_KEYS}.all(k, k in LIMIT)",
+              f"{_TOLERATION_KEYS}.filter(k, !(k in LIMIT)).map(k, k == '' ? '(empty: every taint)' : k)[0]"),
+    Guardrail("node-selector-key", "spec.resources.nodeSelector", "allowedNodeSelectorKeys",
+              "{item} is not allowed here; allowed keys: {limit}",
+              "!has(spec.resources) || !has(spec.resources.nodeSelector) || "
+              "spec.resources.nodeSelector.all(k, k in LIMIT)",
+              "spec.resources.nodeSelector.filter(k, !(k in LIMIT))[0]"),
+    Guardrail("grace-period", "spec.terminationGracePeriodSeconds", "maxTerminationGracePeriodSeconds",
+              "{item} is above this cluster's maximum {limit}",
+              "!has(spec.terminationGracePeriodSeconds) || spec.terminationGracePeriodSeconds <= LIMIT",
+              "string(spec.terminationGracePeriodSeconds)"),
+    Guardrail("queue-name", "spec.queueName", "requireQueueName",
+              "this cluster admits jobs through Kueue only; set spec.queueName to your LocalQueue",
+              "has(spec.queueName) && spec.queueName != ''"),
+    Guardrail("secret-env", "spec.env", "denySecretEnv",
+              "Secret references (valueFrom.secretKeyRef) are not allowed here",
+              "!has(spec.env) || !spec.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef))"),
+    Guardrail("image-pull-secrets", "spec.imagePullSecrets", "denyImagePullSecrets",
+              "not allowed here; the cluster provides image pull credentials",
+              "!has(spec.imagePullSecrets) || size(spec.imagePullSecrets) == 0"),
+    _metadata("labels"),
+    _metadata("annotations"),
+)
+
+
+_BY_FIELD = {r.field: r for r in GUARDRAILS}
+
+
 def _listed(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def guardrail_problems(job: MegatronJob, settings: Settings) -> list[Problem]:
+def _violations(job: MegatronJob, settings: Settings) -> Iterator[tuple[Guardrail, str, str]]:
+    """(guardrail, item, limit) for every entry of the job that breaks one."""
     spec = job.spec
-    out: list[Problem] = []
-
-    def refuse(field: str, message: str, rule: str) -> None:
-        out.append(Problem(field, f"{field}: {message}", f"guardrail-{rule}"))
-
+    g = _BY_FIELD
     if spec.image and (registries := _listed(settings.allowed_image_registries)):
-        if not any(spec.image.startswith(r.rstrip("/") + "/") for r in registries):
-            refuse("spec.image", f"this cluster runs images only from {', '.join(registries)}; use one of them "
-                   "(or omit spec.image for the operator's default)", "image-registry")
+        if not any(spec.image.startswith(r if r.endswith("/") else r + "/") for r in registries):
+            yield g["spec.image"], "", ", ".join(registries)
     if spec.priority_class_name and (classes := _listed(settings.allowed_priority_classes)):
         if spec.priority_class_name not in classes:
-            refuse("spec.priorityClassName", f"{spec.priority_class_name} is not allowed here; use one of "
-                   f"{', '.join(classes)} or omit it", "priority-class")
+            yield g["spec.priorityClassName"], spec.priority_class_name, ", ".join(classes)
     if keys := _listed(settings.allowed_toleration_keys):
         for t in spec.resources.tolerations:
             if (t.key or "") not in keys:
-                refuse("spec.resources.tolerations", f"toleration key {t.key or '(empty: every taint)'} is not "
-                       f"allowed here; allowed keys: {', '.join(keys)}", "toleration-key")
+                yield g["spec.resources.tolerations"], t.key or "(empty: every taint)", ", ".join(keys)
     if keys := _listed(settings.allowed_node_selector_keys):
         for k in spec.resources.node_selector:
             if k not in keys:
-                refuse("spec.resources.nodeSelector", f"{k} is not allowed here; allowed keys: {', '.join(keys)}",
-                       "node-selector-key")
-    grace = spec.termination_grace_period_seconds
-    if settings.max_termination_grace_period_s and grace and grace > settings.max_termination_grace_period_s:
-        refuse("spec.terminationGracePeriodSeconds", f"{grace} is above this cluster's maximum "
-               f"{settings.max_termination_grace_period_s}", "grace-period")
+                yield g["spec.resources.nodeSelector"], k, ", ".join(keys)
+    grace, limit = spec.termination_grace_period_seconds, settings.max_termination_grace_period_s
+    if limit and grace is not None and grace > limit:
+        yield g["spec.terminationGracePeriodSeconds"], str(grace), str(limit)
     if settings.require_queue_name and not spec.queue_name:
-        refuse("spec.queueName", "this cluster admits jobs through Kueue only; set spec.queueName to your "
-               "LocalQueue", "queue-name")
+        yield g["spec.queueName"], "", ""
     if settings.deny_secret_env and any(e.value_from and e.value_from.secret_key_ref for e in spec.env):
-        refuse("spec.env", "Secret references (valueFrom.secretKeyRef) are not allowed here", "secret-env")
+        yield g["spec.env"], "", ""
     if settings.deny_image_pull_secrets and spec.image_pull_secrets:
-        refuse("spec.imagePullSecrets", "not allowed here; the cluster provides image pull credentials",
-               "image-pull-secrets")
+        yield g["spec.imagePullSecrets"], "", ""
     denied = _listed(settings.denied_metadata_keys)
-    meta = spec.pod_metadata
-    for where, keys in (("spec.podMetadata.labels", meta.labels), ("spec.podMetadata.annotations", meta.annotations)):
+    for where, keys in (("labels", spec.pod_metadata.labels), ("annotations", spec.pod_metadata.annotations)):
         for k in keys:
-            if any(k.lower().startswith(d.lower()) for d in denied):
-                refuse(where, f"{k} is denied on this cluster (denied key prefixes: {', '.join(denied)})",
-                       "metadata-key")
-    return out
+            if any(_lower_ascii(k).startswith(_lower_ascii(d)) for d in denied):
+                yield g[f"spec.podMetadata.{where}"], k, ", ".join(denied)
+
+
+def guardrail_problems(job: MegatronJob, settings: Settings) -> list[Problem]:
+    return [Problem(r.field, f"{r.field}: " + r.message.format(item=item, limit=limit), f"guardrail-{r.rule}")
+            for r, item, limit in _violations(job, settings)]
+
+
+# --- the same rules as CEL, for the chart's ValidatingAdmissionPolicy -------------------------------
+
+
+def cel_string(text: str) -> str:
+    """``text`` as a CEL string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def cel_expression(rule: Guardrail, limit: str) -> str:
+    """``rule.allowed`` with the value's CEL literal ``limit`` (a list or a number)."""
+    return _cel(rule.allowed, limit)
+
+
+def cel_message(rule: Guardrail, limit: str, limit_text: str) -> str:
+    """A CEL expression for the operator's message; ``limit_text`` is a CEL string literal of the value
+    as the message shows it (a list joined by ", ")."""
+    parts: list[str] = []
+    for literal, name in re.findall(r"([^{]*)(?:\{(item|limit)\}|$)", f"{rule.field}: {rule.message}"):
+        if literal:
+            parts.append(cel_string(literal))
+        if name == "item":
+            parts.append(f"({_cel(rule.item, limit)})")
+        elif name == "limit":
+            parts.append(limit_text)
+    return " + ".join(parts)
+
+
+def _cel(expr: str, limit: str) -> str:
+    return re.sub(r"\bLIMIT\b", limit, re.sub(r"(?<![\w.])spec\b", "object.spec", expr))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Workload condition types and the eviction reason of spec.active=false (Kueue's API, v1beta1/v1beta2)
+# Workload condition types and the eviction reason of spec.active=false (Kueue's API, the same in v1beta1 and v1beta2)
 QUOTA_RESERVED = "QuotaReserved"
 ADMITTED = "Admitted"
 EVICTED = "Evicted"

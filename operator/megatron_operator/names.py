@@ -34,7 +34,7 @@ TRAINER_CONTAINER = "trainer"
 
 # Other controllers' names
 KUEUE_GROUP = "kueue.x-k8s.io"
-KUEUE_VERSION = "v1beta1"  # served by Kueue v0.9 to v0.19 (deprecated beside v1beta2 in v0.19; tested on v0.19.2)
+KUEUE_VERSION = "v1beta2"  # served (and stored) by Kueue v0.15 and later; tested on v0.19.2
 KUEUE_WORKLOADS = "workloads"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass name

@@ -14,10 +14,18 @@ from .spec import API_VERSION, KIND, MegatronJob, model_in
 _UNION_TAGS = {"int", "str", "constrained-str", "float", "bool", "dict[str,str]", "list[str]"}
 
 
+#: Problems reported per object; the rest are counted in one last line (a hostile manifest can have
+#: a problem per list item, and the operator puts them into the job's status).
+MAX_PROBLEMS = 20
+
+
 class SpecError(ValueError):
     """A manifest that is not a valid MegatronJob."""
 
     def __init__(self, problems: list[Problem]):
+        if len(problems) > MAX_PROBLEMS:
+            problems = [*problems[:MAX_PROBLEMS - 1],
+                        Problem("", f"... and {len(problems) - MAX_PROBLEMS + 1} more problems", "too-many-problems")]
         self.problems = problems
         super().__init__("; ".join(p.message for p in problems))
 
@@ -105,6 +113,8 @@ def shape_problems(doc: Any) -> list[Problem]:
             continue
         if isinstance(node, dict):
             for key, value in node.items():
+                if len(problems) >= 10:
+                    break
                 if not isinstance(key, str):
                     problems.append(Problem(path, f"{path or 'the object'}: key {shorten(repr(key))} is not a "
                                                   f"string; quote it", "non-string-key"))

@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 import yaml
 from factory import make_job
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from megatron_operator import __version__, crd
 from megatron_operator.cli import build_parser
 from megatron_operator.metrics import Metrics
@@ -95,8 +98,8 @@ def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objs if o["kind"] == kind]
 
 
-def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = by_kind(objs, kind)
+def one(objs: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
+    found = [o for o in by_kind(objs, kind) if o["metadata"]["name"].endswith(name_suffix)]
     assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
     return found[0]
 
@@ -136,8 +139,11 @@ def test_helm_lint_strict(values, tmp_path):
 def test_default_render_has_exactly_the_operator_objects(default_objs):
     kinds = sorted(o["kind"] for o in default_objs)
     # the operator's ClusterRole, and the two aggregated into the built-in edit/admin and view roles
+    # two admission policies: the trainer's status writes, and the guardrails (on by default: grace
+    # period and denied pod metadata keys)
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
                      "Deployment", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
                      "ValidatingAdmissionPolicyBinding"]
     for o in default_objs:
         if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
@@ -341,7 +347,7 @@ def test_namespaced_mode_has_roles_in_each_namespace_and_no_cluster_role(tmp_pat
 
 def test_rbac_and_serviceaccount_can_be_brought_by_the_admin(tmp_path):
     objs = render_chart({"rbac": {"create": False, "aggregateToDefaultRoles": False},
-                         "trainerStatusPolicy": {"enabled": False},
+                         "trainerStatusPolicy": {"enabled": False}, "guardrailsPolicy": {"enabled": False},
                          "serviceAccount": {"create": False, "name": "mo"}}, tmp_path)
     assert {o["kind"] for o in objs} == {"CustomResourceDefinition", "Deployment", "Service"}
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "mo"
@@ -406,6 +412,10 @@ def test_crd_text_is_inserted_verbatim_even_with_template_braces(tmp_path):
     ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
     ({"image": {"digest": "latest"}}, "digest"),
     ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
+    ({"guardrails": {"allowedImageRegistries": ["nvcr.io,docker.io"]}}, "allowedImageRegistries"),
+    ({"guardrails": {"deniedMetadataKeys": [" app"]}}, "deniedMetadataKeys"),
+    ({"guardrails": {"allowedNodeSelectorKeys": ["a'] || true || ['"]}}, "allowedNodeSelectorKeys"),
+    ({"guardrailsPolicy": {"enabled": "yes"}}, "enabled"),
     ({"extraEnv": [{"name": "MEGATRON_OPERATOR_MAX_RESTARTS", "value": "9"}]}, "extraEnv"),
     ({"metrics": {"prometheusRule": {"jobStalled": {"noProgressFor": "thirty minutes"}}}}, "noProgressFor"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
@@ -619,7 +629,7 @@ def test_user_roles_aggregate_megatronjobs_but_never_their_status(default_objs, 
 def test_trainer_status_policy_guards_every_operator_field(default_objs, tmp_path):
     from megatron_operator.status import OPERATOR_FIELDS
 
-    policy = one(default_objs, "ValidatingAdmissionPolicy")
+    policy = one(default_objs, "ValidatingAdmissionPolicy", "-trainer-status")
     guarded = [v["message"].split(" ")[0].removeprefix("status.") for v in policy["spec"]["validations"]]
     assert guarded == list(OPERATOR_FIELDS), "update the field list in templates/trainer-status-policy.yaml"
     assert "progress" not in guarded
@@ -631,9 +641,11 @@ def test_trainer_status_policy_guards_every_operator_field(default_objs, tmp_pat
     for name in defaulted:
         assert f'"{name}"' in text.split("$fields")[0], f"add {name} to $defaults in trainer-status-policy.yaml"
     assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["megatronjobs/status"]
-    binding = one(default_objs, "ValidatingAdmissionPolicyBinding")
+    binding = one(default_objs, "ValidatingAdmissionPolicyBinding", "-trainer-status")
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
-    assert not by_kind(render_chart({"trainerStatusPolicy": {"enabled": False}}, tmp_path), "ValidatingAdmissionPolicy")
+    off = render_chart({"trainerStatusPolicy": {"enabled": False}}, tmp_path)
+    assert [p["metadata"]["name"] for p in by_kind(off, "ValidatingAdmissionPolicy")] == [
+        f"{RELEASE}-megatron-operator-guardrails"]
 
 
 def test_guardrail_values_reach_the_operators_settings(tmp_path):
@@ -648,3 +660,203 @@ def test_guardrail_values_reach_the_operators_settings(tmp_path):
     assert settings.denied_metadata_keys == "container.apparmor.security.beta.kubernetes.io/"
     defaults = Settings.from_env(env_of(render_chart({}, tmp_path)))
     assert defaults.require_queue_name is False and defaults.allowed_image_registries == ""
+
+
+# ---- the guardrails at admission: the policy and the operator say the same ---------------------------
+
+GUARDRAILS_ON = {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml/"],
+                 "allowedPriorityClasses": ["training", "training-high"],
+                 "allowedTolerationKeys": ["nvidia.com/gpu", "dedicated"],
+                 "allowedNodeSelectorKeys": ["node.kubernetes.io/instance-type"],
+                 "maxTerminationGracePeriodSeconds": 900, "requireQueueName": True, "denySecretEnv": True,
+                 "denyImagePullSecrets": True,
+                 "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/", "iam.amazonaws.com/",
+                                        "App"]}
+
+#: (name, overrides of a compliant job). Every guardrail broken once, then the edges that must pass.
+#: Maps (nodeSelector, labels, annotations) break with one key each: CEL iterates a map in no fixed
+#: order, so with several bad keys the policy names one of them and the operator lists them all.
+GUARDRAIL_CASES = [
+    ("compliant", {}),
+    ("compliant, every field at its edge", {
+        "image": "registry.example.com/ml/trainer:1", "priorityClassName": "training-high",
+        "resources__tolerations": [{"key": "dedicated", "operator": "Exists"}, {"key": "nvidia.com/gpu"}],
+        "resources__nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        "terminationGracePeriodSeconds": 900, "env": [{"name": "A", "valueFrom": {"configMapKeyRef": {
+            "name": "cm", "key": "k"}}}],
+        "podMetadata": {"labels": {"team": "x"}, "annotations": {"iam.amazonaws.com": "prefix without /"}}}),
+    ("compliant, image omitted and empty lists", {"image": "DELETE", "imagePullSecrets": [], "env": []}),
+    ("image from another registry", {"image": "docker.io/library/trainer:1"}),
+    ("image registry as a host prefix", {"image": "nvcr.io.evil.example/trainer:1"}),
+    ("image registry path without its slash", {"image": "registry.example.com/mlx/trainer:1"}),
+    ("priority class", {"priorityClassName": "system-cluster-critical"}),
+    ("toleration key", {"resources__tolerations": [{"key": "dedicated"}, {"key": "node-role.kubernetes.io/control-plane",
+                                                                         "operator": "Exists"}]}),
+    ("toleration of every taint", {"resources__tolerations": [{"operator": "Exists"}]}),
+    ("two bad tolerations", {"resources__tolerations": [{"key": "a"}, {"operator": "Exists"}]}),
+    ("node selector key", {"resources__nodeSelector": {"kubernetes.io/hostname": "n1"}}),
+    ("grace period", {"terminationGracePeriodSeconds": 901}),
+    ("no queue", {"queueName": "DELETE"}),
+    ("secret env", {"env": [{"name": "A", "value": "1"}, {"name": "T", "valueFrom": {"secretKeyRef": {
+        "name": "s", "key": "k"}}}]}),
+    ("image pull secrets", {"imagePullSecrets": ["regcred"]}),
+    ("denied label, other case", {"podMetadata": {"labels": {"app": "x"}}}),
+    ("denied annotation", {"podMetadata": {"annotations": {
+        "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}}),
+    ("everything at once", {"image": "docker.io/x:1", "priorityClassName": "p", "queueName": "DELETE",
+                            "terminationGracePeriodSeconds": 3600, "imagePullSecrets": ["r"],
+                            "resources__tolerations": [{"key": "x"}], "resources__nodeSelector": {"zone": "a"},
+                            "env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                            "podMetadata": {"labels": {"app": "x"}, "annotations": {"iam.amazonaws.com/role": "r"}}}),
+]
+
+
+def _guardrail_job(overrides: dict[str, Any]) -> dict[str, Any]:
+    from factory import DELETE
+
+    base = {"queueName": "team-a", "image": "nvcr.io/nvidia/trainer:1"}
+    return make_job(**{k: (DELETE if v == "DELETE" else v) for k, v in {**base, **overrides}.items()})
+
+
+_CEL_PROGRAMS: dict[str, Any] = {}
+
+
+def _policy_messages(policy: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    """The messages of the policy's failed validations for `obj`, evaluated as the API server does
+    (the CRD's defaults applied first) with cel-python plus lowerAscii()."""
+    import celpy
+    from celeval import apply_defaults
+
+    schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    activation = {"object": celpy.json_to_cel(apply_defaults(schema, obj))}
+    env = celpy.Environment()
+    functions = {"lowerAscii": lambda s: celpy.celtypes.StringType(re.sub("[A-Z]", lambda m: m.group().lower(), s))}
+
+    def run(expr: str) -> Any:
+        if expr not in _CEL_PROGRAMS:
+            _CEL_PROGRAMS[expr] = env.program(env.compile(expr), functions=functions)
+        result = _CEL_PROGRAMS[expr].evaluate(activation)
+        assert not isinstance(result, celpy.CELEvalError), f"{expr}: {result}"
+        return result
+
+    return [str(run(v["messageExpression"])) for v in policy["spec"]["validations"] if not bool(run(v["expression"]))]
+
+
+@pytest.fixture(scope="module")
+def guardrails_on(tmp_path_factory) -> list[dict[str, Any]]:
+    return render_chart({"guardrails": GUARDRAILS_ON}, tmp_path_factory.mktemp("guardrails"))
+
+
+@pytest.mark.parametrize("name,overrides", GUARDRAIL_CASES, ids=[c[0] for c in GUARDRAIL_CASES])
+def test_guardrails_policy_refuses_what_the_operator_refuses_with_its_message(guardrails_on, name, overrides):
+    from megatron_operator.guardrails import guardrail_problems
+
+    doc = _guardrail_job(overrides)
+    operator = guardrail_problems(parse_job(doc), Settings.from_env(env_of(guardrails_on)))
+    policy = _policy_messages(one(guardrails_on, "ValidatingAdmissionPolicy", "-guardrails"), doc)
+    first_per_field = list({p.field: p.message for p in reversed(operator)}.values())[::-1]
+    assert sorted(policy) == sorted(first_per_field), (policy, [p.message for p in operator])
+    assert bool(policy) == (not name.startswith("compliant"))
+
+
+def test_every_guardrail_has_a_validation_and_the_policy_is_generated(guardrails_on):
+    from megatron_operator.guardrails import GUARDRAILS
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-chart-guardrails.py"), "--check"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr + "\n(run: python scripts/gen-chart-guardrails.py)"
+    policy = one(guardrails_on, "ValidatingAdmissionPolicy", "-guardrails")
+    assert len(policy["spec"]["validations"]) == len(GUARDRAILS)
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["megatron-operator.io"], "apiVersions": ["*"], "operations": ["CREATE"],
+        "resources": ["megatronjobs"]}]
+    # the Helm values and the operator's settings are the same guardrails
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["guardrails"]
+    assert {g.value for g in GUARDRAILS} == set(values)
+    binding = one(guardrails_on, "ValidatingAdmissionPolicyBinding", "-guardrails")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+def test_guardrails_policy_follows_the_values(tmp_path):
+    def validations(objs: list[dict[str, Any]]) -> list[str]:
+        found = [p for p in by_kind(objs, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith("-guardrails")]
+        return [v["messageExpression"].split(":")[0].strip("'") for p in found for v in p["spec"]["validations"]]
+
+    # the defaults: the grace period and the denied pod metadata keys
+    assert validations(render_chart()) == ["spec.terminationGracePeriodSeconds", "spec.podMetadata.labels",
+                                           "spec.podMetadata.annotations"]
+    all_off = {"maxTerminationGracePeriodSeconds": 0, "deniedMetadataKeys": []}
+    objs = render_chart({"guardrails": all_off}, tmp_path)
+    assert validations(objs) == [] and not [b for b in by_kind(objs, "ValidatingAdmissionPolicyBinding")
+                                            if b["metadata"]["name"].endswith("-guardrails")]
+    assert validations(render_chart({"guardrailsPolicy": {"enabled": False}}, tmp_path)) == []
+    objs = render_chart({"watchNamespaces": ["team-a", "team-b"]}, tmp_path)
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "-guardrails")
+    assert binding["spec"]["matchResources"] == {"namespaceSelector": {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}}
+
+
+def test_the_policy_checks_only_creation_because_every_guarded_field_is_immutable():
+    """A guardrail on a field that may change would need UPDATE in the policy's operations (and a
+    matchCondition so that suspend of a job stored before the guardrail is not refused)."""
+    from megatron_operator.crd import MUTABLE_SPEC_FIELDS
+    from megatron_operator.guardrails import GUARDRAILS
+
+    top_level = {g.field.split(".")[1] for g in GUARDRAILS}
+    assert top_level and not top_level & set(MUTABLE_SPEC_FIELDS)
+    rules = " ".join(r["rule"] for r in crd.immutability_rules(crd.spec_schema()))
+    for name in top_level:
+        assert f"self.{name} == oldSelf.{name}" in rules, name
+
+
+# Random jobs near every guardrail's edge: the policy and the operator must agree on each.
+_KEYS = ["nvidia.com/gpu", "dedicated", "Dedicated", "dedicated2", "node.kubernetes.io/instance-type",
+         "kubernetes.io/hostname", "app", "App2", "application", "team", "iam.amazonaws.com/role",
+         "iam.amazonaws.com", "container.apparmor.security.beta.kubernetes.io/t"]
+_GUARDRAIL_SPECS = st.fixed_dictionaries({}, optional={
+    "image": st.sampled_from(["nvcr.io/x:1", "nvcr.io", "nvcr.iox/y", "registry.example.com/ml/t",
+                              "registry.example.com/ml", "registry.example.com/mlx/t", "docker.io/x", "NVCR.io/x"]),
+    "priorityClassName": st.sampled_from(["training", "training-high", "train", "system-node-critical"]),
+    "resources__tolerations": st.lists(st.fixed_dictionaries({"operator": st.just("Exists")}, optional={
+        "key": st.sampled_from(_KEYS[:6])}), max_size=3),
+    "resources__nodeSelector": st.dictionaries(st.sampled_from(_KEYS[4:6]), st.just("v"), max_size=2),
+    "terminationGracePeriodSeconds": st.sampled_from([30, 899, 900, 901, 86400]),
+    "queueName": st.sampled_from(["team-a", "DELETE"]),
+    "env": st.lists(st.sampled_from([{"name": "A", "value": "1"},
+                                     {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+                                     {"name": "C", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+                    max_size=2, unique_by=lambda e: e["name"]),
+    "imagePullSecrets": st.lists(st.just("regcred"), max_size=1),
+    "podMetadata": st.fixed_dictionaries({"labels": st.dictionaries(st.sampled_from(["app", "application", "team"]),
+                                                                    st.just("x"), max_size=2),
+                                          "annotations": st.dictionaries(st.sampled_from(_KEYS[10:]), st.just("x"),
+                                                                         max_size=2)}),
+})
+
+
+class _Guarded:
+    """The rendered policy and the operator's settings (a short repr for hypothesis' reports)."""
+
+    def __init__(self, objs: list[dict[str, Any]]):
+        self.policy = one(objs, "ValidatingAdmissionPolicy", "-guardrails")
+        self.settings = Settings.from_env(env_of(objs))
+
+    def __repr__(self) -> str:
+        return "guardrails: GUARDRAILS_ON"
+
+
+@pytest.fixture(scope="module")
+def guarded(guardrails_on) -> _Guarded:
+    return _Guarded(guardrails_on)
+
+
+@hypothesis_settings(max_examples=150, deadline=None)
+@given(overrides=_GUARDRAIL_SPECS)
+def test_policy_and_operator_agree_on_random_jobs(guarded, overrides):
+    from megatron_operator.guardrails import guardrail_problems
+
+    doc = _guardrail_job(overrides)
+    operator = guardrail_problems(parse_job(doc), guarded.settings)
+    policy = _policy_messages(guarded.policy, doc)
+    assert {m.split(":")[0] for m in policy} == {p.field for p in operator}, (policy, operator)
+    assert set(policy) <= {p.message for p in operator}, (policy, operator)  # maps: one of the offenders

@@ -306,3 +306,18 @@ def test_validate_refuses_a_jobset_too_large_to_store(tmp_path):
                    env=[{"name": f"E{i}", "value": "x" * 4096} for i in range(64)])
     r = cli("validate", write(tmp_path, "big.yaml", [doc]))
     assert_refused(r, "spec: the JobSet would be", "MiB")
+
+
+def test_validate_applies_the_clusters_guardrails_from_the_operators_environment(tmp_path):
+    """The same MEGATRON_OPERATOR_* settings as the operator (and the chart's admission policy);
+    without any, the defaults the chart installs (a grace period of at most 3600 s, ...)."""
+    path = write(tmp_path, "job.yaml", [make_job(image="docker.io/x:1", terminationGracePeriodSeconds=3601)])
+    r = cli("validate", path)
+    assert_refused(r, "spec.terminationGracePeriodSeconds: 3601 is above this cluster's maximum 3600")
+    assert "spec.image" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "megatron_operator", "validate", path], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin",
+                                                   "MEGATRON_OPERATOR_ALLOWED_IMAGE_REGISTRIES": "nvcr.io",
+                                                   "MEGATRON_OPERATOR_MAX_TERMINATION_GRACE_PERIOD_S": "0"})
+    assert_refused(r, "spec.image: this cluster runs images only from nvcr.io; use one of them")
+    assert "terminationGracePeriodSeconds" not in r.stderr
