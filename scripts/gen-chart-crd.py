@@ -12,9 +12,11 @@ models as crds/ (`megatron_operator.crd.build_crd`); tests/unit/test_chart.py fa
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generated_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "charts" / "megatron-operator" / "files" / "crds" / "megatronjobs.spec.yaml"
@@ -31,19 +33,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the models")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not TARGET.exists() or TARGET.read_text() != text:
-            print(f"{TARGET.relative_to(ROOT)} is stale: run python scripts/gen-chart-crd.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.parent.mkdir(parents=True, exist_ok=True)
-    TARGET.write_text(text)
-    print(f"wrote {TARGET.relative_to(ROOT)}")
-    return 0
+    return generated_file.main(__doc__.splitlines()[0], TARGET, render, "gen-chart-crd.py", argv)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ and evaluates the rendered policy against the operator's own messages.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generated_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "charts" / "megatron-operator" / "templates" / "guardrails-policy.yaml"
@@ -100,18 +102,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from guardrails.py")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not TARGET.exists() or TARGET.read_text() != text:
-            print(f"{TARGET.relative_to(ROOT)} is stale: run python scripts/gen-chart-guardrails.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text)
-    print(f"wrote {TARGET.relative_to(ROOT)}")
-    return 0
+    return generated_file.main(__doc__.splitlines()[0], TARGET, render, "gen-chart-guardrails.py", argv)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generated_file
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "operator" / "megatron_operator" / "trainer_flags.py"
 sys.path.insert(0, str(ROOT / "trainer_image"))
@@ -52,19 +55,8 @@ def render() -> str:
             f"SWITCH_FLAGS: tuple[str, ...] = (\n{lines(switches)})\n")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed file is stale")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not TARGET.exists() or TARGET.read_text() != text:
-            print(f"{TARGET.relative_to(ROOT)} is stale: run python scripts/gen-trainer-flags.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text)
-    print(f"wrote {TARGET.relative_to(ROOT)}")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return generated_file.main(__doc__.splitlines()[0], TARGET, render, "gen-trainer-flags.py", argv)
 
 
 if __name__ == "__main__":

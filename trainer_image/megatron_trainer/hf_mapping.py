@@ -184,14 +184,10 @@ def exported_by(name: str, m: HfModel) -> list[str]:
     if name == "output_layer.weight" and m.tied:
         return []
     seen: list[str] = []
-    for piece in param_plan(name, m, 1, 0, _padded(m.vocab_size)).pieces:
+    for piece in param_plan(name, m, 1, 0, m.vocab_size).pieces:  # TP=1, no padding: every HF row once
         if piece.hf not in seen:
             seen.append(piece.hf)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):  # q, k, v in that order
         order = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
         seen.sort(key=lambda n: order[n.split(".")[-2]])
     return seen
-
-
-def _padded(v: int) -> int:
-    return v  # TP=1 with no padding: the plan covers every HF row once

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import unwrap
 from .config import TrainerConfig
 from .exitcodes import ExitCode, Fatal
 from .hf_config import HF_DTYPES, HfModel, export_config, generation_config, parse_config
-from .hf_mapping import ParamPlan, exported_by, megatron_names, param_plan
+from .hf_mapping import ParamPlan, exported_by, hf_tensor_shapes, megatron_names, param_plan
 from .hf_source import MARKER, PARTIAL_MARKER, HfSource, copy_tokenizer, prepare_export_dir
 from .safetensors_io import (
     INDEX_NAME,
@@ -48,12 +49,6 @@ MAX_SHARD_BYTES = 5 * 10**9
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 CODES = {v: k for k, v in TORCH_DTYPES.items()}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def unwrap(chunk):
-    from .checkpoint import unwrap as _unwrap
-
-    return _unwrap(chunk)
 
 
 def global_params(model: list) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -188,8 +183,6 @@ def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_
                                                                                     and m.tied)]
     if missing:
         raise Fatal(ExitCode.BAD_ARGUMENTS, f"hf export: the model has no {missing[0]} (architecture mismatch)")
-    from .hf_mapping import hf_tensor_shapes
-
     shapes = hf_tensor_shapes(m)
     planned = [(PlannedTensor(hf, code, shapes[hf]), stage_of[n]) for n in order for hf in exported_by(n, m)]
     shards = plan_shards(planned, max_shard_bytes)
