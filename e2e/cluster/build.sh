@@ -138,6 +138,34 @@ build_promtool() {
     github.com/prometheus/prometheus/cmd/promtool
 }
 
+# Argo CD (e2e/test_argocd.py): the one multicall binary of github.com/argoproj/argo-cd/v3/cmd,
+# which picks argocd-application-controller / argocd-repo-server / the argocd CLI by argv[0];
+# the two servers are links to it. Its go.mod has replace directives (k8s.io staging modules at
+# the version Argo CD tested, protobuf, yaml) that a consumer ignores: the throw-away module
+# repeats them, and starts from Argo CD's go.sum as Kueue's does.
+build_argocd() {
+  local d=$SRC/argocd-$ARGOCD_VERSION mod=github.com/argoproj/argo-cd/v3
+  if [ ! -f "$d/.resolved" ]; then
+    local up; up=$($GO mod download -json "$mod@v$ARGOCD_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
+    mkdir -p "$d"; cp "$up/go.sum" "$d/go.sum.seed"
+    printf 'module local/argocd\n\ngo 1.26\n\n' > "$d/go.mod.head"
+    sed -n '/^replace (/,/^)/p' "$up/go.mod" >> "$d/go.mod.head"
+  fi
+  (
+    d=$SRC/argocd-$ARGOCD_VERSION; cd "$d"
+    if [ ! -f .resolved ]; then
+      cp go.mod.head go.mod; cp go.sum.seed go.sum
+      $GO get -tool "$mod/cmd@v$ARGOCD_VERSION"
+      touch .resolved
+    fi
+  )
+  cd "$d"
+  $GO build -trimpath -ldflags="-s -w -X $mod/common.version=$ARGOCD_VERSION -X $mod/common.gitTag=v$ARGOCD_VERSION -X $mod/common.gitTreeState=clean -X $mod/common.buildDate=1970-01-01T00:00:00Z" \
+    -o "$BIN_DIR.tmp/argocd" "$mod/cmd"
+  ln -s argocd "$BIN_DIR.tmp/argocd-application-controller"
+  ln -s argocd "$BIN_DIR.tmp/argocd-repo-server"
+}
+
 total0=$SECONDS
 echo "[build] cache: $CACHE ($GOVER)"
 wanted=${*:-etcd kubernetes kwok jobset kueue helm}
@@ -152,7 +180,8 @@ for c in $wanted; do
     helm)       BIN_DIR=$CACHE/bin/helm-$HELM_VERSION;       step helm "$BIN_DIR" helm -- build_helm ;;
     promtool)   BIN_DIR=$CACHE/bin/promtool-$PROMETHEUS_MODULE_VERSION; step promtool "$BIN_DIR" promtool -- build_promtool ;;
     kubelet)    BIN_DIR=$CACHE/bin/kubelet-$KUBE_VERSION;    step kubelet "$BIN_DIR" kubelet -- build_kubelet ;;
-    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool kubelet)" >&2; exit 2 ;;
+    argocd)     BIN_DIR=$CACHE/bin/argocd-$ARGOCD_VERSION;   step argocd "$BIN_DIR" argocd argocd-application-controller argocd-repo-server -- build_argocd ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool kubelet argocd)" >&2; exit 2 ;;
   esac
 done
 echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"
