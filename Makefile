@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
+.PHONY: help venv test unit e2e cluster-build helm promtool argocd cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -38,7 +38,11 @@ helm: $(STAMP)
 promtool: $(STAMP)
 	$(PY) e2e/cluster/cluster.py build promtool
 
-e2e: cluster-build
+# Argo CD (controller, repo server, CLI) for e2e/test_argocd.py; docs/gitops.md.
+argocd: $(STAMP)
+	$(PY) e2e/cluster/cluster.py build argocd
+
+e2e: cluster-build argocd
 	$(PY) -m pytest e2e -q -m e2e
 
 # What CI runs (.ci/run calls exactly this).

@@ -8,7 +8,6 @@ binary), never from a copy in this repository.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -299,13 +298,13 @@ class ArgoCD:
         return None
 
     def wait(self, name: str, predicate, timeout: float, what: str, namespace: str | None = None):
-        """Poll the Application until predicate(app) is truthy; on timeout dump it and Argo CD's logs."""
+        """Poll the Application until predicate(app) is truthy and return it; on timeout dump it and the logs."""
         last: dict[str, Any] = {}
 
         def check():
             nonlocal last
             last = self.app(name)
-            return predicate(last)
+            return last if predicate(last) else None
 
         try:
             return self.cluster.wait_for(check, timeout, f"Application {name}: {what}", namespace=namespace,
@@ -315,8 +314,20 @@ class ArgoCD:
                                  f"{json.dumps(last.get('status'), indent=1)[:20000]}") from None
 
     def delete_application(self, name: str, timeout: float = 120) -> None:
-        with contextlib.suppress(kubernetes.client.ApiException):
+        """Delete the Application and, through its resources finalizer, what it deployed. Auto-sync
+        is turned off and a running (retrying) sync terminated first, as `argocd app terminate-op`
+        does: Argo CD does not process the deletion while an operation runs."""
+        try:
+            self.custom.patch_namespaced_custom_object(*ARGO, NS, "applications", name,
+                                                       {"spec": {"syncPolicy": None}})
+            app = self.app(name)
+            if ((app.get("status") or {}).get("operationState") or {}).get("phase") == "Running":
+                self.custom.patch_namespaced_custom_object(*ARGO, NS, "applications", name,
+                                                           {"status": {"operationState": {"phase": "Terminating"}}})
             self.custom.delete_namespaced_custom_object(*ARGO, NS, "applications", name)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
 
         def gone() -> bool:
             try:

@@ -71,7 +71,8 @@ def failing_job(name: str, code: int = 3) -> dict[str, Any]:
 
 
 def app_name(prefix: str, namespace: str) -> str:
-    return f"{prefix}-{namespace}"[:53].rstrip("-")
+    """Also the Helm release name: short, so the chart's names stay within 63 characters."""
+    return f"{prefix}-{namespace.rsplit('-', 1)[-1]}"
 
 
 # -- 1. the chart as a Helm-source Application -------------------------------------------------
@@ -208,7 +209,8 @@ def test_git_edits_mutable_immutable_and_prune(cluster, argocd, operator, namesp
                 return op
             return None
 
-        op = argocd.wait(name, sync_failed, SYNC_TIMEOUT_S, f"sync of {bad_rev[:8]} to fail", namespace=namespace)
+        op = sync_failed(argocd.wait(name, sync_failed, SYNC_TIMEOUT_S, f"sync of {bad_rev[:8]} to fail",
+                                     namespace=namespace))
         print("sync operation:", op)
         res = [r for r in op["syncResult"].get("resources", []) if r.get("name") == "runner"]
         assert res and res[0]["status"] == "SyncFailed", op

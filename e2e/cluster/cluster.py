@@ -1202,8 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     build_p = sub.add_parser("build", help="build and cache the binaries (skips what is built)")
     build_p.add_argument("components", nargs="*", metavar="COMPONENT",
-                         help="only these of etcd, kubernetes, kwok, jobset, helm, promtool (default: all but "
-                              "promtool); the unit tests need only helm and promtool")
+                         help="only these of etcd, kubernetes, kwok, jobset, helm, promtool, argocd (default: all but "
+                              "promtool, argocd, kubelet); the unit tests need only helm and promtool")
     up_p = sub.add_parser("up", help="start the cluster (reuses a healthy one)")
     up_p.add_argument("--wait", type=float, default=180, help="seconds to wait for each readiness step")
     sub.add_parser("down", help="stop everything and check no process is left")
