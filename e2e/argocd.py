@@ -29,7 +29,7 @@ HEALTH_KEY = "resource.customizations.health.megatron-operator.io_MegatronJob"
 ARGO = ("argoproj.io", "v1alpha1")
 NS = "argocd"
 START_TIMEOUT_S = 90
-# How often the controller polls Git (--app-resync); changes of live objects arrive by watch.
+# How often Argo CD polls Git (timeout.reconciliation); changes of live objects arrive by watch.
 APP_RESYNC_S = 3
 
 
@@ -165,6 +165,9 @@ class ArgoCD:
             "TMPDIR": str(self.work / "tmp"),
             "PATH": f"{bins}:{helm_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",  # the repo server runs helm, git
             "HOME": str(self.work),
+            # argocd-cm's timeout.reconciliation, as the install manifests pass it to both: how often
+            # the controller polls Git and how long the repo server caches what a branch points to.
+            "ARGOCD_RECONCILIATION_TIMEOUT": f"{APP_RESYNC_S}s",
         }
         self.repo_port, self.repo_metrics, self.ctrl_metrics = free_port(), free_port(), free_port()
         self._spawn("argocd-repo-server", [
@@ -174,7 +177,7 @@ class ArgoCD:
         self._spawn("argocd-application-controller", [
             str(bins / "argocd-application-controller"), "--namespace", NS,
             "--redis", f"127.0.0.1:{self.redis_port}", "--repo-server", f"127.0.0.1:{self.repo_port}",
-            "--metrics-port", str(self.ctrl_metrics), "--app-resync", str(APP_RESYNC_S),
+            "--metrics-port", str(self.ctrl_metrics),
             "--self-heal-timeout-seconds", "0", "--status-processors", "4", "--operation-processors", "4",
             # Resource health in Application.status.resources (Argo CD >= 3.0 keeps it only in Redis by default),
             # so the test reads each MegatronJob's health and message from the Application.
@@ -272,7 +275,7 @@ class ArgoCD:
         return kubernetes.client.CustomObjectsApi(self.cluster.api_client())
 
     def application(self, name: str, source: dict[str, Any], namespace: str, prune: bool = True,
-                    **spec: Any) -> dict[str, Any]:
+                    retry: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
         """An Application with automated sync (and prune) of `source` (repoURL filled in) into `namespace`."""
         app = {"apiVersion": "/".join(ARGO), "kind": "Application",
                "metadata": {"name": name, "namespace": NS,
@@ -280,7 +283,8 @@ class ArgoCD:
                "spec": {"project": "default",
                         "source": {"repoURL": self.git.url, "targetRevision": "main", **source},
                         "destination": {"server": "https://kubernetes.default.svc", "namespace": namespace},
-                        "syncPolicy": {"automated": {"prune": prune, "selfHeal": True}}, **spec}}
+                        "syncPolicy": {"automated": {"prune": prune, "selfHeal": True},
+                                       **({"retry": retry} if retry else {})}, **spec}}
         return self.cluster.apply(app)[0]
 
     def app(self, name: str) -> dict[str, Any]:
