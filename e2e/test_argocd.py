@@ -257,8 +257,10 @@ def test_kueue_queued_job_is_progressing_never_degraded(cluster, argocd, operato
     kueue.setup()
     jobs = Jobs(cluster, namespace)
     path = f"jobs/{namespace}"
-    docs = {"first": small_job("first", queueName=QUEUE, podMetadata=run_for(20)),
-            "second": small_job("second", queueName=QUEUE, podMetadata=run_for(20))}
+    # Shorter than the session operator's stall timeout (15 s): kwok's pods report no iterations,
+    # and a Stalled job is Degraded (test_job_health_and_sync_follow_the_jobs shows it), not Kueue's doing.
+    docs = {"first": small_job("first", queueName=QUEUE, podMetadata=run_for(8)),
+            "second": small_job("second", queueName=QUEUE, podMetadata=run_for(8))}
     rev = argocd.git.write({f"{path}/{n}.yaml": d for n, d in docs.items()}, "two queued jobs")
     name = app_name("kueue", namespace)
     argocd.application(name, {"path": path}, namespace)
