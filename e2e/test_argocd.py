@@ -161,7 +161,10 @@ def test_job_health_and_sync_follow_the_jobs(cluster, argocd, operator, namespac
         # The live objects differ from Git by defaulted fields and a status the operator keeps
         # writing; Argo CD still compares them equal, also after a hard refresh.
         live_ok = jobs.get("ok")
-        assert set(live_ok["spec"]) > set(docs["ok"]["spec"]), sorted(set(live_ok["spec"]) - set(docs["ok"]["spec"]))
+        defaulted = sorted(set(live_ok["spec"]) - set(docs["ok"]["spec"]))
+        print("spec fields the API server defaulted:", defaulted)
+        print("live metadata:", {k: live_ok["metadata"].get(k) for k in ("labels", "annotations", "finalizers")})
+        assert set(live_ok["spec"]) > set(docs["ok"]["spec"]), defaulted
         assert live_ok["status"]["phase"] == "Succeeded"
         argocd.refresh(name, hard=True)
         app = argocd.wait(name, lambda a: "argocd.argoproj.io/refresh" not in (a["metadata"].get("annotations") or {})
