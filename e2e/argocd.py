@@ -275,16 +275,23 @@ class ArgoCD:
         return kubernetes.client.CustomObjectsApi(self.cluster.api_client())
 
     def application(self, name: str, source: dict[str, Any], namespace: str, prune: bool = True,
-                    retry: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
-        """An Application with automated sync (and prune) of `source` (repoURL filled in) into `namespace`."""
+                    retry: dict[str, Any] | None = None, server_side: bool = False, **spec: Any) -> dict[str, Any]:
+        """An Application with automated sync (and prune) of `source` (repoURL filled in) into `namespace`.
+        `server_side`: server-side apply and server-side diff instead of Argo CD's defaults."""
+        if server_side:
+            spec["syncPolicy"] = {"syncOptions": ["ServerSideApply=true"]}
         app = {"apiVersion": "/".join(ARGO), "kind": "Application",
                "metadata": {"name": name, "namespace": NS,
+                            **({"annotations": {"argocd.argoproj.io/compare-options": "ServerSideDiff=true"}}
+                               if server_side else {}),
                             "finalizers": ["resources-finalizer.argocd.argoproj.io"]},
                "spec": {"project": "default",
                         "source": {"repoURL": self.git.url, "targetRevision": "main", **source},
                         "destination": {"server": "https://kubernetes.default.svc", "namespace": namespace},
-                        "syncPolicy": {"automated": {"prune": prune, "selfHeal": True},
-                                       **({"retry": retry} if retry else {})}, **spec}}
+                        **spec}}
+        app["spec"]["syncPolicy"] = {**app["spec"].get("syncPolicy", {}),
+                                     "automated": {"prune": prune, "selfHeal": True},
+                                     **({"retry": retry} if retry else {})}
         return self.cluster.apply(app)[0]
 
     def app(self, name: str) -> dict[str, Any]:

@@ -108,7 +108,10 @@ def test_chart_application_brings_the_operator_up_healthy(cluster, argocd, names
 # -- 2. MegatronJobs: health from the chart's check, sync status across status updates ---------
 
 
-def test_job_health_and_sync_follow_the_jobs(cluster, argocd, operator, namespace):
+@pytest.mark.parametrize("diff", ["default", "server-side"])
+def test_job_health_and_sync_follow_the_jobs(cluster, argocd, operator, namespace, diff):
+    """Argo CD's default (client-side apply, three-way diff), and server-side apply with server-side
+    diff: the same health, and neither needs ignoreDifferences to stay Synced."""
     jobs = Jobs(cluster, namespace)
     docs = {
         "ok": small_job("ok", podMetadata=run_for(20)),
@@ -118,7 +121,7 @@ def test_job_health_and_sync_follow_the_jobs(cluster, argocd, operator, namespac
     path = f"jobs/{namespace}"
     rev = argocd.git.write({f"{path}/{n}.yaml": d for n, d in docs.items()}, "three jobs")
     name = app_name("jobs", namespace)
-    argocd.application(name, {"path": path}, namespace)
+    argocd.application(name, {"path": path}, namespace, server_side=diff == "server-side")
     seen: dict[str, list[tuple[str, str]]] = {n: [] for n in docs}
     out_of_sync_after_sync: list[Any] = []
     synced = False
@@ -164,6 +167,9 @@ def test_job_health_and_sync_follow_the_jobs(cluster, argocd, operator, namespac
         defaulted = sorted(set(live_ok["spec"]) - set(docs["ok"]["spec"]))
         print("spec fields the API server defaulted:", defaulted)
         print("live metadata:", {k: live_ok["metadata"].get(k) for k in ("labels", "annotations", "finalizers")})
+        # the apply Argo CD used: client-side leaves its last-applied annotation, server-side does not
+        client_side = "kubectl.kubernetes.io/last-applied-configuration" in (live_ok["metadata"].get("annotations") or {})
+        assert client_side == (diff == "default"), live_ok["metadata"]
         assert set(live_ok["spec"]) > set(docs["ok"]["spec"]), defaulted
         assert live_ok["status"]["phase"] == "Succeeded"
         argocd.refresh(name, hard=True)
