@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,7 +347,3 @@ class ArgoCD:
             return False
 
         self.cluster.wait_for(gone, timeout, f"Application {name} deleted (with its resources)", kinds=())
-
-
-def now() -> float:
-    return time.monotonic()
