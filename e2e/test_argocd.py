@@ -232,25 +232,29 @@ def test_git_edits_mutable_immutable_and_prune(cluster, argocd, operator, namesp
         assert app["status"]["sync"]["status"] == "OutOfSync"
         assert argocd.resource(app, KIND, "runner")["status"] == "OutOfSync"
 
-        # Back to the old shape, then delete the file: prune removes the job and, through owner
-        # references, its JobSet, pods and ServiceAccount.
-        # Git equals the cluster again: Synced by comparison, no sync operation needed.
+        # Back to the old shape (Git equals the cluster again: Synced by comparison, no sync needed),
+        # then delete the file: prune removes the job and, through owner references, all it made.
         rev = argocd.git.write({f"{path}/runner.yaml": runner}, "revert runner")
         argocd.wait(name, lambda a: a["status"]["sync"] == {**a["status"]["sync"], "status": "Synced", "revision": rev},
                     SYNC_TIMEOUT_S, f"Synced at {rev[:8]}", namespace=namespace)
         assert jobs.jobset("runner") is not None and jobs.pods("runner")
-        core = kubernetes.client.CoreV1Api(cluster.api_client())
-        sas = {s.metadata.name for s in core.list_namespaced_service_account(namespace).items}
-        runner_sas = {s for s in sas if s.startswith("runner")}
-        assert runner_sas, sas
+        kinds = "jobsets.jobset.x-k8s.io,jobs.batch,pods,serviceaccounts,roles,rolebindings,services,configmaps"
+
+        def children() -> list[str]:   # everything the operator, JobSet and Job controllers made for runner
+            return cluster.kubectl("get", kinds, "-n", namespace, "-l", "megatron-operator.io/job-name=runner",
+                                   "-o", "name").stdout.split()
+
+        before = children()
+        print("runner's objects before the prune:", before)
+        for kind in ("jobset.jobset.x-k8s.io/", "pod/", "serviceaccount/", "role.rbac.authorization.k8s.io/",
+                     "rolebinding.rbac.authorization.k8s.io/"):
+            assert any(o.startswith(kind) for o in before), (kind, before)
         rev = argocd.git.write({f"{path}/runner.yaml": None}, "remove runner")
         argocd.wait(name, lambda a: synced_at(a, rev) and argocd.resource(a, KIND, "runner") is None,
                     SYNC_TIMEOUT_S, f"Synced at {rev[:8]} without runner", namespace=namespace)
         wait_gone(cluster, lambda: jobs.get("runner"), "MegatronJob runner pruned", namespace)
-        wait_gone(cluster, lambda: jobs.jobset("runner"), "JobSet runner garbage-collected", namespace)
-        wait_gone(cluster, lambda: jobs.pods("runner"), "runner's pods garbage-collected", namespace, timeout=90)
-        wait_gone(cluster, lambda: [s for s in core.list_namespaced_service_account(namespace).items
-                                    if s.metadata.name in runner_sas], "runner's ServiceAccount", namespace)
+        wait_gone(cluster, children, "runner's JobSet, Jobs, pods, ServiceAccount, Role, RoleBinding (nothing orphaned)",
+                  namespace, timeout=90)
         assert jobs.get("held")   # the other job is untouched
     finally:
         argocd.delete_application(name)
