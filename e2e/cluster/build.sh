@@ -144,22 +144,16 @@ build_promtool() {
 # the version Argo CD tested, protobuf, yaml) that a consumer ignores: the throw-away module
 # repeats them, and starts from Argo CD's go.sum as Kueue's does.
 build_argocd() {
-  local d=$SRC/argocd-$ARGOCD_VERSION mod=github.com/argoproj/argo-cd/v3
-  if [ ! -f "$d/.resolved" ]; then
-    local up; up=$($GO mod download -json "$mod@v$ARGOCD_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
-    mkdir -p "$d"; cp "$up/go.sum" "$d/go.sum.seed"
-    printf 'module local/argocd\n\ngo 1.26\n\n' > "$d/go.mod.head"
-    sed -n '/^replace (/,/^)/p' "$up/go.mod" >> "$d/go.mod.head"
+  local d=$SRC/argocd-$ARGOCD_VERSION mod=github.com/argoproj/argo-cd/v3 up
+  mkdir -p "$d"; cd "$d"
+  if [ ! -f .resolved ]; then   # as wrapper(), with Argo CD's replace block and go.sum
+    up=$($GO mod download -json "$mod@v$ARGOCD_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
+    printf 'module local/argocd\n\ngo 1.26\n\n' > go.mod
+    sed -n '/^replace (/,/^)/p' "$up/go.mod" >> go.mod
+    cp "$up/go.sum" go.sum
+    $GO get -tool "$mod/cmd@v$ARGOCD_VERSION"
+    touch .resolved
   fi
-  (
-    d=$SRC/argocd-$ARGOCD_VERSION; cd "$d"
-    if [ ! -f .resolved ]; then
-      cp go.mod.head go.mod; cp go.sum.seed go.sum
-      $GO get -tool "$mod/cmd@v$ARGOCD_VERSION"
-      touch .resolved
-    fi
-  )
-  cd "$d"
   $GO build -trimpath -ldflags="-s -w -X $mod/common.version=$ARGOCD_VERSION -X $mod/common.gitTag=v$ARGOCD_VERSION -X $mod/common.gitTreeState=clean -X $mod/common.buildDate=1970-01-01T00:00:00Z" \
     -o "$BIN_DIR.tmp/argocd" "$mod/cmd"
   ln -s argocd "$BIN_DIR.tmp/argocd-application-controller"
@@ -181,7 +175,7 @@ for c in $wanted; do
     promtool)   BIN_DIR=$CACHE/bin/promtool-$PROMETHEUS_MODULE_VERSION; step promtool "$BIN_DIR" promtool -- build_promtool ;;
     kubelet)    BIN_DIR=$CACHE/bin/kubelet-$KUBE_VERSION;    step kubelet "$BIN_DIR" kubelet -- build_kubelet ;;
     argocd)     BIN_DIR=$CACHE/bin/argocd-$ARGOCD_VERSION;   step argocd "$BIN_DIR" argocd argocd-application-controller argocd-repo-server -- build_argocd ;;
-    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool kubelet argocd)" >&2; exit 2 ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool kubelet)" >&2; exit 2 ;;
   esac
 done
 echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"
