@@ -36,6 +36,10 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
              transformers at TP=1/TP=2/PP=2 in fp32 and bf16 and bit-identical round trips; train 20
              iterations from HF and export, export-only under another layout, resume without the HF
              directory; a Llama-3.2-1B-architecture model: HF start vs torch_dist resume, RSS, export time
+  sft_reverse, sft_bench  issue 28: supervised fine-tuning (e2e/gpu/sft.py): a tiny HF Llama fine-tuned on
+             digit-reversal conversations, exported, transformers `generate` >= 90 % exact on held-out
+             prompts, the validation loss = transformers' answer-only loss; pretraining vs SFT padded vs
+             SFT packed throughput on a Llama-3.2-1B-shaped model
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -1362,6 +1366,12 @@ try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers,
                      hf_pods=scenario_hf_pods)
 except ImportError as _e:  # pragma: no cover - reported by --only hf_*
     print(f"hf scenarios unavailable: {_e}", file=sys.stderr)
+try:  # issue 28: supervised fine-tuning (e2e/gpu/sft.py; transformers for the oracle)
+    from sft import scenario_sft_bench, scenario_sft_reverse
+
+    SCENARIOS.update(sft_reverse=scenario_sft_reverse, sft_bench=scenario_sft_bench)
+except ImportError as _e:  # pragma: no cover - reported by --only sft_*
+    print(f"sft scenarios unavailable: {_e}", file=sys.stderr)
 
 
 def main() -> int:

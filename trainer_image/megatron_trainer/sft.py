@@ -412,8 +412,9 @@ def _reason_key(message: str) -> str:
 
 def _describe(stats: SFTStats) -> str:
     d = stats.as_dict()
-    return (f"{d['lines']} lines, {d['used']} used, {d['skipped']} skipped {d['skipped_by_reason'] or ''}, "
-            f"{d['truncated']} truncated, {d['dropped_too_long']} dropped as too long").replace(" {}", "")
+    by_reason = f" {d['skipped_by_reason']}" if d["skipped_by_reason"] else ""
+    return (f"{d['lines']} lines, {d['used']} used, {d['skipped']} skipped{by_reason}, "
+            f"{d['truncated']} truncated, {d['dropped_too_long']} dropped as too long")
 
 
 def describe(stats: SFTStats) -> str:
