@@ -662,6 +662,9 @@ def _validate_sft(cfg: TrainerConfig) -> None:
     if d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss:
         raise ValueError("--reset-attention-mask, --reset-position-ids and --eod-mask-loss are pretraining "
                          "flags; SFT masks the loss to the answers and --sft-packing keeps samples apart")
+    if d.sft_packing and cfg.training.fp8_format:
+        raise ValueError("--sft-packing runs on the local path (Transformer Engine's attention ignores the "
+                         "document mask), which has no FP8: use --no-sft-packing for FP8")
     if p.context > 1:
         raise ValueError("SFT data with --context-parallel-size > 1 needs Transformer Engine's packed "
                          "(THD) attention, which this trainer does not use")

@@ -122,13 +122,7 @@ class Trainer:
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod
-        if cfg.data.sft_packing:
-            if self.path.transformer_impl != "local":
-                # TE's attention takes a causal mask type and ignores an explicit mask: packed samples would
-                # see each other. Its packed (THD) format is not wired in this trainer.
-                raise Fatal(ExitCode.BAD_ARGUMENTS, "--sft-packing keeps packed samples apart with an explicit "
-                            "attention mask, which the Transformer Engine path ignores: use --transformer-impl "
-                            "local, or --no-sft-packing")
+        if cfg.data.sft_packing:  # choose_path keeps packed jobs on the local path, which honours the mask
             from .sft_data import restart_rope_positions
 
             restart_rope_positions(self.model)
