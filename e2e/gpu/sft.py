@@ -215,3 +215,85 @@ def scenario_sft_bench(ctx) -> dict:
         s.check(rc == 0, f"{name}: exit {rc}", failures)
         r.close()
     return {"ok": not failures, "failures": failures, **res}
+
+
+def scenario_sft_pods(ctx) -> dict:
+    """The rendered pods of e2e/gpu/jobs/sft-tiny.yaml, verbatim (the `pods` scenario's flow: SIGTERM past
+    the checkpoint of 10, the restart resumes the SFT data where it stopped), then the export."""
+    import os
+    import shutil
+    import subprocess
+
+    import pods as P
+
+    s = _suite()
+    models, data = P.PVC_ROOT / "models", P.PVC_ROOT / "sft-data"
+    for d in (models, data):
+        shutil.rmtree(d, ignore_errors=True)
+    _make_llama(models / "sft-tiny-src", hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=64, max_pos=128)
+    (data / "reverse").mkdir(parents=True)
+    convs = reversal_conversations(600, seed=5)
+    write_jsonl(data / "reverse" / "train.jsonl", convs[:500])
+    write_jsonl(data / "reverse" / "valid.jsonl", convs[500:])
+    subprocess.run(["chmod", "-R", "a+rX", str(models), str(data)], check=True)
+    (models / "exports").mkdir()
+    os.chown(models / "exports", 1000, 1000)  # the pods' user writes the export
+    result = s.pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "sft-tiny.yaml")
+    failures = list(result.get("failures", []))
+    logs = sorted(s.LOGS.glob("pods_sft-tiny_*.log"))
+    start1 = "".join(p.read_text(errors="replace") for p in logs if "_start1_" in p.name)
+    start2 = "".join(p.read_text(errors="replace") for p in logs if "_start2_" in p.name)
+    s.check("sft data (chat" in start1 and "hf import:" in start1, "start 1 tokenized the chat data and imported",
+            failures)
+    s.check("from the cache" in start2, "start 2 read the tokens from the data cache", failures)
+    s.check("validation at iteration" in start2, "validation loss logged", failures)
+    out = models / "exports" / "sft-tiny"
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    s.check({"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files), f"export files {files}",
+            failures)
+    result.update(ok=not failures, failures=failures, export_files=files)
+    return result
+
+
+def scenario_sft_sigterm(ctx) -> dict:
+    """SIGTERM during an SFT run with a validation file and async checkpoints (torchrun, 1 GPU): the
+    checkpoint on SIGTERM must be written and the run exit 0; with and without periodic evaluation. On a
+    hang, every thread's stack is dumped (faulthandler, SIGABRT) into the log."""
+    import os
+    import re
+    import signal
+    import time
+
+    s = _suite()
+    work = s.WORK / "sft_sigterm"
+    src = work / "src"
+    config = _make_llama(src, hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=64, max_pos=128)
+    convs = reversal_conversations(600, seed=5)
+    train = write_jsonl(work / "train.jsonl", convs[:500])
+    valid = write_jsonl(work / "valid.jsonl", convs[500:])
+    failures: list[str] = []
+    res: dict = {}
+    for name, extra in (("eval_every_20", ["--eval-interval", "20"]), ("eval_at_end", [])):
+        ckpt = work / f"ckpt-{name}"
+        argv = _argv(config, 128, 200, 1, [
+            "--hf-init", str(src), "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-3",
+            "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "4", *extra,
+            "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "10", "--async-save",
+            "--use-persistent-ckpt-worker", "--exit-signal-handler", *_sft_flags(src, train, valid, True)])
+        run = s.Run(f"sft_sigterm_{name}", 1, argv)
+        hit = run.wait_for(re.compile(r"iteration\s+(1[2-9]|[2-9]\d)/"), 240)
+        worker = run.worker(0)
+        # SIGTERM to the rank's process group, as the launcher forwards it (not through torchrun's agent,
+        # which would SIGKILL the rank after 30 s)
+        os.killpg(os.getpgid(worker.pid), signal.SIGTERM)
+        t0 = time.monotonic()
+        stopped = run.wait_for(re.compile(r"megatron_trainer: exit 0 \(signal\)"), 90)
+        if stopped is None and worker.is_running():
+            worker.send_signal(signal.SIGUSR1)  # the trainer's faulthandler: every thread's stack into the log
+            time.sleep(3)
+        run.kill_tree()
+        res[name] = {"reached": bool(hit), "stopped": bool(stopped), "sigterm_to_exit_s": round(time.monotonic() - t0, 1),
+                     "tail": run.text()[-12000:] if not stopped else run.text()[-600:]}
+        s.check(stopped is not None, f"{name}: SIGTERM -> no 'exit 0 (signal)' within 90 s", failures)
+        run.close()
+    return {"ok": not failures, "failures": failures, **res}
