@@ -1,6 +1,6 @@
 # megatron-operator developer entry points. The README's two set-up commands:
 #   make demo   - the local demo: a real control plane (kwok GPU nodes, JobSet) + the operator + a job
-#   make test   - unit tests, then e2e tests against the real local control plane (what CI runs)
+#   make test   - unit tests, the torch CPU tests (.venv-torch), then e2e tests against the real local control plane (what CI runs)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
+.PHONY: help venv torch-tests test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -24,6 +24,22 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# The trainer's CPU tests that run torch and Megatron-Core (gloo): packed SFT losses, the HF converter
+# against transformers, the SDPA paths. Their own venv, pinned by constraints-torch.txt (torch's PyPI
+# wheel with its CUDA libraries: about 50 s cold from PyPI, 4.8 GB; docs/benchmarks.md). The project's
+# sources come from pytest's pythonpath (pyproject.toml), so nothing is installed from the tree.
+TORCH_VENV ?= .venv-torch
+TORCH_STAMP := $(TORCH_VENV)/.installed
+$(TORCH_STAMP): constraints-torch.txt scripts/find-python.sh
+	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q -c constraints-torch.txt torch megatron-core transformers \
+	  safetensors tokenizers jinja2 numpy pyyaml pytest pytest-timeout
+	@touch $(TORCH_STAMP)
+
+torch-tests: $(TORCH_STAMP)
+	MEGATRON_TORCH_TESTS=1 $(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/trainer/test_sft_torch.py tests/trainer/test_hf_torch.py tests/trainer/test_torch_paths.py
 
 unit: helm promtool  # the chart and alert tests need the pinned helm and promtool, nothing else from Go
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
@@ -42,7 +58,7 @@ e2e: cluster-build
 	$(PY) -m pytest e2e -q -m e2e
 
 # What CI runs (.ci/run calls exactly this).
-test: unit e2e
+test: unit torch-tests e2e
 
 cluster-up: cluster-build
 	$(PY) e2e/cluster/cluster.py up

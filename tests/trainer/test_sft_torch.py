@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+torch = require("torch")
+require("megatron.core")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sft_fixtures import make_tokenizer, write_jsonl  # noqa: E402
