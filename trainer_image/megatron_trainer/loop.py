@@ -85,6 +85,7 @@ class Trainer:
         self.mem_after_first_step = 0
         self.sft_data = None
         self.validation_loss: float | None = None
+        self.evaluated_at: int | None = None
         self.started_age_s = process_age_s() or 0.0
         self.t_start = time.monotonic() - self.started_age_s
 
@@ -178,6 +179,9 @@ class Trainer:
     def _init_after_checkpointer(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int) -> None:
         t, m = cfg.training, cfg.model
         self.checkpointer.start_workers()
+        from .distributed import start_compile_workers
+
+        start_compile_workers()
         self.lifecycle.enter("looking for a checkpoint")
         self.checkpointer.on_loading = lambda iteration: self.lifecycle.enter(f"loading checkpoint {iteration}")
         self.loaded = self.checkpointer.load()
@@ -290,16 +294,24 @@ class Trainer:
                                1.0 if self.is_logging_rank and total[1] > 0 else 0.0], dtype=torch.float64)
         torch.distributed.all_reduce(shared, group=self.env.cpu_group)
         loss = float(shared[0]) if shared[1] > 0 else None
-        self.validation_loss = loss
+        self.validation_loss, self.evaluated_at = loss, self.state.iteration
         if self.is_logging_rank:
             print(f" validation at iteration {self.state.iteration:8d} | lm loss: {loss:.6E} | "
                   f"{self.cfg.training.eval_iters} x {layout.global_batch_size} samples", flush=True)
         return loss
 
-    def should_evaluate(self) -> bool:
+    def should_evaluate(self, final: bool = False) -> bool:
+        """At --eval-interval (or, ``final``, at the end unless just done), unless a rank has a stop signal:
+        the grace period is for the checkpoint. Collective when due (one gloo all-reduce): every rank
+        decides the same."""
+        if self.sft_data is None or self.sft_data.valid is None:
+            return False
         interval = self.cfg.training.eval_interval
-        return self.sft_data is not None and self.sft_data.valid is not None and interval is not None and \
-            self.state.iteration % interval == 0
+        if final:
+            due = self.evaluated_at != self.state.iteration
+        else:
+            due = interval is not None and self.state.iteration % interval == 0
+        return due and not any_rank(self.stop_signal.received is not None, self.env)
 
     def _import_hf(self) -> None:
         """Weights from the Hugging Face directory (validated in main): this rank's slices only. A fresh
@@ -466,9 +478,8 @@ class Trainer:
                     if self.env.is_rank0:
                         log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
                     break
-        if stop_reason is None and self.sft_data is not None and self.sft_data.valid is not None and \
-                not self.should_evaluate():  # the final validation loss (not on a stop: the grace period is short)
-            self.evaluate()
+        if stop_reason is None and self.should_evaluate(final=True):
+            self.evaluate()  # the final validation loss (not on a stop: the grace period is for the checkpoint)
         signal_at = self.stop_signal.received_at if stop_reason == "signal" else None
         self.checkpointer.save_final(
             self.state.iteration, self.state.consumed_samples,
