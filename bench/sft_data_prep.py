@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -19,19 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "tests" / "trainer")]
 
 from megatron_trainer import sft  # noqa: E402
-from sft_fixtures import CHATML, WORDS, make_tokenizer, write_jsonl  # noqa: E402
-
-
-def corpus(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        turns = [{"role": "system", "content": "you are helpful"}]
-        for _t in range(rng.randint(1, 3)):
-            turns.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(5, 60)))})
-            turns.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(20, 300)))})
-        out.append({"messages": turns})
-    return out
+from sft_fixtures import CHATML, chat_corpus, make_tokenizer, write_jsonl  # noqa: E402
 
 
 def main() -> int:
@@ -42,7 +29,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         tok = make_tokenizer(d / "tok", CHATML)
-        path = write_jsonl(d / "chat.jsonl", corpus(args.conversations, 1))
+        path = write_jsonl(d / "chat.jsonl", chat_corpus(args.conversations, 1, 20, 300))
         t = sft.SFTTokenizer(tok, sft.SFTOptions("chat", args.seq_length))
         t0 = time.perf_counter()
         docs, stats = t.tokenize_file(str(path))

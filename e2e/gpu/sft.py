@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 
 import hf_cpu_check as hc  # noqa: E402
-from sft_fixtures import CHATML, make_tokenizer, reversal_conversations, write_jsonl  # noqa: E402
+from sft_fixtures import CHATML, chat_corpus, make_tokenizer, reversal_conversations, write_jsonl  # noqa: E402
 
 EXACT_TARGET = 0.90
 
@@ -167,21 +166,6 @@ def scenario_sft_reverse(ctx) -> dict:
     return {"ok": not failures, "failures": failures, **res}
 
 
-def _chat_corpus(n: int, seed: int, lo: int, hi: int) -> list[dict]:
-    """Conversations with answers of lo..hi words (a spread like real chat data), 1-3 turns."""
-    from sft_fixtures import WORDS
-
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        turns = [{"role": "system", "content": "you are helpful"}]
-        for _t in range(rng.randint(1, 3)):
-            turns.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(5, 60)))})
-            turns.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))})
-        out.append({"messages": turns})
-    return out
-
-
 def scenario_sft_bench(ctx) -> dict:
     """Pretraining vs SFT padded vs SFT packed, same model and sequence length, in one call."""
     s = _suite()
@@ -192,7 +176,7 @@ def scenario_sft_bench(ctx) -> dict:
     # Llama-3.2-1B's shape (16 layers, 2048 hidden, GQA 32/8, SwiGLU 8192), untied, with the test vocabulary
     config = _make_llama(src, hidden=2048, layers=16, heads=32, kv=8, ffn=8192, vocab=128256, max_pos=seq,
                          bf16=True)
-    train = write_jsonl(work / "chat.jsonl", _chat_corpus(6000, seed=3, lo=20, hi=600))
+    train = write_jsonl(work / "chat.jsonl", chat_corpus(6000, seed=3, lo=20, hi=600))
     common = ["--micro-batch-size", str(micro), "--global-batch-size", str(gbs), "--lr", "1e-4", "--min-lr", "1e-5",
               "--lr-warmup-iters", "2", "--attention-backend", "flash", "--hf-init", str(src)]
     runs = {"pretraining_mock": _argv(config, seq, iters, gpus, common + ["--mock-data", "--tokenizer-type",

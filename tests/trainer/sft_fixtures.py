@@ -69,3 +69,18 @@ def reversal_conversations(n: int, seed: int, digits: tuple[int, int] = (3, 6)) 
                                  {"role": "user", "content": number},
                                  {"role": "assistant", "content": " ".join(reversed(number.split()))}]})
     return out
+
+
+def chat_corpus(n: int, seed: int, lo: int, hi: int) -> list[dict]:
+    """Conversations of 1-3 turns with answers of lo..hi words, a spread like real chat data (benchmarks)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        turns = [{"role": "system", "content": "you are helpful"}]
+        for _t in range(rng.randint(1, 3)):
+            turns.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(5, 60)))})
+            turns.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))})
+        out.append({"messages": turns})
+    return out

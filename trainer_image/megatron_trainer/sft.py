@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .tokenizer import _token_content
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("chat", "prompt-completion")
@@ -49,14 +51,6 @@ class SFTDataError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ templates
-def _special_content(value: object) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def load_chat_template(tokenizer_dir: str | Path, override: str | Path | None = None) -> str:
     """The chat template: ``override`` (a file), else chat_template.jinja, else tokenizer_config.json's."""
     if override:
@@ -130,7 +124,7 @@ class ChatTemplate:
 def special_tokens(tokenizer_dir: str | Path) -> dict[str, str | None]:
     config_path = Path(tokenizer_dir) / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    return {name: _special_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return {name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
 
 # ------------------------------------------------------------------------------------- records
