@@ -166,3 +166,29 @@ def test_unreachable_endpoint_is_retriable(tmp_path, monkeypatch, server):
     with pytest.raises(objstore.ObjectStoreError) as err:
         objstore.MscStore(root).ensure_root()
     assert err.value.retriable is True, str(err.value)
+
+
+def test_exit_codes_of_store_errors(server, tmp_path, monkeypatch):
+    """The trainer's exit code for what the server answers: refused -> 7 (not retried), also when the
+    error comes raw out of MSC (as from inside Megatron-Core's writer); unreachable -> 1 (retried)."""
+    import multistorageclient as msc
+    from megatron_trainer.exitcodes import NON_RETRIABLE, ExitCode, classify
+
+    server.make_bucket("ckpt-codes")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE",
+                       str(server.credentials_file(tmp_path / "bad", secret_key="x" * 40)))
+    root = _root(server, "ckpt-codes")
+    for attempt in (lambda: objstore.MscStore(root).ensure_root(),
+                    lambda: msc.write(f"{root}/iter_0000001/__0_0.distcp", b"shard")):
+        with pytest.raises(Exception) as err:
+            attempt()
+        assert classify(err.value, first_iteration_done=True) == ExitCode.OBJECT_STORE_REFUSED, repr(err.value)
+    assert ExitCode.OBJECT_STORE_REFUSED in NON_RETRIABLE
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(server.credentials_file(tmp_path / "good")))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    gone = objstore.configure("s3://ckpt-codes/p", f"http://127.0.0.1:{s3server._free_port()}", "us-east-1",
+                              profile=f"ckpt{next(_profiles)}")
+    with pytest.raises(objstore.ObjectStoreError) as err:
+        objstore.MscStore(gone).ensure_root()
+    assert classify(err.value, first_iteration_done=True) == ExitCode.ERROR
