@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 pytest.importorskip("multistorageclient")
 
-import s3server  # noqa: E402
+import s3server
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
