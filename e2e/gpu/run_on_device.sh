@@ -6,7 +6,10 @@
 # hf_pods) also need `megatron-operator render`'s wheels in .whl: pydantic==2.14.3, pydantic-core==2.50.4,
 # annotated-types==0.8.0, typing-inspection==0.4.5, google-re2==1.1.20251105 (cp312, manylinux x86_64;
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`). hf_logits, hf_train and
-# hf_bench need only megatron-core (transformers, safetensors and tokenizers are in the GPU image). Writes results to $OUT (default ./.device/out). The wheels
+# hf_bench need only megatron-core (transformers, safetensors and tokenizers are in the GPU image).
+# --object-store (issue 33) also needs .run/versitygw.gz (gzip -9 of `cluster.py build versitygw`'s binary)
+# and multi-storage-client's wheels in .whl (`pip download -c constraints-objstore.txt --only-binary=:all:
+# --python-version 3.12 --platform manylinux2014_x86_64 'multi-storage-client[boto3]'`, awscrt left out). Writes results to $OUT (default ./.device/out). The wheels
 # go to /opt, not /tmp: the pods scenario mounts a /tmp of its own in each pod.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
