@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 
@@ -192,3 +193,32 @@ def test_exit_codes_of_store_errors(server, tmp_path, monkeypatch):
     with pytest.raises(objstore.ObjectStoreError) as err:
         objstore.MscStore(gone).ensure_root()
     assert classify(err.value, first_iteration_done=True) == ExitCode.ERROR
+
+
+def test_no_credential_in_logs_config_or_termination_message(server, tmp_path, monkeypatch, caplog):
+    """Issue 32: the secret key appears in no log line, in the MSC config the trainer writes, nor in the
+    termination message (status.lastFailure is made from it), on success and on refusal."""
+    import logging
+    from pathlib import Path
+
+    from megatron_trainer.exitcodes import classify, fatal_message
+
+    server.make_bucket("ckpt-nolog")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    caplog.set_level(logging.DEBUG)
+    wrong = "Z" * 12 + server.secret_key[12:]
+    for secret in (server.secret_key, wrong):
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE",
+                           str(server.credentials_file(tmp_path / f"c{len(caplog.records)}", secret_key=secret)))
+        root = _root(server, "ckpt-nolog")
+        config = Path(os.environ["MSC_CONFIG"]).read_text()
+        message = ""
+        try:
+            ckpt_layout.write_tracker(root, 1)
+            assert ckpt_layout.read_tracker(root) == 1
+        except Exception as exc:  # the wrong key
+            message = fatal_message(exc, classify(exc, False), 0, "start-up")
+            assert "exit 7" in message
+        assert (secret == wrong) == bool(message)
+        for text in (config, message, caplog.text):
+            assert server.secret_key not in text and wrong not in text
