@@ -20,7 +20,18 @@ if [ ! -d /opt/megatron-site/megatron ]; then
     || { echo "wheel install failed"; exit 1; }
   chmod -R a+rX /opt/megatron-site  # the pods scenario runs the trainer as uid 1000
 fi
-export PYTHONPATH="/opt/megatron-site:$PWD/trainer_image${PYTHONPATH:+:$PYTHONPATH}"
+# multi-storage-client and its dependencies (--object-store), in their own target: a warm machine may
+# already have /opt/megatron-site from an earlier call without them.
+objstore_site=
+if ls .whl/multi_storage_client-*.whl >/dev/null 2>&1; then
+  objstore_site=/opt/objstore-site
+  if [ ! -d $objstore_site/multistorageclient ]; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $objstore_site \
+      $(ls .whl/*.whl | grep -v megatron_core) || { echo "object-store wheel install failed"; exit 1; }
+    chmod -R a+rX $objstore_site
+  fi
+fi
+export PYTHONPATH="/opt/megatron-site${objstore_site:+:$objstore_site}:$PWD/trainer_image${PYTHONPATH:+:$PYTHONPATH}"
 # NVLink multicast stays off on shared hosts (device README / KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
