@@ -344,12 +344,19 @@ class Checkpointer:
                 # Never raise here: the other ranks are in the same finalize; a lone exception would hang them.
                 log.error("checkpoint: %s is not complete after its save: tracker NOT updated", path)
                 return
-            ckpt_layout.write_tracker(self.save_dir, iteration)
-            if self.keep:
-                entries = ckpt_layout.list_checkpoints(self.save_dir)
-                for entry in ckpt_layout.select_for_deletion(entries, self.keep, protect={iteration}):
-                    log.info("checkpoint: retention (keep=%d) deletes %s", self.keep, entry.path)
-                    ckpt_layout.delete_checkpoint(entry)
+            try:
+                ckpt_layout.write_tracker(self.save_dir, iteration)
+                if self.keep:
+                    entries = ckpt_layout.list_checkpoints(self.save_dir)
+                    for entry in ckpt_layout.select_for_deletion(entries, self.keep, protect={iteration}):
+                        log.info("checkpoint: retention (keep=%d) deletes %s", self.keep, entry.path)
+                        ckpt_layout.delete_checkpoint(entry)
+            except Exception as exc:
+                # The checkpoint itself is complete (metadata.json): a resume finds it as the newest
+                # complete one even without the tracker. An object store's error says nothing secret.
+                log.error("checkpoint: publishing iteration %d failed after the save completed (%s: %s); "
+                          "a resume still finds it as the newest complete checkpoint", iteration,
+                          type(exc).__name__, exc)
         total = time.monotonic() - started
         self.stats.last_published = iteration
         if self.in_flight is not None and self.in_flight.iteration == iteration:
