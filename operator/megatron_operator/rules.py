@@ -152,6 +152,7 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
     "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir", "hf-init", "hf-export",
+    "object-store-endpoint", "object-store-region",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (

@@ -231,6 +231,8 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "env-no-literal-credentials"),
     ("bad-env-credentials-file", make_job(env=[{"name": "AWS_SHARED_CREDENTIALS_FILE", "value": "/x"}]),
      "env-not-reserved"),
+    ("bad-extra-args-object-store-endpoint", make_job(training__extraArgs=["--object-store-endpoint", "http://h:80"]),
+     "extra-args-not-managed"),
 ]
 
 # Refused by the schema itself (types, patterns, bounds) or by the rule on metadata.name, rather than
