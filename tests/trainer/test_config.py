@@ -109,7 +109,7 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--save", "/ckpt/run", "--object-store-endpoint", "http://h:9000"], "need --save or --load s3://"),
     (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--object-store-endpoint", "http://key:secret@h:9000"],
      "no path, no user info"),
-    (lambda a: a + ["--load", "s3://ckpt-bucket/r", "--hf-export-only", "--hf-export", "/out"],
+    (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--hf-export", "s3://ckpt-bucket/hf"],
      "s3:// is not supported there yet"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
@@ -255,3 +255,6 @@ def test_object_store_flags(mock_argv):
     c = cfg.checkpoint
     assert (c.save, c.object_store_endpoint, c.object_store_region) == (
         "s3://ckpt-bucket/runs/a", "http://127.0.0.1:7070", "us-east-1")
+    # an export-only run reads its checkpoint from the store (Checkpointer.load) and writes a directory
+    cfg = parse_args(mock_argv + ["--load", "s3://ckpt-bucket/runs/a", "--hf-export-only", "--hf-export", "/out"])
+    assert cfg.checkpoint.load == "s3://ckpt-bucket/runs/a" and cfg.checkpoint.hf_export == "/out"

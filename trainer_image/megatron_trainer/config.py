@@ -638,10 +638,10 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
 
         for p in remote:
             parse_s3_url(p)  # ValueError: exit 2
+        if c.hf_export and c.hf_export.startswith("s3://"):
+            raise ValueError("--hf-export writes a local directory (a PVC); s3:// is not supported there yet")
         if c.save and c.load and (c.save in remote) != (c.load in remote):
             raise ValueError("--save and --load must both be s3:// or both be directories")
-        if c.hf_export_only:
-            raise ValueError("--hf-export-only reads a local --load directory; s3:// is not supported there yet")
     elif c.object_store_endpoint or c.object_store_region:
         raise ValueError("--object-store-endpoint/--object-store-region need --save or --load s3://BUCKET/PREFIX")
     if c.object_store_endpoint and not re.match(r"^https?://[^\s/@]+(:\d+)?/?$", c.object_store_endpoint):
