@@ -222,3 +222,25 @@ def test_no_credential_in_logs_config_or_termination_message(server, tmp_path, m
         assert (secret == wrong) == bool(message)
         for text in (config, message, caplog.text):
             assert server.secret_key not in text and wrong not in text
+
+
+@pytest.mark.parametrize("code, status, retriable", [
+    ("SlowDown", 503, True), ("ServiceUnavailable", 503, True), ("InternalError", 500, True),
+    ("RequestTimeout", 400, True), ("AccessDenied", 403, False), ("NoSuchBucket", 404, False),
+    ("ExpiredToken", 400, False),
+])
+def test_classification_of_s3_error_codes(code, status, retriable):
+    """The table for answers versitygw cannot be made to give (throttling, 5xx): botocore's own
+    ClientError as boto3 raises it, through the classifier and the trainer's exit code."""
+    from botocore.exceptions import ClientError
+    from megatron_trainer.exitcodes import ExitCode, classify
+
+    exc = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                      "PutObject")
+    err = objstore.classify(exc, "msc://checkpoints/run")
+    assert (err.retriable, err.code) == (retriable, code)
+    try:
+        raise err from exc
+    except objstore.ObjectStoreError as raised:
+        assert classify(raised, True) == (ExitCode.ERROR if retriable else ExitCode.OBJECT_STORE_REFUSED)
+    assert classify(exc, True) == (ExitCode.ERROR if retriable else ExitCode.OBJECT_STORE_REFUSED)
