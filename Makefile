@@ -1,6 +1,6 @@
 # megatron-operator developer entry points. The README's two set-up commands:
 #   make demo   - the local demo: a real control plane (kwok GPU nodes, JobSet) + the operator + a job
-#   make test   - unit tests, then e2e tests against the real local control plane (what CI runs)
+#   make test   - unit tests, the torch CPU tests (.venv-torch), then e2e tests against the real local control plane (what CI runs)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 S3VENV ?= .venv-s3
 S3STAMP := $(S3VENV)/.installed
 
-.PHONY: help venv s3-venv s3-test versitygw constraints-objstore test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
+.PHONY: help venv s3-venv s3-test versitygw constraints-objstore torch-tests test unit e2e cluster-build helm promtool cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -54,6 +54,26 @@ constraints-objstore:
 	 echo "# Regenerate: make constraints-objstore."; \
 	 /tmp/mo-constraints-s3/bin/pip freeze) > constraints-objstore.txt
 
+# The trainer's CPU tests that run torch and Megatron-Core (gloo): packed SFT losses, the HF converter
+# against transformers, the SDPA paths. Their own venv, pinned by constraints-torch.txt (torch's PyPI
+# wheel with its CUDA libraries: about 50 s cold from PyPI, 4.8 GB; docs/benchmarks.md). The project's
+# sources come from pytest's pythonpath (pyproject.toml), so nothing is installed from the tree.
+TORCH_VENV ?= .venv-torch
+TORCH_STAMP := $(TORCH_VENV)/.installed
+# multi-storage-client (object-storage checkpoints) comes with its own pins; the two files agree where
+# they overlap (filelock, PyYAML, pytest, tqdm, typing-extensions, ...).
+$(TORCH_STAMP): constraints-torch.txt constraints-objstore.txt scripts/find-python.sh
+	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q -c constraints-torch.txt -c constraints-objstore.txt torch \
+	  megatron-core transformers safetensors tokenizers jinja2 numpy pyyaml pytest pytest-timeout \
+	  'multi-storage-client[boto3]'
+	@touch $(TORCH_STAMP)
+
+torch-tests: $(TORCH_STAMP) versitygw
+	MEGATRON_TORCH_TESTS=1 $(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/trainer/test_sft_torch.py tests/trainer/test_hf_torch.py tests/trainer/test_torch_paths.py \
+	  tests/trainer/test_object_store_torch.py
+
 unit: helm promtool s3-venv versitygw  # helm, promtool: chart and alert tests; versitygw: object-storage tests
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
 	$(PY) -m pytest tests -q
@@ -72,7 +92,7 @@ e2e: cluster-build
 	$(PY) -m pytest e2e -q -m e2e
 
 # What CI runs (.ci/run calls exactly this).
-test: unit e2e
+test: unit torch-tests e2e
 
 cluster-up: cluster-build
 	$(PY) e2e/cluster/cluster.py up

@@ -36,6 +36,11 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
              transformers at TP=1/TP=2/PP=2 in fp32 and bf16 and bit-identical round trips; train 20
              iterations from HF and export, export-only under another layout, resume without the HF
              directory; a Llama-3.2-1B-architecture model: HF start vs torch_dist resume, RSS, export time
+  sft_reverse, sft_bench  issue 28: supervised fine-tuning (e2e/gpu/sft.py): a tiny HF Llama fine-tuned on
+             digit-reversal conversations, exported, transformers `generate` >= 90 % exact on held-out
+             prompts, the validation loss = transformers' answer-only loss; pretraining vs SFT padded vs
+             SFT packed throughput on a Llama-3.2-1B-shaped model; sft_pods: e2e/gpu/jobs/sft-tiny.yaml's
+             rendered pods verbatim (SIGTERM, resume, export)
   objbench   issue 33: the same model saving every 10 iterations to local disk and to the object store
              (--object-store): blocked time per async save, time to publish, bytes/s
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
@@ -1033,7 +1038,10 @@ def pods_job(ctx, job_file: Path) -> dict:
     t0 = time.monotonic()
     for p in first:
         p.sigterm()
-    rcs1 = P.wait_all(first, bounded(grace + 30))
+    rcs1 = P.wait_all(first, bounded(max(grace - 20, 10)))
+    if any(rc is None for rc in rcs1):  # still running near the end of the grace period: say where
+        out["stack_dumps_sent"] = sum(p.dump_stacks() for p in first)
+        rcs1 = P.wait_all(first, bounded(50))
     out["sigterm_to_exit_s"] = round(time.monotonic() - t0, 1)
     for p in first:
         p.kill_tree()
@@ -1454,6 +1462,13 @@ try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers,
                      hf_pods=scenario_hf_pods)
 except ImportError as _e:  # pragma: no cover - reported by --only hf_*
     print(f"hf scenarios unavailable: {_e}", file=sys.stderr)
+try:  # issue 28: supervised fine-tuning (e2e/gpu/sft.py; transformers for the oracle)
+    from sft import scenario_sft_bench, scenario_sft_pods, scenario_sft_reverse, scenario_sft_sigterm
+
+    SCENARIOS.update(sft_reverse=scenario_sft_reverse, sft_bench=scenario_sft_bench, sft_pods=scenario_sft_pods,
+                     sft_sigterm=scenario_sft_sigterm)
+except ImportError as _e:  # pragma: no cover - reported by --only sft_*
+    print(f"sft scenarios unavailable: {_e}", file=sys.stderr)
 
 
 def main() -> int:

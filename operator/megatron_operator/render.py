@@ -202,11 +202,31 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("recompute-num-layers", 1)
     flag("seed", tr.seed)
     flag("log-interval", tr.log_interval)
-    flag("eval-iters", 0)
-    # data
     data = spec.data
+    sft = data.sft
+    flag("eval-iters", sft.eval_iters if sft is not None and sft.valid else 0)
+    # data
     ckpt_dir = checkpoint_dir(job)
-    if data.mock:
+    if sft is not None:
+        flag("data-format", "chat" if data.format == "chat" else "prompt-completion")
+        flag("sft-train-path", f"{DATA_MOUNT}/{sft.train}")
+        if sft.valid:
+            flag("sft-valid-path", f"{DATA_MOUNT}/{sft.valid}")
+            if sft.eval_interval:
+                flag("eval-interval", sft.eval_interval)
+        flag("sft-packing" if sft.packing else "no-sft-packing")
+        flag("sft-overflow", sft.overflow)
+        flag("sft-invalid-lines", sft.invalid_lines)
+        if sft.chat_template:
+            flag("chat-template", f"{DATA_MOUNT}/{sft.chat_template}")
+        flag("tokenizer-type", "HuggingFaceTokenizer")
+        if data.tokenizer is not None:
+            flag("tokenizer-model", f"{DATA_MOUNT}/{data.tokenizer.path}")
+        else:
+            assert spec.init is not None  # rules: data-sft-tokenizer
+            flag("tokenizer-model", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
+        flag("data-cache-path", f"{ckpt_dir}/data-cache" if ckpt_dir else "/tmp/data-cache")
+    elif data.mock:
         flag("mock-data")
         flag("tokenizer-type", "NullTokenizer")
     else:

@@ -152,7 +152,8 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
     "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir", "hf-init", "hf-export",
-    "object-store-endpoint", "object-store-region",
+    "data-format", "sft-train-path", "sft-valid-path", "sft-packing", "no-sft-packing", "sft-overflow",
+    "sft-invalid-lines", "chat-template", "eval-interval", "object-store-endpoint", "object-store-region",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (
@@ -502,11 +503,33 @@ SPEC_RULES: list[Rule] = [
          cond(has("data.mock"), f("data.mock"), False).ne(has("data.pvc")),
          message=lit("spec.data: give exactly one of mock: true or pvc (with paths)")),
     Rule("data-paths-with-pvc", "data.paths",
-         has("data.paths").eq(has("data.pvc")),
-         message=lit("spec.data.paths: datasets are read from spec.data.pvc; give both pvc and paths, or "
+         has("data.paths").eq(has("data.pvc") & ~has("data.sft") & f("data.format").eq("pretraining")),
+         message=lit("spec.data.paths: pretraining datasets are read from spec.data.pvc; give both pvc and paths "
+                     "(fine-tuning: pvc and sft, no paths), or "
                      "neither (mock: true)")),
+    Rule("data-sft-with-format", "data.sft",
+         has("data.sft").eq(f("data.format").ne("pretraining")),
+         message=fmt("spec.data.sft: format ", f("data.format"),
+                     cond(has("data.sft"), " takes no sft (set format chat or promptCompletion)",
+                          " needs sft: {train: <JSONL in the data PVC>}"))),
+    Rule("data-sft-needs-pvc", "data.pvc",
+         has("data.pvc"), when=has("data.sft"),
+         message=lit("spec.data.pvc: fine-tuning files (spec.data.sft) are read from a PVC; mock data cannot be "
+                     "fine-tuned on")),
+    Rule("data-sft-tokenizer", "data.tokenizer",
+         cond(has("data.tokenizer"), f("data.tokenizer.type").eq("HuggingFace"), has("init")),
+         when=has("data.sft"),
+         message=lit("spec.data.tokenizer: fine-tuning data needs a Hugging Face tokenizer (its chat template): "
+                     "set tokenizer {type: HuggingFace, path}, or spec.init.huggingFace to use that model's")),
+    Rule("data-sft-chat-template", "data.sft.chatTemplate",
+         f("data.format").eq("chat"), when=has("data.sft") & has("data.sft.chatTemplate"),
+         message=fmt("spec.data.sft.chatTemplate: a chat template applies to format chat, not ", f("data.format"))),
+    Rule("data-sft-eval-interval", "data.sft.evalInterval",
+         has("data.sft.valid"), when=has("data.sft") & has("data.sft.evalInterval"),
+         message=lit("spec.data.sft.evalInterval: evaluation reads spec.data.sft.valid; set it, or drop "
+                     "evalInterval")),
     Rule("data-tokenizer-with-pvc", "data.tokenizer",
-         has("data.tokenizer"), when=has("data.pvc"),
+         has("data.tokenizer"), when=has("data.pvc") & ~has("data.sft") & f("data.format").eq("pretraining"),
          message=lit("spec.data.tokenizer: real data needs a tokenizer (type HuggingFace with path, or Null)")),
     Rule("tokenizer-path", "data.tokenizer.path",
          has("data.tokenizer.path").eq(f("data.tokenizer.type").eq("HuggingFace")),

@@ -77,7 +77,7 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--recompute-granularity", "full"], "needs --recompute-method"),
     (lambda a: a + ["--async-save", "--save", "/c"], "--use-persistent-ckpt-worker"),
     (lambda a: a + ["--save-interval", "5"], "needs --save"),
-    (lambda a: without(a, "--eval-iters") + ["--eval-iters", "5"], "no evaluation"),
+    (lambda a: without(a, "--eval-iters") + ["--eval-iters", "5"], "without it, it must be 0"),
     (lambda a: without(a, "--max-position-embeddings") + ["--max-position-embeddings", "64"], ">= --seq-length"),
     (lambda a: a + ["--pipeline-model-parallel-size", "3"], "divisible by --pipeline"),
     (lambda a: a + ["--num-virtual-stages-per-pipeline-rank", "2"], "needs --pipeline-model-parallel-size > 1"),

@@ -1,7 +1,7 @@
 """Two gloo ranks save and load a sharded state dict through `msc://` to a real S3 server (versitygw on
 loopback): bit-exact reload, a save killed before it was finalized leaves the previous checkpoint as
 newest-complete, retention keeps N. Needs torch, megatron-core and multi-storage-client[boto3] in one
-venv (CI's venvs have no torch: docs/object-storage.md says how this runs and why)."""
+venv: `make torch-tests` (part of `make test`, CI) installs them."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import require
 
-pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-pytest.importorskip("multistorageclient")
+require("torch")
+require("megatron.core")
+require("multistorageclient")
 
-import s3server
+import s3server  # noqa: E402
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -59,6 +61,8 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code)
     attemptlog.start(cfg.checkpoint.save, runtime.restart_attempt, rank)  # before logging picks its stream
     setup_logging(rank, world)
+    # `kill -USR1 <trainer pid>` (kubectl exec) prints every thread's stack to the log: a hung rank explains itself.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     from .distributed import destroy_distributed, reap_children
     from .loop import Trainer, dump_summary
