@@ -143,7 +143,12 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert cfg.logging.tensorboard_dir == (f"/checkpoints/{spec.checkpoint.path or job.metadata.name}/tensorboard"
                                            if spec.logging.tensorboard else None)
     if spec.checkpoint:
-        assert cfg.checkpoint.save == cfg.checkpoint.load == f"/checkpoints/{spec.checkpoint.path or job.metadata.name}"
+        store = spec.checkpoint.object_store
+        where = (f"s3://{store.bucket}/{store.prefix or job.metadata.name}" if store
+                 else f"/checkpoints/{spec.checkpoint.path or job.metadata.name}")
+        assert cfg.checkpoint.save == cfg.checkpoint.load == where
+        assert cfg.checkpoint.object_store_endpoint == (store.endpoint if store else None)
+        assert cfg.checkpoint.object_store_region == (store.region if store else None)
         assert cfg.checkpoint.save_interval == spec.checkpoint.interval
         assert cfg.checkpoint.async_save == spec.checkpoint.async_
     else:

@@ -53,6 +53,12 @@ OPERATOR_ONLY = {
     "data-sft-eval-interval": "evalInterval is rendered only with a validation file",
     "hf-export-outside-init": "the two PVCs are mounted apart (/hf-init, /hf-export): the trainer cannot see "
                               "that two paths are one directory of one volume",
+    "checkpoint-one-location": "the spec's checkpoint section shape (one location is rendered)",
+    "checkpoint-path-with-pvc": "the spec's checkpoint section shape (path is not rendered for objectStore)",
+    "tensorboard-needs-checkpoint-pvc": "where the event files go (nothing to render without a checkpoint PVC)",
+    "object-store-identity-annotations": "the job's ServiceAccount",
+    "object-store-one-identity": "the pod's credentials (a Secret volume, or the ServiceAccount)",
+    "env-no-literal-credentials": "pod environment",
 }
 
 

@@ -34,7 +34,7 @@ from .expr import (
     lookup,
 )
 from .presets import MODEL_PRESETS
-from .spec import MAX_NAME_LENGTH, RFC1035_LABEL
+from .spec import MAX_NAME_LENGTH, RFC1035_LABEL, WORKLOAD_IDENTITY_ANNOTATIONS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
     "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir", "hf-init", "hf-export",
     "data-format", "sft-train-path", "sft-valid-path", "sft-packing", "no-sft-packing", "sft-overflow",
-    "sft-invalid-lines", "chat-template", "eval-interval",
+    "sft-invalid-lines", "chat-template", "eval-interval", "object-store-endpoint", "object-store-region",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (
@@ -182,6 +182,8 @@ RESERVED_ENV: tuple[str, ...] = (
     "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
     "ROLE_NAME", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+    # object storage (objstore.py): the credentials file the operator mounts, the MSC config the trainer writes
+    "AWS_SHARED_CREDENTIALS_FILE", "MSC_CONFIG",
 )
 RESERVED_ENV_RE = r"^(MEGATRON_.*|PET_.*|TORCHELASTIC_.*|" + "|".join(RESERVED_ENV) + r")$"
 # Resources the spec sets through its own fields (GPUs, EFA, cpu, memory), and the kubernetes.io
@@ -576,6 +578,48 @@ SPEC_RULES += [
                           cond(StartsWith(export_path, init_path + "/"), " is inside", " contains")),
                      " spec.init.huggingFace.path ", init_path, " on PVC ", init_pvc,
                      "; export to a directory apart from the source, e.g. exports/<name>")),
+]
+
+
+# Checkpoints in object storage (spec.checkpoint.objectStore, docs/object-storage.md).
+ckpt_store = has("checkpoint") & has("checkpoint.objectStore")
+sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
+WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
+# Environment variables that hold an object-store credential: never as a literal value in the spec
+# (it would show in the JobSet, the pods and `kubectl get -o yaml`).
+CREDENTIAL_ENV_RE = r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN)$"
+
+SPEC_RULES += [
+    Rule("checkpoint-one-location", "checkpoint",
+         has("checkpoint.pvc").ne(has("checkpoint.objectStore")), when=has("checkpoint"),
+         message=lit("spec.checkpoint: give exactly one of pvc and objectStore")),
+    Rule("checkpoint-path-with-pvc", "checkpoint.path",
+         ~has("checkpoint.path"), when=ckpt_store,
+         message=lit("spec.checkpoint.path: is a directory inside the PVC; with objectStore, set "
+                     "objectStore.prefix instead")),
+    Rule("tensorboard-needs-checkpoint-pvc", "logging.tensorboard",
+         ~ckpt_store, when=f("logging.tensorboard"),
+         message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC, and "
+                     "spec.checkpoint.objectStore has none; set tensorboard: false")),
+    Rule("object-store-identity-annotations", "checkpoint.objectStore.serviceAccountAnnotations",
+         All(sa_annotations, "k", Matches(Var("k"), WORKLOAD_IDENTITY_RE)),
+         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
+         message=fmt("spec.checkpoint.objectStore.serviceAccountAnnotations: ",
+                     Index(Filter(sa_annotations, "k", ~Matches(Var("k"), WORKLOAD_IDENTITY_RE)), 0),
+                     " is not a workload-identity annotation; allowed: " + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS))),
+    Rule("object-store-one-identity", "checkpoint.objectStore",
+         ~(has("checkpoint.objectStore.credentialsSecret") & (Size(sa_annotations) > 0)),
+         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
+         message=lit("spec.checkpoint.objectStore: give credentialsSecret or serviceAccountAnnotations "
+                     "(workload identity), not both")),
+    Rule("env-no-literal-credentials", "env",
+         All(f("env"), "e", ~(Matches(Field("name", "e"), CREDENTIAL_ENV_RE) & Has(Field("value", "e")))),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), CREDENTIAL_ENV_RE)
+                                       & Has(Field("value", "e"))), 0), "name"),
+                     " holds an object-store credential as a literal value, which shows in the pods and in "
+                     "`kubectl get -o yaml`; put it in a Secret: spec.checkpoint.objectStore.credentialsSecret "
+                     "(or valueFrom.secretKeyRef)")),
 ]
 
 

@@ -58,6 +58,8 @@ VALUE_FLAGS: tuple[str, ...] = (
     "num-query-groups",
     "num-virtual-stages-per-pipeline-rank",
     "num-workers",
+    "object-store-endpoint",
+    "object-store-region",
     "pipeline-model-parallel-size",
     "position-embedding-type",
     "recompute-granularity",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,8 +313,15 @@ class DataConfig:
 class CheckpointConfig:
     """Distributed checkpoints (torch_dist), async save, resume and preemption."""
 
-    save: str | None = field(default=None, metadata=flag("--save", help="Checkpoint directory to save to."))
-    load: str | None = field(default=None, metadata=flag("--load", help="Checkpoint directory to resume from."))
+    save: str | None = field(default=None, metadata=flag(
+        "--save", help="Checkpoint directory to save to, or s3://BUCKET/PREFIX (object storage through "
+        "multi-storage-client; credentials from boto3's chain, never a flag)."))
+    load: str | None = field(default=None, metadata=flag(
+        "--load", help="Checkpoint directory (or s3://BUCKET/PREFIX) to resume from."))
+    object_store_endpoint: str | None = field(default=None, metadata=flag(
+        "--object-store-endpoint", help="S3 endpoint URL for s3:// checkpoints (default: AWS's for the region)."))
+    object_store_region: str | None = field(default=None, metadata=flag(
+        "--object-store-region", help="S3 region for s3:// checkpoints."))
     save_interval: int | None = field(default=None, metadata=flag(
         "--save-interval", type=int, help="Iterations between checkpoints."))
     ckpt_format: str = field(default="torch_dist", metadata=flag(
@@ -687,6 +695,21 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
         raise ValueError("--async-save needs --use-persistent-ckpt-worker")
     if c.exit_on_missing_checkpoint and not c.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
+    remote = [p for p in (c.save, c.load) if p and p.startswith("s3://")]
+    if remote:
+        from .objstore import parse_s3_url
+
+        for p in remote:
+            parse_s3_url(p)  # ValueError: exit 2
+        if c.hf_export and c.hf_export.startswith("s3://"):
+            raise ValueError("--hf-export writes a local directory (a PVC); s3:// is not supported there yet")
+        if c.save and c.load and (c.save in remote) != (c.load in remote):
+            raise ValueError("--save and --load must both be s3:// or both be directories")
+    elif c.object_store_endpoint or c.object_store_region:
+        raise ValueError("--object-store-endpoint/--object-store-region need --save or --load s3://BUCKET/PREFIX")
+    if c.object_store_endpoint and not re.match(r"^https?://[^\s/@]+(:\d+)?/?$", c.object_store_endpoint):
+        raise ValueError(f"--object-store-endpoint {c.object_store_endpoint!r}: expected http(s)://HOST[:PORT] "
+                         "(no path, no user info)")
     if c.hf_export_only and not (c.hf_export and c.load):
         raise ValueError("--hf-export-only needs --load DIR (the checkpoint) and --hf-export DIR (where to write)")
     for name, path in (("--hf-init", c.hf_init), ("--hf-export", c.hf_export)):

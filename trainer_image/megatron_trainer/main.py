@@ -31,7 +31,12 @@ def hf_start(cfg):
     from .ckpt_layout import find_resume_checkpoint
     from .hf_source import validate_source
 
-    if cfg.checkpoint.load and find_resume_checkpoint(cfg.checkpoint.load) is not None:
+    load = cfg.checkpoint.load
+    if load and load.startswith("s3://"):
+        from .objstore import configure
+
+        load = configure(load, cfg.checkpoint.object_store_endpoint, cfg.checkpoint.object_store_region)
+    if load and find_resume_checkpoint(load) is not None:
         return None
     return validate_source(cfg.checkpoint.hf_init, cfg)
 
