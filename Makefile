@@ -1,14 +1,18 @@
 # megatron-operator developer entry points. The README's two set-up commands:
 #   make demo   - the local demo: a real control plane (kwok GPU nodes, JobSet) + the operator + a job
-#   make test   - unit tests, then e2e tests against the real local control plane (what CI runs)
+#   make test   - unit tests, the torch CPU tests (.venv-torch), then e2e tests against the real local control plane (what CI runs)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The object-storage tests' own venv: multi-storage-client's boto3 pins python-dateutil<3, the kubernetes
+# client >=3, so they cannot share .venv (docs/object-storage.md).
+S3VENV ?= .venv-s3
+S3STAMP := $(S3VENV)/.installed
 
-.PHONY: help venv test unit e2e cluster-build helm promtool argocd cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
+.PHONY: help venv s3-venv s3-test versitygw constraints-objstore torch-tests test unit e2e cluster-build helm promtool argocd cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -25,9 +29,55 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python.sh
 
 venv: $(STAMP)
 
-unit: helm promtool  # the chart and alert tests need the pinned helm and promtool, nothing else from Go
+$(S3STAMP): constraints-objstore.txt scripts/find-python.sh
+	@py=$$(scripts/find-python.sh) && "$$py" -m venv $(S3VENV)
+	$(S3VENV)/bin/python -m pip install -q --upgrade pip
+	$(S3VENV)/bin/python -m pip install -q -c constraints-objstore.txt 'multi-storage-client[boto3]' pytest pytest-timeout
+	@touch $(S3STAMP)
+
+s3-venv: $(S3STAMP)
+
+versitygw: $(STAMP)
+	$(PY) e2e/cluster/cluster.py build versitygw
+
+# Checkpoints in object storage against a real S3 server (versitygw on loopback), through
+# multi-storage-client: tracker last, resume, retention, classified errors. No torch (see
+# tests/trainer/test_object_store_torch.py for the two-rank torch_dist save/load).
+s3-test: s3-venv versitygw
+	PYTHONPATH=trainer_image $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
+
+constraints-objstore:
+	rm -rf /tmp/mo-constraints-s3 && py=$$(scripts/find-python.sh) && "$$py" -m venv /tmp/mo-constraints-s3
+	/tmp/mo-constraints-s3/bin/pip install -q 'multi-storage-client[boto3]' pytest pytest-timeout
+	(echo "# Pinned versions of the object-storage test venv (.venv-s3: multi-storage-client + boto3, which"; \
+	 echo "# pins python-dateutil<3 against the kubernetes client's >=3, so it cannot share .venv)."; \
+	 echo "# Regenerate: make constraints-objstore."; \
+	 /tmp/mo-constraints-s3/bin/pip freeze) > constraints-objstore.txt
+
+# The trainer's CPU tests that run torch and Megatron-Core (gloo): packed SFT losses, the HF converter
+# against transformers, the SDPA paths. Their own venv, pinned by constraints-torch.txt (torch's PyPI
+# wheel with its CUDA libraries: about 50 s cold from PyPI, 4.8 GB; docs/benchmarks.md). The project's
+# sources come from pytest's pythonpath (pyproject.toml), so nothing is installed from the tree.
+TORCH_VENV ?= .venv-torch
+TORCH_STAMP := $(TORCH_VENV)/.installed
+# multi-storage-client (object-storage checkpoints) comes with its own pins; the two files agree where
+# they overlap (filelock, PyYAML, pytest, tqdm, typing-extensions, ...).
+$(TORCH_STAMP): constraints-torch.txt constraints-objstore.txt scripts/find-python.sh
+	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q -c constraints-torch.txt -c constraints-objstore.txt torch \
+	  megatron-core transformers safetensors tokenizers jinja2 numpy pyyaml pytest pytest-timeout \
+	  'multi-storage-client[boto3]'
+	@touch $(TORCH_STAMP)
+
+torch-tests: $(TORCH_STAMP) versitygw
+	MEGATRON_TORCH_TESTS=1 $(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/trainer/test_sft_torch.py tests/trainer/test_hf_torch.py tests/trainer/test_torch_paths.py \
+	  tests/trainer/test_object_store_torch.py
+
+unit: helm promtool s3-venv versitygw  # helm, promtool: chart and alert tests; versitygw: object-storage tests
 	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
 	$(PY) -m pytest tests -q
+	PYTHONPATH=trainer_image $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
 
 cluster-build: $(STAMP)
 	$(PY) e2e/cluster/cluster.py build
@@ -46,7 +96,7 @@ e2e: cluster-build argocd
 	$(PY) -m pytest e2e -q -m e2e
 
 # What CI runs (.ci/run calls exactly this).
-test: unit e2e
+test: unit torch-tests e2e
 
 cluster-up: cluster-build
 	$(PY) e2e/cluster/cluster.py up
@@ -90,4 +140,4 @@ constraints:
 	 /tmp/mo-constraints/bin/pip freeze --exclude-editable) > constraints.txt
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(S3VENV) .pytest_cache

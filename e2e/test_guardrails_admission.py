@@ -37,7 +37,8 @@ GUARDRAILS = {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml/"],
               "allowedNodeSelectorKeys": ["node.kubernetes.io/instance-type"],
               "maxTerminationGracePeriodSeconds": 900, "requireQueueName": True, "denySecretEnv": True,
               "denyImagePullSecrets": True,
-              "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/", "iam.amazonaws.com/", "App"]}
+              "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/", "iam.amazonaws.com/", "App",
+                                     "azure.workload.identity/"]}
 COMPLIANT = {"queueName": "team-a", "image": "nvcr.io/nvidia/trainer:1"}
 SECRET_ENV = [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
 
@@ -56,6 +57,9 @@ VIOLATIONS = [
     ("image-pull-secrets", {"imagePullSecrets": ["regcred"]}),
     ("label-key", {"podMetadata": {"labels": {"app": "x"}}}),
     ("annotation-key", {"podMetadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/t": "unconfined"}}}),
+    ("object-store-secret", {"checkpoint": {"objectStore": {"bucket": "ckpt-bucket", "credentialsSecret": "s3"}}}),
+    ("service-account-annotation", {"checkpoint": {"objectStore": {
+        "bucket": "ckpt-bucket", "serviceAccountAnnotations": {"azure.workload.identity/client-id": "c"}}}}),
 ]
 #: (name, spec overrides): at the edge of every guardrail, and must be admitted.
 COMPLIANT_EDGES = [
@@ -67,6 +71,8 @@ COMPLIANT_EDGES = [
                "env": [{"name": "A", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}],
                "podMetadata": {"labels": {"team": "x"}, "annotations": {"iam.amazonaws.com": "no slash"}}}),
     ("no-image", {"image": None, "imagePullSecrets": [], "env": []}),
+    ("object-store-irsa", {"checkpoint": {"objectStore": {"bucket": "ckpt-bucket", "serviceAccountAnnotations": {
+        "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ckpt"}}}}),
 ]
 
 

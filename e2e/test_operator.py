@@ -120,9 +120,29 @@ def test_progress_with_the_jobs_own_identity(cluster, operator, jobs, tmp_path):
     def writer(name):
         return ProgressWriter(server, name, jobs.ns, token_path=str(tmp_path / "token"), ca_path=ca)
 
-    assert writer("mine").write_now(Progress(iteration=42, train_iters=100, loss=2.5, mfu=0.41))
+    sft = {"lines": 800, "used": 790, "skipped": 10, "truncated": 3, "droppedTooLong": 1, "samples": 135,
+           "packingEfficiency": 0.9222, "lossTokens": 4368}
+    assert writer("mine").write_now(Progress(iteration=42, train_iters=100, loss=2.5, mfu=0.41,
+                                             validation_loss=0.016, data=sft))
     progress = jobs.status("mine")["progress"]
     assert progress["iteration"] == 42 and progress["loss"] == 2.5
+    # the SFT figures are in the schema (a structural schema would prune unknown fields silently)
+    assert progress["validationLoss"] == 0.016 and progress["data"] == sft
+    # the job's identity: its own status, nothing else (kubectl auth can-i as the ServiceAccount)
+    sa = f"--as=system:serviceaccount:{jobs.ns}:mine-trainer"
+
+    def can(*request: str) -> bool:
+        out = cluster.kubectl("auth", "can-i", *request, "-n", jobs.ns, sa, check=False)
+        assert out.stdout.strip() in ("yes", "no"), out.stdout + out.stderr
+        return out.stdout.strip() == "yes"
+
+    assert can("patch", "megatronjobs/mine", "--subresource=status")
+    for request in (("patch", "megatronjobs/theirs", "--subresource=status"), ("patch", "megatronjobs/mine"),
+                    ("list", "megatronjobs"), ("create", "megatronjobs"), ("delete", "megatronjobs/mine"),
+                    ("get", "secrets"), ("list", "secrets"), ("create", "pods"), ("create", "pods/exec"),
+                    ("get", "configmaps"), ("create", "serviceaccounts/token"), ("patch", "jobsets"),
+                    ("create", "rolebindings"), ("get", "persistentvolumeclaims")):
+        assert not can(*request), request
     # the same token may not touch another job's status
     assert not writer("theirs").write_now(Progress(iteration=1, train_iters=100))
     req = urllib.request.Request(

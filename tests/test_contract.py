@@ -40,6 +40,16 @@ EXTRA_CASES = {
                             "init": {"huggingFace": {"pvc": "models", "path": "qwen/qwen3-tiny"}},
                             "export": {"huggingFace": {"pvc": "models", "path": "exports/qwen3-tiny-ft"}},
                             "checkpoint": {"pvc": "c"}},
+    "sft-prompt-completion-padded": {"numNodes": 1, "gpusPerNode": 8, "model": {"preset": "llama3-8b"},
+                                     "training": {"trainIters": 10},
+                                     "data": {"pvc": "d", "format": "promptCompletion",
+                                              "tokenizer": {"path": "tok"},
+                                              "sft": {"train": "pc/train.jsonl", "packing": False,
+                                                      "overflow": "drop", "invalidLines": "skip"}}},
+    "sft-chat-template": {"numNodes": 1, "gpusPerNode": 8, "model": {"preset": "llama3-8b"},
+                          "training": {"trainIters": 10},
+                          "data": {"pvc": "d", "format": "chat", "tokenizer": {"path": "tok"},
+                                   "sft": {"train": "c/train.jsonl", "chatTemplate": "templates/chatml.jinja"}}},
 }
 
 
@@ -133,7 +143,12 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert cfg.logging.tensorboard_dir == (f"/checkpoints/{spec.checkpoint.path or job.metadata.name}/tensorboard"
                                            if spec.logging.tensorboard else None)
     if spec.checkpoint:
-        assert cfg.checkpoint.save == cfg.checkpoint.load == f"/checkpoints/{spec.checkpoint.path or job.metadata.name}"
+        store = spec.checkpoint.object_store
+        where = (f"s3://{store.bucket}/{store.prefix or job.metadata.name}" if store
+                 else f"/checkpoints/{spec.checkpoint.path or job.metadata.name}")
+        assert cfg.checkpoint.save == cfg.checkpoint.load == where
+        assert cfg.checkpoint.object_store_endpoint == (store.endpoint if store else None)
+        assert cfg.checkpoint.object_store_region == (store.region if store else None)
         assert cfg.checkpoint.save_interval == spec.checkpoint.interval
         assert cfg.checkpoint.async_save == spec.checkpoint.async_
     else:
@@ -143,6 +158,18 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert not cfg.checkpoint.hf_export_only
     if spec.data.mock:
         assert cfg.data.mock_data
+    elif spec.data.sft is not None:
+        sft = spec.data.sft
+        assert cfg.data.data_format == {"chat": "chat", "promptCompletion": "prompt-completion"}[spec.data.format]
+        assert cfg.data.sft_train_path == f"/data/{sft.train}" and not cfg.data.data_path
+        assert cfg.data.sft_valid_path == (f"/data/{sft.valid}" if sft.valid else None)
+        assert cfg.training.eval_iters == (sft.eval_iters if sft.valid else 0)
+        assert cfg.training.eval_interval == sft.eval_interval
+        assert (cfg.data.sft_packing, cfg.data.sft_overflow) == (sft.packing, sft.overflow)
+        assert cfg.data.sft_invalid_lines == sft.invalid_lines
+        assert cfg.data.chat_template == (f"/data/{sft.chat_template}" if sft.chat_template else None)
+        assert cfg.data.tokenizer_model == (f"/data/{spec.data.tokenizer.path}" if spec.data.tokenizer
+                                            else f"/hf-init/{spec.init.hugging_face.path}")
     else:
         prefixes, weights = cfg.data.blend
         assert prefixes == [f"/data/{d.prefix}" for d in spec.data.paths]

@@ -47,8 +47,18 @@ OPERATOR_ONLY = {
     "tensor-groups-fit-one-jobset": "the size of the JobSet object",
     "hf-init-llama-family": "the trainer refuses it at start-up, against the checkpoint's config.json",
     "hf-export-llama-family": "not a command-line rule: the trainer's converter meets the model only when it exports",
+    "data-sft-with-format": "the spec's data section shape (format without sft renders nothing to read)",
+    "data-sft-needs-pvc": "the data volume: the command line cannot show whether /data is mounted",
+    "data-sft-tokenizer": "the spec's data section shape (no tokenizer directory to render)",
+    "data-sft-eval-interval": "evalInterval is rendered only with a validation file",
     "hf-export-outside-init": "the two PVCs are mounted apart (/hf-init, /hf-export): the trainer cannot see "
                               "that two paths are one directory of one volume",
+    "checkpoint-one-location": "the spec's checkpoint section shape (one location is rendered)",
+    "checkpoint-path-with-pvc": "the spec's checkpoint section shape (path is not rendered for objectStore)",
+    "tensorboard-needs-checkpoint-pvc": "where the event files go (nothing to render without a checkpoint PVC)",
+    "object-store-identity-annotations": "the job's ServiceAccount",
+    "object-store-one-identity": "the pod's credentials (a Secret volume, or the ServiceAccount)",
+    "env-no-literal-credentials": "pod environment",
 }
 
 

@@ -2,7 +2,7 @@
 """A real local Kubernetes control plane for the e2e tests, on 127.0.0.1, without Docker or internet.
 
     cluster.py build    build/cache etcd, kube-*, kubectl, kwok(ctl), jobset, kueue, helm (build.sh)
-    cluster.py build helm promtool   only what the unit tests need
+    cluster.py build helm promtool versitygw   only what the unit tests need
     cluster.py up       start the cluster (kwokctl binary runtime) + GPU nodes + JobSet + Kueue
     cluster.py status   exit 0 when the cluster in the run dir answers and JobSet and Kueue are ready
     cluster.py env      print `export KUBECONFIG=...` lines for a shell (eval "$(cluster.py env)")
@@ -1202,8 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     build_p = sub.add_parser("build", help="build and cache the binaries (skips what is built)")
     build_p.add_argument("components", nargs="*", metavar="COMPONENT",
-                         help="only these of etcd, kubernetes, kwok, jobset, helm, promtool, argocd (default: all but "
-                              "promtool, argocd, kubelet); the unit tests need only helm and promtool")
+                         help="only these of etcd, kubernetes, kwok, jobset, helm, promtool, versitygw, argocd (default: "
+                              "all but promtool, versitygw, argocd, kubelet); the unit tests need helm, promtool and versitygw")
     up_p = sub.add_parser("up", help="start the cluster (reuses a healthy one)")
     up_p.add_argument("--wait", type=float, default=180, help="seconds to wait for each readiness step")
     sub.add_parser("down", help="stop everything and check no process is left")

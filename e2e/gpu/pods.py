@@ -211,6 +211,26 @@ class Pod:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
 
+    def dump_stacks(self) -> int:
+        """SIGUSR1 to the launcher's descendants (the trainer registers faulthandler for it: every thread's
+        stack into the pod log); not to the launcher, for which SIGUSR1 would be fatal. Returns how many."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return 0
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return 0
+        sent = 0
+        for c in children:
+            try:
+                c.send_signal(signal.SIGUSR1)
+                sent += 1
+            except psutil.Error:
+                pass
+        return sent
+
     def kill_tree(self) -> None:
         import psutil
 

@@ -36,8 +36,20 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
              transformers at TP=1/TP=2/PP=2 in fp32 and bf16 and bit-identical round trips; train 20
              iterations from HF and export, export-only under another layout, resume without the HF
              directory; a Llama-3.2-1B-architecture model: HF start vs torch_dist resume, RSS, export time
+  sft_reverse, sft_bench  issue 28: supervised fine-tuning (e2e/gpu/sft.py): a tiny HF Llama fine-tuned on
+             digit-reversal conversations, exported, transformers `generate` >= 90 % exact on held-out
+             prompts, the validation loss = transformers' answer-only loss; pretraining vs SFT padded vs
+             SFT packed throughput on a Llama-3.2-1B-shaped model; sft_pods: e2e/gpu/jobs/sft-tiny.yaml's
+             rendered pods verbatim (SIGTERM, resume, export)
+  objbench   issue 33: the same model saving every 10 iterations to local disk and to the object store
+             (--object-store): blocked time per async save, time to publish, bytes/s
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
+
+--object-store: checkpoints of layouts/resume/sigterm/deterministic go to an S3 server on loopback
+(versitygw, .run/versitygw.gz, built by `e2e/cluster/cluster.py build versitygw`) through
+multi-storage-client (its wheels in .whl), as s3://suite/<run>; credentials from a shared-credentials
+file (AWS_SHARED_CREDENTIALS_FILE), as in the pods (docs/object-storage.md).
 
 Results: $OUT/results.json, $OUT/table.txt, $OUT/logs.tar.gz. A compact table is printed last.
 """
@@ -130,6 +142,8 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
                  "--ckpt-format", "torch_dist", "--exit-signal-handler"]
         if async_save:
             args += ["--async-save", "--use-persistent-ckpt-worker"]
+        if save.startswith("s3://"):
+            args += ["--object-store-endpoint", STORE["endpoint"], "--object-store-region", "us-east-1"]
     return args + list(extra) + OURS_EXTRA
 
 
@@ -270,9 +284,53 @@ def compare(ref: dict[int, float], got: dict[int, float], start: int, rel_tol: f
             "max_rel_diff": max(diffs) if diffs else None, "ok": bool(common) and max(diffs) <= rel_tol}
 
 
-def ckpt_state(root: Path) -> dict:
+#: --object-store (issue 33): the S3 server on loopback, its endpoint and bucket; empty: local disk.
+STORE: dict = {}
+STORE_BUCKET = "suite"
+
+
+def start_object_store() -> dict:
+    """versitygw on loopback serving WORK/s3, a bucket, and the credentials file every run reads."""
+    import gzip
+
+    sys.path.insert(0, str(REPO / "tests" / "trainer"))
+    import s3server
+
+    binary = WORK / "versitygw"
+    with gzip.open(REPO / ".run" / "versitygw.gz") as src, open(binary, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    binary.chmod(0o755)
+    server = s3server.start(WORK / "s3", str(binary))
+    server.make_bucket(STORE_BUCKET)
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(server.credentials_file(WORK / "s3-credentials"))
+    os.environ["AWS_CONFIG_FILE"] = str(WORK / "no-aws-config")
+    STORE.update(endpoint=server.endpoint, server=server)
+    return {"endpoint": server.endpoint, "root": str(server.root)}
+
+
+def ckpt_loc(path: str) -> str:
+    """Where a run's checkpoints go: the local directory, or s3://suite/<its name> with --object-store."""
+    return f"s3://{STORE_BUCKET}/{Path(path).name}" if STORE else path
+
+
+def store_bytes(prefix: str) -> int:
+    import boto3
+
+    srv = STORE["server"]
+    s3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1",
+                      aws_access_key_id=srv.access_key, aws_secret_access_key=srv.secret_key)
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=STORE_BUCKET, Prefix=prefix)
+    return sum(o["Size"] for page in pages for o in page.get("Contents", []))
+
+
+def ckpt_state(root) -> dict:
     from megatron_trainer import ckpt_layout
 
+    root = str(root)
+    if root.startswith("s3://"):
+        from megatron_trainer import objstore
+
+        root = objstore.configure(root, STORE["endpoint"], "us-east-1", profile="suite")
     return {"tracker": ckpt_layout.read_tracker(root),
             "checkpoints": {e.iteration: e.complete for e in ckpt_layout.list_checkpoints(root)}}
 
@@ -434,7 +492,7 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: in
     dp = gpus // (tp * pp)
     model = ctx.get("model", "small")
     mbs = MODELS[model]["mbs"]
-    save = str(WORK / "ckpt" / f"ref_{name}")
+    save = ckpt_loc(str(WORK / "ckpt" / f"ref_{name}"))
     shutil.rmtree(save, ignore_errors=True)
     extra = list(extra) + (["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp else [])
     args = trainer_args(model, tp=tp, pp=pp, mbs=mbs, gbs=mbs * dp * (2 * pp if pp > 1 else 1), iters=40,
@@ -458,7 +516,7 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: in
     run.close()
     losses = run.losses()
     failures: list[str] = []
-    state = ckpt_state(Path(save))
+    state = ckpt_state(save)
     check(rc == 0, f"rc={rc}", failures)
     check(sorted(losses) == list(range(1, 41)), "missing iterations", failures)
     check(loss_falls(losses), "loss did not fall", failures)
@@ -497,7 +555,7 @@ def scenario_resume(ctx) -> dict:
     for name, ref in ctx.get("refs", {}).items():
         if ctx["resume_on"] and name not in ctx["resume_on"]:
             continue
-        save = str(WORK / "ckpt" / f"kill_{name}")
+        save = ckpt_loc(str(WORK / "ckpt" / f"kill_{name}"))
         shutil.rmtree(save, ignore_errors=True)
         args = [save if a == ref["save"] else a for a in ref["args"]]
         run = Run(f"kill_{name}", ctx["gpus"], args)
@@ -510,7 +568,7 @@ def scenario_resume(ctx) -> dict:
         run.kill_tree()
         run.wait(60)
         run.close()
-        before = ckpt_state(Path(save))
+        before = ckpt_state(save)
         complete = [it for it, ok in before["checkpoints"].items() if ok]
         expected = max(complete) if complete else None
         last_logged = max(run.losses(), default=0)
@@ -555,7 +613,7 @@ def scenario_sigterm(ctx) -> dict:
         text = run.text()
         stop = STOPPING_RE.search(text)
         stopped_at = int(stop.group(1)) if stop else None
-        state = ckpt_state(Path(save))
+        state = ckpt_state(save)
         check(stop is not None and stop.group(2) == "signal", "no 'stopping ... (signal)'", failures)
         check("megatron_trainer: exit 0 (signal)" in text, "rank 0 did not exit 0", failures)
         check(stopped_at is not None and state["tracker"] == stopped_at and state["checkpoints"].get(stopped_at),
@@ -980,7 +1038,10 @@ def pods_job(ctx, job_file: Path) -> dict:
     t0 = time.monotonic()
     for p in first:
         p.sigterm()
-    rcs1 = P.wait_all(first, bounded(grace + 30))
+    rcs1 = P.wait_all(first, bounded(max(grace - 20, 10)))
+    if any(rc is None for rc in rcs1):  # still running near the end of the grace period: say where
+        out["stack_dumps_sent"] = sum(p.dump_stacks() for p in first)
+        rcs1 = P.wait_all(first, bounded(50))
     out["sigterm_to_exit_s"] = round(time.monotonic() - t0, 1)
     for p in first:
         p.kill_tree()
@@ -1081,7 +1142,7 @@ def scenario_deterministic(ctx) -> dict:
         out[name] = r = reference_run(ctx, ref_name, tp, pp, extra=["--deterministic-mode"])
         ref = ctx["refs"][ref_name]
         exact_ref = summary_losses(LOGS / f"ref_{ref_name}.log")
-        save = str(WORK / "ckpt" / f"detkill_{name}")
+        save = ckpt_loc(str(WORK / "ckpt" / f"detkill_{name}"))
         shutil.rmtree(save, ignore_errors=True)
         args = [save if a == ref["save"] else a for a in ref["args"]]
         run = Run(f"detkill_{name}", gpus, args)
@@ -1091,7 +1152,7 @@ def scenario_deterministic(ctx) -> dict:
         run.kill_tree()
         run.wait(60)
         run.close()
-        complete = [it for it, ok in ckpt_state(Path(save))["checkpoints"].items() if ok]
+        complete = [it for it, ok in ckpt_state(save)["checkpoints"].items() if ok]
         expected = max(complete) if complete else None  # 20, or 10 if the save of 20 was still in flight
         again = Run(f"detkill_{name}_restart", gpus, args)
         rc = again.wait(300)
@@ -1117,6 +1178,45 @@ def scenario_deterministic(ctx) -> dict:
                   "first_differences": differing[:3], "ops_without_deterministic_kernel": warned,
                   "adam_step_after_load": adam_step.group(1) if adam_step else None})
     out["ok"] = all(out[n]["ok"] for n, _, _ in layouts) and bool(layouts)
+    return out
+
+
+def scenario_objbench(ctx) -> dict:
+    """issue 33: one model, async saves every 10 iterations (4 saves in 40 iterations, keep 1), to local
+    disk and to the object store on loopback (the server writes to the same disk): blocked time per
+    save, seconds from the save's start to its publication, checkpoint bytes / that time."""
+    if not STORE:
+        return {"ok": False, "error": "needs --object-store"}
+    gpus, model = ctx["gpus"], ctx.get("objbench_model", "gpt1b")
+    mbs = MODELS[model]["mbs"]
+    out: dict = {"model": model, "layout": f"TP{gpus}"}
+    failures: list[str] = []
+    for target in ("local", "s3"):
+        local = str(WORK / "ckpt" / f"objbench_{target}")
+        shutil.rmtree(local, ignore_errors=True)
+        save = local if target == "local" else f"s3://{STORE_BUCKET}/objbench_{target}"
+        args = trainer_args(model, tp=gpus, mbs=mbs, gbs=mbs, iters=40, save=save, save_interval=10,
+                            lr="3e-4")
+        run = Run(f"objbench_{target}", gpus, args, env={"MEGATRON_CHECKPOINT_KEEP": "1"})
+        rc = run.wait(400)
+        run.close()
+        summary = run.summary() or {}
+        saves = summary.get("checkpoint_saves", [])
+        if target == "local":
+            size = sum(f.stat().st_size for f in (Path(local) / "iter_0000040").rglob("*") if f.is_file())
+        else:
+            size = store_bytes(f"objbench_{target}/iter_0000040/")
+        periodic = [x for x in saves if x.get("async")]
+        totals = [x["total_s"] for x in periodic if x.get("total_s")]
+        out[target] = {"rc": rc, "checkpoint_bytes": size, "saves": saves,
+                       "median_blocked_s": statistics.median([x["blocked_s"] for x in periodic]) if periodic else None,
+                       "median_publish_s": statistics.median(totals) if totals else None,
+                       "bytes_per_s": round(size / statistics.median(totals)) if totals and size else None,
+                       "state": ckpt_state(save)}
+        shutil.rmtree(local, ignore_errors=True)  # disk: the store's copy lands on the same disk next
+        check(rc == 0, f"{target}: rc={rc}", failures)
+        check(len(totals) >= 3, f"{target}: {len(totals)} async saves published", failures)
+    out.update(ok=not failures, failures=failures)
     return out
 
 
@@ -1354,7 +1454,7 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
-             "deterministic": scenario_deterministic, "detcost": scenario_detcost, "threeway": scenario_threeway}
+             "deterministic": scenario_deterministic, "detcost": scenario_detcost, "objbench": scenario_objbench, "threeway": scenario_threeway}
 try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
     from hf import scenario_hf_bench, scenario_hf_logits, scenario_hf_pods, scenario_hf_train
 
@@ -1362,6 +1462,13 @@ try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers,
                      hf_pods=scenario_hf_pods)
 except ImportError as _e:  # pragma: no cover - reported by --only hf_*
     print(f"hf scenarios unavailable: {_e}", file=sys.stderr)
+try:  # issue 28: supervised fine-tuning (e2e/gpu/sft.py; transformers for the oracle)
+    from sft import scenario_sft_bench, scenario_sft_pods, scenario_sft_reverse, scenario_sft_sigterm
+
+    SCENARIOS.update(sft_reverse=scenario_sft_reverse, sft_bench=scenario_sft_bench, sft_pods=scenario_sft_pods,
+                     sft_sigterm=scenario_sft_sigterm)
+except ImportError as _e:  # pragma: no cover - reported by --only sft_*
+    print(f"sft scenarios unavailable: {_e}", file=sys.stderr)
 
 
 def main() -> int:
@@ -1388,6 +1495,9 @@ def main() -> int:
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
+    ap.add_argument("--object-store", action="store_true",
+                    help="checkpoints to versitygw on loopback through multi-storage-client (issue 33)")
+    ap.add_argument("--objbench-model", default="gpt1b", choices=sorted(MODELS), help="model of objbench")
     args = ap.parse_args()
     import torch
 
@@ -1410,13 +1520,16 @@ def main() -> int:
            "bench_variant": args.bench_variant, "threeway": args.threeway,
            "threeway_variants": set(filter(None, args.threeway_variants.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
+    ctx["objbench_model"] = args.objbench_model
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results
+    if args.object_store:
+        results["object_store"] = start_object_store()
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
-                  "tensorboard": 95, "deterministic": 300,
+                  "tensorboard": 95, "deterministic": 300, "objbench": 200,
                   "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
                   "hf_pods": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))

@@ -29,6 +29,7 @@ NON_RETRIABLE_EXIT_CODES: dict[int, str] = {
     3: "bad training data or tokenizer",
     4: "CUDA out of memory before the first iteration",
     5: "checkpoint cannot be resumed",
+    7: "the object store refuses the checkpoint location (no such bucket, bad credentials, access denied)",
 }
 #: Exit codes that blame the node: retried, on another node (the node goes to status.avoidedNodes).
 NODE_FAULT_EXIT_CODES: dict[int, str] = {

@@ -70,10 +70,25 @@ def service_account_name(name: str) -> str:
 
 
 def checkpoint_dir(job: MegatronJob) -> str | None:
+    """The checkpoint directory on the PVC; None without one (no checkpoint, or object storage)."""
+    ckpt = job.spec.checkpoint
+    if ckpt is None or ckpt.pvc is None:
+        return None
+    return f"{CHECKPOINT_MOUNT}/{ckpt.path or job.metadata.name}"
+
+
+#: Where the object-store credentials Secret is mounted (read-only) in the trainer container.
+OBJECT_STORE_CREDENTIALS_MOUNT = "/var/run/secrets/megatron-operator/object-store"
+
+
+def checkpoint_location(job: MegatronJob) -> str | None:
+    """--save/--load: the PVC directory, or s3://BUCKET/PREFIX for spec.checkpoint.objectStore."""
     ckpt = job.spec.checkpoint
     if ckpt is None:
         return None
-    return f"{CHECKPOINT_MOUNT}/{ckpt.path or job.metadata.name}"
+    if ckpt.object_store is not None:
+        return f"s3://{ckpt.object_store.bucket}/{ckpt.object_store.prefix or job.metadata.name}"
+    return checkpoint_dir(job)
 
 
 def shm_size(spec: MegatronJobSpec, settings: Settings) -> str:
@@ -187,11 +202,31 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("recompute-num-layers", 1)
     flag("seed", tr.seed)
     flag("log-interval", tr.log_interval)
-    flag("eval-iters", 0)
-    # data
     data = spec.data
+    sft = data.sft
+    flag("eval-iters", sft.eval_iters if sft is not None and sft.valid else 0)
+    # data
     ckpt_dir = checkpoint_dir(job)
-    if data.mock:
+    if sft is not None:
+        flag("data-format", "chat" if data.format == "chat" else "prompt-completion")
+        flag("sft-train-path", f"{DATA_MOUNT}/{sft.train}")
+        if sft.valid:
+            flag("sft-valid-path", f"{DATA_MOUNT}/{sft.valid}")
+            if sft.eval_interval:
+                flag("eval-interval", sft.eval_interval)
+        flag("sft-packing" if sft.packing else "no-sft-packing")
+        flag("sft-overflow", sft.overflow)
+        flag("sft-invalid-lines", sft.invalid_lines)
+        if sft.chat_template:
+            flag("chat-template", f"{DATA_MOUNT}/{sft.chat_template}")
+        flag("tokenizer-type", "HuggingFaceTokenizer")
+        if data.tokenizer is not None:
+            flag("tokenizer-model", f"{DATA_MOUNT}/{data.tokenizer.path}")
+        else:
+            assert spec.init is not None  # rules: data-sft-tokenizer
+            flag("tokenizer-model", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
+        flag("data-cache-path", f"{ckpt_dir}/data-cache" if ckpt_dir else "/tmp/data-cache")
+    elif data.mock:
         flag("mock-data")
         flag("tokenizer-type", "NullTokenizer")
     else:
@@ -208,8 +243,14 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("data-cache-path", f"{ckpt_dir}/data-cache" if ckpt_dir else "/tmp/data-cache")
     # checkpoints
     if spec.checkpoint is not None:
-        flag("save", ckpt_dir)
-        flag("load", ckpt_dir)
+        location = checkpoint_location(job)
+        flag("save", location)
+        flag("load", location)
+        if (store := spec.checkpoint.object_store) is not None:
+            if store.endpoint:
+                flag("object-store-endpoint", store.endpoint)
+            if store.region:
+                flag("object-store-region", store.region)
         flag("save-interval", spec.checkpoint.interval)
         flag("ckpt-format", "torch_dist")
         if spec.checkpoint.async_:
@@ -298,7 +339,7 @@ def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[d
         {"name": "MEGATRON_PROGRESS_INTERVAL_S", "value": str(settings.progress_interval_s)},
         {"name": "MEGATRON_METRICS_PORT", "value": str(settings.trainer_metrics_port)},
         {"name": "MEGATRON_CHECKPOINT_KEEP", "value": str(spec.checkpoint.keep if spec.checkpoint else 0)},
-        {"name": "MEGATRON_DATA_CACHE_SHARED", "value": "true" if spec.checkpoint else "false"},
+        {"name": "MEGATRON_DATA_CACHE_SHARED", "value": "true" if checkpoint_dir(job) else "false"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         # The root filesystem is read-only: caches (triton, torch) go to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
@@ -309,6 +350,10 @@ def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[d
         env.append({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"})
     if spec.resources.efa_per_node > 0:
         env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
+    store = spec.checkpoint.object_store if spec.checkpoint else None
+    if store is not None and store.credentials_secret:
+        # A path, never the secret: boto3 reads the file from the Secret volume (_pod_spec).
+        env.append({"name": "AWS_SHARED_CREDENTIALS_FILE", "value": f"{OBJECT_STORE_CREDENTIALS_MOUNT}/credentials"})
     env += [e.model_dump(by_alias=True, exclude_none=True, mode="json") for e in spec.env]
     return env
 
@@ -342,9 +387,19 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if spec.checkpoint is not None:
+    if spec.checkpoint is not None and spec.checkpoint.pvc is not None:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    store = spec.checkpoint.object_store if spec.checkpoint else None
+    if store is not None and store.credentials_secret:
+        # The user's own Secret in the job's namespace (the kubelet reads it with the pod's rights there;
+        # the operator never reads or copies it), one key as the file `credentials`, readable by the
+        # trainer's group only (fsGroup).
+        volumes.append({"name": "object-store-credentials", "secret": {
+            "secretName": store.credentials_secret, "defaultMode": 0o440,
+            "items": [{"key": store.credentials_key, "path": "credentials"}]}})
+        mounts.append({"name": "object-store-credentials", "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT,
+                       "readOnly": True})
     if spec.data.pvc is not None:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
@@ -539,7 +594,7 @@ def render_identity(job: MegatronJob, owner_uid: str | None = None) -> list[dict
     name = job.metadata.name
     sa = service_account_name(name)
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, sa, owner_uid),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _sa_meta(job, sa, owner_uid),
          "automountServiceAccountToken": True},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, sa, owner_uid),
          "rules": [{"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [name],
@@ -549,6 +604,15 @@ def render_identity(job: MegatronJob, owner_uid: str | None = None) -> list[dict
          "subjects": [{"kind": "ServiceAccount", "name": sa,
                        **({"namespace": job.metadata.namespace} if job.metadata.namespace else {})}]},
     ]
+
+
+def _sa_meta(job: MegatronJob, sa: str, owner_uid: str | None) -> dict[str, Any]:
+    """The ServiceAccount's metadata, with spec.checkpoint.objectStore's workload-identity annotations."""
+    meta = _meta(job, sa, owner_uid)
+    store = job.spec.checkpoint.object_store if job.spec.checkpoint else None
+    if store is not None and store.service_account_annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **store.service_account_annotations}
+    return meta
 
 
 def render(job: MegatronJob, settings: Settings | None = None, owner_uid: str | None = None,

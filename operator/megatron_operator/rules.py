@@ -34,7 +34,7 @@ from .expr import (
     lookup,
 )
 from .presets import MODEL_PRESETS
-from .spec import MAX_NAME_LENGTH, RFC1035_LABEL
+from .spec import MAX_NAME_LENGTH, RFC1035_LABEL, WORKLOAD_IDENTITY_ANNOTATIONS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +152,8 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "recompute-num-layers", "seed", "log-interval", "eval-iters", "mock-data", "data-path", "split",
     "tokenizer-type", "tokenizer-model", "data-cache-path", "save", "load", "save-interval", "ckpt-format",
     "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir", "hf-init", "hf-export",
+    "data-format", "sft-train-path", "sft-valid-path", "sft-packing", "no-sft-packing", "sft-overflow",
+    "sft-invalid-lines", "chat-template", "eval-interval", "object-store-endpoint", "object-store-region",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (
@@ -180,6 +182,8 @@ RESERVED_ENV: tuple[str, ...] = (
     "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
     "ROLE_NAME", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+    # object storage (objstore.py): the credentials file the operator mounts, the MSC config the trainer writes
+    "AWS_SHARED_CREDENTIALS_FILE", "MSC_CONFIG",
 )
 RESERVED_ENV_RE = r"^(MEGATRON_.*|PET_.*|TORCHELASTIC_.*|" + "|".join(RESERVED_ENV) + r")$"
 # Resources the spec sets through its own fields (GPUs, EFA, cpu, memory), and the kubernetes.io
@@ -499,11 +503,33 @@ SPEC_RULES: list[Rule] = [
          cond(has("data.mock"), f("data.mock"), False).ne(has("data.pvc")),
          message=lit("spec.data: give exactly one of mock: true or pvc (with paths)")),
     Rule("data-paths-with-pvc", "data.paths",
-         has("data.paths").eq(has("data.pvc")),
-         message=lit("spec.data.paths: datasets are read from spec.data.pvc; give both pvc and paths, or "
+         has("data.paths").eq(has("data.pvc") & ~has("data.sft") & f("data.format").eq("pretraining")),
+         message=lit("spec.data.paths: pretraining datasets are read from spec.data.pvc; give both pvc and paths "
+                     "(fine-tuning: pvc and sft, no paths), or "
                      "neither (mock: true)")),
+    Rule("data-sft-with-format", "data.sft",
+         has("data.sft").eq(f("data.format").ne("pretraining")),
+         message=fmt("spec.data.sft: format ", f("data.format"),
+                     cond(has("data.sft"), " takes no sft (set format chat or promptCompletion)",
+                          " needs sft: {train: <JSONL in the data PVC>}"))),
+    Rule("data-sft-needs-pvc", "data.pvc",
+         has("data.pvc"), when=has("data.sft"),
+         message=lit("spec.data.pvc: fine-tuning files (spec.data.sft) are read from a PVC; mock data cannot be "
+                     "fine-tuned on")),
+    Rule("data-sft-tokenizer", "data.tokenizer",
+         cond(has("data.tokenizer"), f("data.tokenizer.type").eq("HuggingFace"), has("init")),
+         when=has("data.sft"),
+         message=lit("spec.data.tokenizer: fine-tuning data needs a Hugging Face tokenizer (its chat template): "
+                     "set tokenizer {type: HuggingFace, path}, or spec.init.huggingFace to use that model's")),
+    Rule("data-sft-chat-template", "data.sft.chatTemplate",
+         f("data.format").eq("chat"), when=has("data.sft") & has("data.sft.chatTemplate"),
+         message=fmt("spec.data.sft.chatTemplate: a chat template applies to format chat, not ", f("data.format"))),
+    Rule("data-sft-eval-interval", "data.sft.evalInterval",
+         has("data.sft.valid"), when=has("data.sft") & has("data.sft.evalInterval"),
+         message=lit("spec.data.sft.evalInterval: evaluation reads spec.data.sft.valid; set it, or drop "
+                     "evalInterval")),
     Rule("data-tokenizer-with-pvc", "data.tokenizer",
-         has("data.tokenizer"), when=has("data.pvc"),
+         has("data.tokenizer"), when=has("data.pvc") & ~has("data.sft") & f("data.format").eq("pretraining"),
          message=lit("spec.data.tokenizer: real data needs a tokenizer (type HuggingFace with path, or Null)")),
     Rule("tokenizer-path", "data.tokenizer.path",
          has("data.tokenizer.path").eq(f("data.tokenizer.type").eq("HuggingFace")),
@@ -552,6 +578,48 @@ SPEC_RULES += [
                           cond(StartsWith(export_path, init_path + "/"), " is inside", " contains")),
                      " spec.init.huggingFace.path ", init_path, " on PVC ", init_pvc,
                      "; export to a directory apart from the source, e.g. exports/<name>")),
+]
+
+
+# Checkpoints in object storage (spec.checkpoint.objectStore, docs/object-storage.md).
+ckpt_store = has("checkpoint") & has("checkpoint.objectStore")
+sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
+WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
+# Environment variables that hold an object-store credential: never as a literal value in the spec
+# (it would show in the JobSet, the pods and `kubectl get -o yaml`).
+CREDENTIAL_ENV_RE = r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN)$"
+
+SPEC_RULES += [
+    Rule("checkpoint-one-location", "checkpoint",
+         has("checkpoint.pvc").ne(has("checkpoint.objectStore")), when=has("checkpoint"),
+         message=lit("spec.checkpoint: give exactly one of pvc and objectStore")),
+    Rule("checkpoint-path-with-pvc", "checkpoint.path",
+         ~has("checkpoint.path"), when=ckpt_store,
+         message=lit("spec.checkpoint.path: is a directory inside the PVC; with objectStore, set "
+                     "objectStore.prefix instead")),
+    Rule("tensorboard-needs-checkpoint-pvc", "logging.tensorboard",
+         ~ckpt_store, when=f("logging.tensorboard"),
+         message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC, and "
+                     "spec.checkpoint.objectStore has none; set tensorboard: false")),
+    Rule("object-store-identity-annotations", "checkpoint.objectStore.serviceAccountAnnotations",
+         All(sa_annotations, "k", Matches(Var("k"), WORKLOAD_IDENTITY_RE)),
+         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
+         message=fmt("spec.checkpoint.objectStore.serviceAccountAnnotations: ",
+                     Index(Filter(sa_annotations, "k", ~Matches(Var("k"), WORKLOAD_IDENTITY_RE)), 0),
+                     " is not a workload-identity annotation; allowed: " + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS))),
+    Rule("object-store-one-identity", "checkpoint.objectStore",
+         ~(has("checkpoint.objectStore.credentialsSecret") & (Size(sa_annotations) > 0)),
+         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
+         message=lit("spec.checkpoint.objectStore: give credentialsSecret or serviceAccountAnnotations "
+                     "(workload identity), not both")),
+    Rule("env-no-literal-credentials", "env",
+         All(f("env"), "e", ~(Matches(Field("name", "e"), CREDENTIAL_ENV_RE) & Has(Field("value", "e")))),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), CREDENTIAL_ENV_RE)
+                                       & Has(Field("value", "e"))), 0), "name"),
+                     " holds an object-store credential as a literal value, which shows in the pods and in "
+                     "`kubectl get -o yaml`; put it in a Secret: spec.checkpoint.objectStore.credentialsSecret "
+                     "(or valueFrom.secretKeyRef)")),
 ]
 
 

@@ -71,7 +71,7 @@ class Settings:
     max_termination_grace_period_s: int = 3600
     #: Every job must name a Kueue LocalQueue (spec.queueName): no Kueue bypass.
     require_queue_name: bool = False
-    #: Refuse spec.env entries with valueFrom.secretKeyRef.
+    #: Refuse spec.env entries with valueFrom.secretKeyRef, and spec.checkpoint.objectStore.credentialsSecret.
     deny_secret_env: bool = False
     #: Refuse spec.imagePullSecrets.
     deny_image_pull_secrets: bool = False

@@ -257,8 +257,37 @@ class Tokenizer(ApiModel):
                              "the data PVC (HuggingFace only).")
 
 
+class SFTData(ApiModel):
+    """Fine-tuning data (spec.data.format chat or promptCompletion): JSONL files in the data PVC; the loss
+    is taken on the answers only (docs/sft.md)."""
+
+    train: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Training JSONL in "
+                       "the data PVC. chat: {\"messages\": [{\"role\": \"system\"|\"user\"|\"assistant\", "
+                       "\"content\": \"...\"}]} per line; promptCompletion: {\"prompt\": ..., "
+                       "\"completion\": ...}.")
+    valid: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Validation JSONL in the data "
+                              "PVC: its loss (answer tokens) goes to the log and status.progress.validationLoss.")
+    packing: bool = Field(True, description="Pack several samples into each sequence, attention kept inside "
+                          "each sample and positions restarting per sample (on the local path: Transformer "
+                          "Engine's attention ignores the mask, so a packed job runs without it); false: one "
+                          "sample per sequence, padded.")
+    overflow: Literal["truncate", "drop"] = Field("truncate", description="A sample longer than seqLength + 1 "
+                                                  "tokens: keep its beginning (dropped if no answer token is "
+                                                  "left), or drop it. Counted in status.progress.data.")
+    invalid_lines: Literal["error", "skip"] = Field("error", description="A malformed line (bad JSON, unknown "
+                                                    "role, empty answer, a template error): fail the job with "
+                                                    "its line number, or count and skip it.")
+    chat_template: str | None = Field(None, max_length=512, pattern=REL_PATH, description="A Jinja chat "
+                                      "template file in the data PVC instead of the tokenizer's own (chat only).")
+    eval_interval: int | None = Field(None, ge=1, le=100000000, description="Iterations between validation "
+                                      "losses (default: at the end only).")
+    eval_iters: int = Field(4, ge=1, le=100000, description="Global batches of the validation set per "
+                            "evaluation.")
+
+
 class DataSpec(ApiModel):
-    """Training data: ``mock: true``, or a PVC with Megatron .bin/.idx datasets. Exactly one."""
+    """Training data: ``mock: true``, or a PVC with Megatron .bin/.idx datasets (pretraining) or fine-tuning
+    JSONL (format chat or promptCompletion, with sft). Exactly one."""
 
     mock: bool | None = Field(None, description="Synthetic tokens (no dataset needed).")
     pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim holding "
@@ -266,16 +295,60 @@ class DataSpec(ApiModel):
     paths: list[DataPath] | None = Field(None, min_length=1, max_length=64, description="Datasets to blend.")
     split: str = Field("969,30,1", max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(,[0-9]+(\.[0-9]+)?){0,2}$",
                        description="train,valid,test proportions (--split).")
-    tokenizer: Tokenizer | None = Field(None, description="Tokenizer for real data.")
+    tokenizer: Tokenizer | None = Field(None, description="Tokenizer for real data. For fine-tuning data it "
+                                        "may be left out when spec.init.huggingFace is set: its directory's "
+                                        "tokenizer (and chat template) is used.")
+    format: Literal["pretraining", "chat", "promptCompletion"] = Field(
+        "pretraining", description="pretraining: mock or .bin/.idx paths; chat or promptCompletion: supervised "
+        "fine-tuning from spec.data.sft.")
+    sft: SFTData | None = Field(None, description="The fine-tuning files (format chat or promptCompletion).")
+
+
+# S3 bucket names (3-63 of a-z 0-9 . -, alphanumeric at both ends), endpoints (scheme, host, port:
+# no path, no user info, so no credential can ride in the URL) and region names.
+S3_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+S3_ENDPOINT = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
+S3_REGION = r"^[a-z0-9-]{1,32}$"
+#: The service-account annotations of workload identity an objectStore may set (IRSA, GKE, Azure).
+WORKLOAD_IDENTITY_ANNOTATIONS = ("eks.amazonaws.com/role-arn", "eks.amazonaws.com/sts-regional-endpoints",
+                                 "eks.amazonaws.com/token-expiration", "iam.gke.io/gcp-service-account",
+                                 "azure.workload.identity/client-id", "azure.workload.identity/tenant-id")
+
+
+class ObjectStoreSpec(ApiModel):
+    """An S3-compatible bucket for the checkpoints (through NVIDIA's multi-storage-client). Nothing is
+    mounted for the data; credentials come from a Secret in the job's namespace (a read-only volume
+    with an AWS shared-credentials file) or from workload identity (service-account annotations)."""
+
+    bucket: str = Field(..., min_length=3, max_length=63, pattern=S3_BUCKET, description="Bucket name.")
+    prefix: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Key prefix inside the bucket "
+                               "(no leading '/', no '.' or '..' parts). Default: the MegatronJob's name.")
+    endpoint: str | None = Field(None, max_length=256, pattern=S3_ENDPOINT, description="Endpoint URL of an "
+                                 "S3-compatible service, http(s)://HOST[:PORT] (default: AWS S3 for the region).")
+    region: str | None = Field(None, max_length=32, pattern=S3_REGION, description="Region, e.g. us-east-1.")
+    credentials_secret: str | None = Field(
+        None, max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace holding an AWS "
+        "shared-credentials file ([default] aws_access_key_id, aws_secret_access_key; kubectl create secret "
+        "generic NAME --from-file=credentials=$HOME/.aws/credentials). Mounted read-only into the trainer, "
+        "named by path only (AWS_SHARED_CREDENTIALS_FILE); never copied, never in args or env values.")
+    credentials_key: str = Field("credentials", max_length=253, pattern=CONFIG_KEY, description="The key of "
+                                 "credentialsSecret that holds the file.")
+    service_account_annotations: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] = Field(
+        default_factory=dict, max_length=4, description="Workload identity instead of a Secret: annotations for "
+        "the job's own ServiceAccount, e.g. eks.amazonaws.com/role-arn (IRSA). Only "
+        + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS) + "; the cluster's guardrails (deniedMetadataKeys) apply.")
 
 
 class CheckpointSpec(ApiModel):
-    """Distributed (torch_dist) checkpoints on a PVC; resume after any restart is automatic."""
+    """Distributed (torch_dist) checkpoints on a PVC or in object storage; resume after any restart is automatic."""
 
-    pvc: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim for "
-                     "checkpoints (ReadWriteMany: every pod writes its shards), mounted at /checkpoints.")
+    pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim for "
+                            "checkpoints (ReadWriteMany: every pod writes its shards), mounted at /checkpoints. "
+                            "Exactly one of pvc and objectStore.")
+    object_store: ObjectStoreSpec | None = Field(None, description="An S3-compatible bucket instead of a PVC "
+                                                 "(docs/object-storage.md). Exactly one of pvc and objectStore.")
     path: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Directory inside the PVC. "
-                             "Default: the MegatronJob's name.")
+                             "Default: the MegatronJob's name. (With objectStore: objectStore.prefix.)")
     interval: int = Field(1000, ge=1, le=100000000, description="Iterations between checkpoints "
                           "(--save-interval).")
     async_: bool = Field(True, alias="async", description="Write shards in the background while training "
@@ -497,6 +570,21 @@ class StatusParallelism(StatusModel):
     expert: int = Field(..., ge=1)
 
 
+class DataProgress(StatusModel):
+    """What the trainer made of fine-tuning (SFT) data: counted, never silently lost."""
+
+    lines: int | None = Field(None, ge=0, description="Non-blank lines of the training file.")
+    used: int | None = Field(None, ge=0, description="Samples trained on.")
+    skipped: int | None = Field(None, ge=0, description="Invalid lines skipped (spec.data.sft.invalidLines: skip).")
+    truncated: int | None = Field(None, ge=0, description="Samples cut to the sequence length (overflow: truncate).")
+    dropped_too_long: int | None = Field(None, ge=0, description="Samples dropped as longer than the sequence "
+                                         "(overflow: drop, or no answer token left after truncation).")
+    samples: int | None = Field(None, ge=0, description="Training sequences (after packing).")
+    packing_efficiency: float | None = Field(None, ge=0, le=1, description="Real tokens / all positions (1 - "
+                                             "padding waste).")
+    loss_tokens: int | None = Field(None, ge=0, description="Answer tokens the loss is taken on (one pass).")
+
+
 class Progress(StatusModel):
     """Written by the trainer (field manager megatron-trainer); the operator only reads it."""
 
@@ -507,6 +595,8 @@ class Progress(StatusModel):
     tflops_per_gpu: float | None = Field(None, ge=0)
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (fraction of peak).")
     last_checkpoint_iteration: int | None = Field(None, ge=0)
+    validation_loss: float | None = Field(None, description="Last validation loss (SFT with a validation file).")
+    data: DataProgress | None = None
     stage: str | None = Field(None, max_length=256, description="What the trainer is doing: initialising, "
                               "building the model, loading checkpoint N, building the data index, running the "
                               "first iteration, capturing the CUDA graph, training.")

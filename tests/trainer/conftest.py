@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import pytest
 
 # A command line as the operator renders it (docs/trainer-contract.md), with every optional flag on.
@@ -66,3 +69,11 @@ def full_argv() -> list[str]:
 @pytest.fixture
 def mock_argv() -> list[str]:
     return list(MOCK_ARGV)
+
+
+def require(module: str):
+    """pytest.importorskip, except under `make torch-tests` (MEGATRON_TORCH_TESTS=1), where a missing
+    module is an error: CI must not pass by skipping the tests that run torch."""
+    if os.environ.get("MEGATRON_TORCH_TESTS") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)

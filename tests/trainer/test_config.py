@@ -77,7 +77,7 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--recompute-granularity", "full"], "needs --recompute-method"),
     (lambda a: a + ["--async-save", "--save", "/c"], "--use-persistent-ckpt-worker"),
     (lambda a: a + ["--save-interval", "5"], "needs --save"),
-    (lambda a: without(a, "--eval-iters") + ["--eval-iters", "5"], "no evaluation"),
+    (lambda a: without(a, "--eval-iters") + ["--eval-iters", "5"], "without it, it must be 0"),
     (lambda a: without(a, "--max-position-embeddings") + ["--max-position-embeddings", "64"], ">= --seq-length"),
     (lambda a: a + ["--pipeline-model-parallel-size", "3"], "divisible by --pipeline"),
     (lambda a: a + ["--num-virtual-stages-per-pipeline-rank", "2"], "needs --pipeline-model-parallel-size > 1"),
@@ -103,6 +103,14 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--hf-init", "relative/dir"], "--hf-init must be an absolute directory path"),
     (lambda a: a + ["--hf-export", "/ckpt/../etc"], "without '..' components"),
     (lambda a: a + ["--hf-init", "/m/x", "--hf-export", "/m/x/"], "never overwrites its source"),
+    (lambda a: a + ["--save", "s3://ckpt-bucket/run", "--load", "/ckpt/run"], "both be s3:// or both"),
+    (lambda a: a + ["--save", "s3://B/run"], "is not an s3://BUCKET/PREFIX URL"),
+    (lambda a: a + ["--save", "s3://ckpt-bucket/a/../b"], "'.' or '..' part"),
+    (lambda a: a + ["--save", "/ckpt/run", "--object-store-endpoint", "http://h:9000"], "need --save or --load s3://"),
+    (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--object-store-endpoint", "http://key:secret@h:9000"],
+     "no path, no user info"),
+    (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--hf-export", "s3://ckpt-bucket/hf"],
+     "s3:// is not supported there yet"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -238,3 +246,15 @@ def test_llama_family_flags(mock_argv):
     # --kv-channels lifts the hidden % heads rule (Qwen3: hidden 1024, 16 heads of 128)
     argv = without(without(mock_argv, "--hidden-size"), "--num-attention-heads")
     assert parse_args(argv + ["--hidden-size", "1000", "--num-attention-heads", "16", "--kv-channels", "64"]).model.head_dim == 64
+
+
+def test_object_store_flags(mock_argv):
+    cfg = parse_args(mock_argv + ["--save", "s3://ckpt-bucket/runs/a", "--load", "s3://ckpt-bucket/runs/a",
+                                  "--object-store-endpoint", "http://127.0.0.1:7070",
+                                  "--object-store-region", "us-east-1"])
+    c = cfg.checkpoint
+    assert (c.save, c.object_store_endpoint, c.object_store_region) == (
+        "s3://ckpt-bucket/runs/a", "http://127.0.0.1:7070", "us-east-1")
+    # an export-only run reads its checkpoint from the store (Checkpointer.load) and writes a directory
+    cfg = parse_args(mock_argv + ["--load", "s3://ckpt-bucket/runs/a", "--hf-export-only", "--hf-export", "/out"])
+    assert cfg.checkpoint.load == "s3://ckpt-bucket/runs/a" and cfg.checkpoint.hf_export == "/out"

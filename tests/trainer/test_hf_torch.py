@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require
 
-pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
+require("torch")
+require("megatron.core")
+require("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-import hf_cpu_check as hc
+import hf_cpu_check as hc  # noqa: E402
 
 FP32_TOL = 1e-4
 

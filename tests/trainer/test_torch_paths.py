@@ -8,9 +8,10 @@ import math
 import types
 
 import pytest
+from conftest import require
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+torch = require("torch")
+require("megatron.core")
 
 
 class _TP1:

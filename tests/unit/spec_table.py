@@ -133,6 +133,31 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("bad-tokenizer-no-path", make_job(data={"pvc": "c", "paths": [{"prefix": "a"}],
                                              "tokenizer": {"type": "HuggingFace"}}), "tokenizer-path"),
     ("bad-model-incomplete", make_job(model={"numLayers": 8}), "model-complete"),
+    # ---------------------------------------------------------------- fine-tuning data (issue 28)
+    ("sft-chat", make_job(data={"pvc": "d", "format": "chat", "tokenizer": {"path": "tok"},
+                                "sft": {"train": "a/train.jsonl", "valid": "a/valid.jsonl", "evalInterval": 50}}),
+     None),
+    ("sft-tokenizer-from-init", make_job(model=LLAMA_TINY, init={"huggingFace": {"pvc": "m", "path": "llama"}},
+                                         data={"pvc": "d", "format": "promptCompletion",
+                                               "sft": {"train": "pc.jsonl", "packing": False}}), None),
+    ("bad-sft-no-format", make_job(data={"pvc": "d", "tokenizer": {"path": "tok"}, "sft": {"train": "a.jsonl"}}),
+     "data-sft-with-format"),
+    ("bad-sft-format-no-sft", make_job(data={"pvc": "d", "format": "chat", "tokenizer": {"path": "tok"}}),
+     "data-sft-with-format"),
+    ("bad-sft-mock", make_job(data={"mock": True, "format": "chat", "tokenizer": {"path": "tok"},
+                                    "sft": {"train": "a.jsonl"}}),
+     "data-sft-needs-pvc"),
+    ("bad-sft-no-tokenizer", make_job(data={"pvc": "d", "format": "chat", "sft": {"train": "a.jsonl"}}),
+     "data-sft-tokenizer"),
+    ("bad-sft-null-tokenizer", make_job(data={"pvc": "d", "format": "chat", "tokenizer": {"type": "Null"},
+                                              "sft": {"train": "a.jsonl"}}), "data-sft-tokenizer"),
+    ("bad-sft-template-not-chat", make_job(data={"pvc": "d", "format": "promptCompletion",
+                                                 "tokenizer": {"path": "tok"},
+                                                 "sft": {"train": "a.jsonl", "chatTemplate": "t.jinja"}}),
+     "data-sft-chat-template"),
+    ("bad-sft-eval-no-valid", make_job(data={"pvc": "d", "format": "chat", "tokenizer": {"path": "tok"},
+                                             "sft": {"train": "a.jsonl", "evalInterval": 10}}),
+     "data-sft-eval-interval"),
     ("bad-pod-label", make_job(podMetadata={"labels": {"team": "x", "jobset.sigs.k8s.io/jobset-name": "y"}}),
      "pod-labels-not-reserved"),
     # ---------------------------------------------------------------- security (issue 15)
@@ -202,6 +227,37 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
                                 training__globalBatchSize=128), None),
     ("bad-tp16-1024-nodes", make_job(numNodes=1024, parallelism={"tensor": 16}, model__numAttentionHeads=16,
                                      training__globalBatchSize=1024), "tensor-groups-fit-one-jobset"),
+    # ---------------------------------------------------------------- checkpoints in object storage
+    ("object-store", make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "runs/a",
+                                                          "endpoint": "https://s3.example.com:9000",
+                                                          "region": "us-east-1", "credentialsSecret": "s3-creds"}}),
+     None),
+    ("object-store-irsa", make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "serviceAccountAnnotations": {
+        "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ckpt"}}}), None),
+    ("env-credential-from-secret", make_job(env=[{"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "s3", "key": "secret"}}}]), None),
+    ("bad-checkpoint-both", make_job(checkpoint={"pvc": "ckpt", "objectStore": {"bucket": "ckpt-bucket"}}),
+     "checkpoint-one-location"),
+    ("bad-checkpoint-neither", make_job(checkpoint={"interval": 10}), "checkpoint-one-location"),
+    ("bad-checkpoint-path-object-store", make_job(checkpoint={"path": "x", "objectStore": {"bucket": "ckpt-bucket"}}),
+     "checkpoint-path-with-pvc"),
+    ("bad-tensorboard-object-store", make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket"}},
+                                              logging={"tensorboard": True}), "tensorboard-needs-checkpoint-pvc"),
+    ("bad-object-store-annotation", make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket",
+                                                                         "serviceAccountAnnotations": {
+                                                                             "kubernetes.io/enforce-mountable-secrets":
+                                                                             "false"}}}),
+     "object-store-identity-annotations"),
+    ("bad-object-store-two-identities", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "credentialsSecret": "s3",
+        "serviceAccountAnnotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/r"}}}),
+     "object-store-one-identity"),
+    ("bad-env-literal-secret-key", make_job(env=[{"name": "AWS_SECRET_ACCESS_KEY", "value": "wJalrXUtnFEMI"}]),
+     "env-no-literal-credentials"),
+    ("bad-env-credentials-file", make_job(env=[{"name": "AWS_SHARED_CREDENTIALS_FILE", "value": "/x"}]),
+     "env-not-reserved"),
+    ("bad-extra-args-object-store-endpoint", make_job(training__extraArgs=["--object-store-endpoint", "http://h:80"]),
+     "extra-args-not-managed"),
 ]
 
 # Refused by the schema itself (types, patterns, bounds) or by the rule on metadata.name, rather than
@@ -238,4 +294,14 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("suspend-string", make_job(suspend="yes"), "spec.suspend"),
     ("name-with-dot", make_job(metadata={"name": "team.job", "namespace": "team-a"}), "RFC 1035 label"),
     ("name-leading-digit", make_job(metadata={"name": "1job", "namespace": "team-a"}), "RFC 1035 label"),
+    ("object-store-bucket-upper", make_job(checkpoint={"objectStore": {"bucket": "Bucket"}}),
+     "spec.checkpoint.objectStore.bucket"),
+    ("object-store-endpoint-userinfo", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "endpoint": "https://AKIA:secret@s3.example.com"}}),
+     "spec.checkpoint.objectStore.endpoint"),
+    ("object-store-endpoint-path", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "endpoint": "https://s3.example.com/x?token=y"}}),
+     "spec.checkpoint.objectStore.endpoint"),
+    ("object-store-prefix-dotdot", make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "../x"}}),
+     "spec.checkpoint.objectStore.prefix"),
 ]

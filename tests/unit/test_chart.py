@@ -671,6 +671,7 @@ GUARDRAILS_ON = {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml/
                  "maxTerminationGracePeriodSeconds": 900, "requireQueueName": True, "denySecretEnv": True,
                  "denyImagePullSecrets": True,
                  "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/", "iam.amazonaws.com/",
+                                        "azure.workload.identity/",
                                         "App"]}
 
 #: (name, overrides of a compliant job). Every guardrail broken once, then the edges that must pass.
@@ -703,6 +704,12 @@ GUARDRAIL_CASES = [
     ("denied label, other case", {"podMetadata": {"labels": {"app": "x"}}}),
     ("denied annotation", {"podMetadata": {"annotations": {
         "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}}),
+    ("compliant, object store with workload identity", {"checkpoint": {"objectStore": {
+        "bucket": "ckpt-bucket", "serviceAccountAnnotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/r"}}}}),
+    ("object-store credentials secret", {"checkpoint": {"objectStore": {"bucket": "ckpt-bucket",
+                                                                       "credentialsSecret": "s3-creds"}}}),
+    ("denied workload identity annotation", {"checkpoint": {"objectStore": {
+        "bucket": "ckpt-bucket", "serviceAccountAnnotations": {"azure.workload.identity/client-id": "x"}}}}),
     ("everything at once", {"image": "docker.io/x:1", "priorityClassName": "p", "queueName": "DELETE",
                             "terminationGracePeriodSeconds": 3600, "imagePullSecrets": ["r"],
                             "resources__tolerations": [{"key": "x"}], "resources__nodeSelector": {"zone": "a"},
@@ -782,9 +789,10 @@ def test_guardrails_policy_follows_the_values(tmp_path):
         found = [p for p in by_kind(objs, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith("-guardrails")]
         return [v["messageExpression"].split(":")[0].strip("'") for p in found for v in p["spec"]["validations"]]
 
-    # the defaults: the grace period and the denied pod metadata keys
+    # the defaults: the grace period and the denied pod metadata keys (pods' and the job's ServiceAccount's)
     assert validations(render_chart()) == ["spec.terminationGracePeriodSeconds", "spec.podMetadata.labels",
-                                           "spec.podMetadata.annotations"]
+                                           "spec.podMetadata.annotations",
+                                           "spec.checkpoint.objectStore.serviceAccountAnnotations"]
     all_off = {"maxTerminationGracePeriodSeconds": 0, "deniedMetadataKeys": []}
     objs = render_chart({"guardrails": all_off}, tmp_path)
     assert validations(objs) == [] and not [b for b in by_kind(objs, "ValidatingAdmissionPolicyBinding")

@@ -51,6 +51,8 @@ def test_pod_failure_reads_node_code_reason_and_message():
     (143, "Error", "killed by signal 15", True),
     (1, "Error", "error", True),
     (4, "Error", "CUDA out of memory before the first iteration", False),
+    (7, "Error", "the object store refuses the checkpoint location (no such bucket, bad credentials, access denied)",
+     False),
 ])
 def test_meaning_and_retry(code, reason, meaning, retriable):
     f = PodView.from_pod(pod("p", code=code, reason=reason)).failure
@@ -238,3 +240,19 @@ def test_an_nccl_error_blames_the_node_of_the_peer_it_names_never_the_reporters(
         s, _ = derive(obs(jobset=js(restarts=1), pods=[reporter], previous={"phase": "Running"}, peer_nodes=nodes),
                       NOW)
         assert "avoidedNodes" not in s
+
+
+def test_object_store_refusal_reaches_last_failure_with_the_trainers_words():
+    """Issue 33: exit 7 fails the job at once; status.lastFailure carries the trainer's classified
+    message (the S3 code and a hint, no credential: the trainer's tests check the message itself)."""
+    msg = ("rank 0: exit 7 (the object store refuses the checkpoint location; not retried) during start-up: "
+           "ObjectStoreError: object store msc://checkpoints/run: SignatureDoesNotMatch (not retriable): the secret "
+           "key is wrong (check the credentials Secret); ...")
+    failed_js = js(Failed=("FailJobSetFailurePolicyAction", "FailJobSet failure policy action: first failed "
+                                                            "job: job-worker-0"))
+    pods = [PodView.from_pod(pod("job-worker-0-0-x", code=7, message=msg))]
+    s, _ = derive(obs(jobset=failed_js, pods=pods, previous={"phase": "Running"}), NOW)
+    assert (s["phase"], s["reason"]) == ("Failed", "NonRetriableExitCode")
+    assert s["lastFailure"]["exitCode"] == 7 and s["lastFailure"]["retriable"] is False
+    assert "SignatureDoesNotMatch (not retriable)" in s["lastFailure"]["message"]
+    assert "object store refuses the checkpoint location" in s["message"]

@@ -391,7 +391,7 @@ def test_pod_metadata_reaches_the_pods_and_cannot_override_ours():
 
 
 def test_non_retriable_exit_codes_fail_the_jobset_at_once():
-    """Exit codes 2-5 (failures.py, the trainer's exitcodes.py) fail the pod's Job by podFailurePolicy;
+    """Exit codes 2-5 and 7 (failures.py, the trainer's exitcodes.py) fail the pod's Job by podFailurePolicy;
     a JobSet rule matching the Job controller's message for an exit-code rule (not the eviction rule's
     "has condition DisruptionTarget") fails the JobSet before the eviction rule is looked at."""
     import re
@@ -400,7 +400,7 @@ def test_non_retriable_exit_codes_fail_the_jobset_at_once():
     pfp = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
     assert pfp[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     assert pfp[1] == {"action": "FailJob",
-                      "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2, 3, 4, 5]}}
+                      "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2, 3, 4, 5, 7]}}
     fail, disruption = js["spec"]["failurePolicy"]["rules"]
     assert fail["name"] == "nonRetriableExitCode" and fail["onJobFailureReasons"] == ["PodFailurePolicy"]
     (pattern,) = fail["onJobFailureMessagePatterns"]
@@ -410,3 +410,62 @@ def test_non_retriable_exit_codes_fail_the_jobset_at_once():
     assert re.search(pattern, exit_msg) and not re.search(pattern, evicted_msg)
     assert disruption["onJobFailureReasons"] == ["PodFailurePolicy"] and "onJobFailureMessagePatterns" not in disruption
     assert container(js)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+# ---- checkpoints in object storage (docs/object-storage.md) ------------------------------------------
+
+OBJECT_STORE = {"bucket": "ckpt-bucket", "prefix": "runs/a", "endpoint": "http://minio.storage:9000",
+                "region": "eu-west-1", "credentialsSecret": "s3-creds"}
+
+
+def test_object_store_flags_secret_volume_and_no_pvc():
+    js = objects(make_job(checkpoint={"objectStore": OBJECT_STORE, "interval": 50}))["JobSet"]
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    args = megatron_args(parse_job(make_job(checkpoint={"objectStore": OBJECT_STORE})))
+    assert args[args.index("--save") + 1] == args[args.index("--load") + 1] == "s3://ckpt-bucket/runs/a"
+    assert args[args.index("--object-store-endpoint") + 1] == "http://minio.storage:9000"
+    assert args[args.index("--object-store-region") + 1] == "eu-west-1"
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    secret = [v for v in pod["volumes"] if "secret" in v]
+    assert secret == [{"name": "object-store-credentials", "secret": {
+        "secretName": "s3-creds", "defaultMode": 0o440, "items": [{"key": "credentials", "path": "credentials"}]}}]
+    c = pod["containers"][0]
+    mount = [m for m in c["volumeMounts"] if m["name"] == "object-store-credentials"]
+    assert mount == [{"name": "object-store-credentials", "readOnly": True,
+                      "mountPath": "/var/run/secrets/megatron-operator/object-store"}]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_SHARED_CREDENTIALS_FILE"] == {
+        "name": "AWS_SHARED_CREDENTIALS_FILE", "value": "/var/run/secrets/megatron-operator/object-store/credentials"}
+    assert env["MEGATRON_DATA_CACHE_SHARED"]["value"] == "false"  # no shared filesystem for the data cache
+
+
+def test_object_store_prefix_defaults_to_the_job_name_and_no_secret_without_one():
+    doc = make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket"}})
+    args = megatron_args(parse_job(doc))
+    assert args[args.index("--save") + 1] == f"s3://ckpt-bucket/{doc['metadata']['name']}"
+    assert "--object-store-endpoint" not in args and "--object-store-region" not in args
+    pod = objects(doc)["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if "secret" in v]
+    assert "AWS_SHARED_CREDENTIALS_FILE" not in {e["name"] for e in pod["containers"][0]["env"]}
+
+
+def test_object_store_workload_identity_annotates_only_the_jobs_service_account():
+    irsa = {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ckpt"}
+    objs = render(parse_job(make_job(checkpoint={"objectStore": {"bucket": "ckpt-bucket",
+                                                                 "serviceAccountAnnotations": irsa}})), Settings())
+    sa = [o for o in objs if o["kind"] == "ServiceAccount"]
+    assert len(sa) == 1 and sa[0]["metadata"]["annotations"] == irsa
+    pod = [o for o in objs if o["kind"] == "JobSet"][0]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == sa[0]["metadata"]["name"]
+    assert "eks.amazonaws.com/role-arn" not in pod.get("metadata", {}).get("annotations", {})
+
+
+def test_object_store_render_carries_no_secret_material():
+    """Issue 32: the operator never reads the Secret; what it renders names it and a file path only."""
+    import json
+
+    objs = render(parse_job(make_job(checkpoint={"objectStore": OBJECT_STORE})), Settings())
+    text = json.dumps(objs)
+    assert "secretKeyRef" not in text
+    for word in ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"):
+        assert word not in text

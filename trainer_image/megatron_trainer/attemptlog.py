@@ -60,7 +60,7 @@ class Tee(io.TextIOBase):
 
 def start(save_dir: str | None, restart_attempt: int, rank: int) -> Path | None:
     """Tee this process's stdout and stderr into the attempt's log file; the path, or None."""
-    if not save_dir:
+    if not save_dir or "://" in save_dir:  # object storage: no log copy (the pod log stays the record)
         return None
     path = log_path(save_dir, restart_attempt, rank)
     try:

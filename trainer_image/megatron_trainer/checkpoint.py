@@ -114,6 +114,16 @@ def _warm_pinned_memory(sizes: list[int]) -> None:
     del buffers
 
 
+def _location(path: str, c) -> Path | str:
+    """A local directory (Path) or, for s3://BUCKET/PREFIX, the msc:// URL Megatron-Core writes through
+    (objstore.configure enables Megatron-Core's MSC feature and writes the profile)."""
+    if path.startswith("s3://"):
+        from .objstore import configure
+
+        return configure(path, c.object_store_endpoint, c.object_store_region)
+    return Path(path)
+
+
 class Checkpointer:
     """Saves and loads the training state; every public method is collective (all ranks)."""
 
@@ -132,8 +142,14 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.keep = keep
         c = cfg.checkpoint
-        self.save_dir = Path(c.save) if c.save else None
-        self.load_dir = Path(c.load) if c.load else None
+        self.save_dir = _location(c.save, c) if c.save else None
+        self.load_dir = _location(c.load, c) if c.load else None
+        if env.is_rank0:
+            # Fail at start-up, classified (objstore.classify: no bucket, bad credentials), not at the first save.
+            for loc in {d for d in (self.save_dir, self.load_dir) if isinstance(d, str)}:
+                from .objstore import MscStore
+
+                MscStore(loc).ensure_root()
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.sharding_type = None
         if cfg.training.use_distributed_optimizer:
@@ -278,7 +294,8 @@ class Checkpointer:
         waited = time.monotonic() - t0
         asynchronous = self.async_queue is not None and not blocking
         if self.env.is_rank0:
-            self.save_dir.mkdir(parents=True, exist_ok=True)
+            if isinstance(self.save_dir, Path):
+                self.save_dir.mkdir(parents=True, exist_ok=True)
             ckpt_layout.prepare_save_dir(self.save_dir, iteration)
         torch.distributed.barrier()
         path = ckpt_layout.checkpoint_path(self.save_dir, iteration)
@@ -327,12 +344,19 @@ class Checkpointer:
                 # Never raise here: the other ranks are in the same finalize; a lone exception would hang them.
                 log.error("checkpoint: %s is not complete after its save: tracker NOT updated", path)
                 return
-            ckpt_layout.write_tracker(self.save_dir, iteration)
-            if self.keep:
-                entries = ckpt_layout.list_checkpoints(self.save_dir)
-                for entry in ckpt_layout.select_for_deletion(entries, self.keep, protect={iteration}):
-                    log.info("checkpoint: retention (keep=%d) deletes %s", self.keep, entry.path)
-                    ckpt_layout.delete_checkpoint(entry)
+            try:
+                ckpt_layout.write_tracker(self.save_dir, iteration)
+                if self.keep:
+                    entries = ckpt_layout.list_checkpoints(self.save_dir)
+                    for entry in ckpt_layout.select_for_deletion(entries, self.keep, protect={iteration}):
+                        log.info("checkpoint: retention (keep=%d) deletes %s", self.keep, entry.path)
+                        ckpt_layout.delete_checkpoint(entry)
+            except Exception as exc:
+                # The checkpoint itself is complete (metadata.json): a resume finds it as the newest
+                # complete one even without the tracker. An object store's error says nothing secret.
+                log.error("checkpoint: publishing iteration %d failed after the save completed (%s: %s); "
+                          "a resume still finds it as the newest complete checkpoint", iteration,
+                          type(exc).__name__, exc)
         total = time.monotonic() - started
         self.stats.last_published = iteration
         if self.in_flight is not None and self.in_flight.iteration == iteration:

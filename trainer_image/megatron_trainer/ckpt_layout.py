@@ -7,6 +7,10 @@ Layout (Megatron-LM's, docs/trainer-contract.md):
 A torch_dist checkpoint is complete when `metadata.json` exists: Megatron-Core's
 `metadata_finalize_fn` writes it last, on rank 0, after every rank's shards and the global
 `.metadata` are on disk (dist_checkpointing/serialization.py). The tracker is published after that.
+
+A root may also be an object-store location, `msc://PROFILE/PREFIX` (objstore.py): the same layout
+as keys, the same rules. The tracker is one PUT (atomic on S3), written after metadata.json; deletes
+remove metadata.json first. Paths of such checkpoints are `str` URLs, local ones `Path`s.
 """
 
 from __future__ import annotations
@@ -29,12 +33,32 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def checkpoint_path(root: str | Path, iteration: int) -> Path:
+def _store(root):
+    """The object store behind an msc:// root (objstore.MscStore), or None for a local directory."""
+    if isinstance(root, str) and root.startswith("msc://"):
+        from .objstore import MscStore
+
+        return MscStore(root)
+    return None
+
+
+def _split(url: str) -> tuple[str, str]:
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return parent, name
+
+
+def checkpoint_path(root: str | Path, iteration: int) -> Path | str:
+    if isinstance(root, str) and root.startswith("msc://"):
+        return f"{root.rstrip('/')}/{checkpoint_name(iteration)}"
     return Path(root) / checkpoint_name(iteration)
 
 
 def read_tracker(root: str | Path) -> int | None:
     """The iteration the tracker names; None when missing, empty, corrupt or 'release'."""
+    store = _store(root)
+    if store is not None:
+        text = (store.read_text(TRACKER_NAME) or "").strip()
+        return int(text) if text.isdigit() else None
     try:
         text = (Path(root) / TRACKER_NAME).read_text().strip()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, UnicodeDecodeError):
@@ -56,7 +80,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_tracker(root: str | Path, iteration: int) -> None:
-    """Publish `iteration` atomically: write a temp file, fsync, rename over the tracker, fsync the dir."""
+    """Publish `iteration` atomically: write a temp file, fsync, rename over the tracker, fsync the dir
+    (on an object store: one PUT, which replaces the object atomically)."""
+    store = _store(root)
+    if store is not None:
+        store.write_text(TRACKER_NAME, f"{iteration}\n")
+        return
     root = Path(root)
     tmp = root / f".{TRACKER_NAME}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -69,6 +98,13 @@ def write_tracker(root: str | Path, iteration: int) -> None:
 
 def is_complete(path: str | Path) -> bool:
     """A torch_dist checkpoint directory whose metadata.json (written last) is present and valid."""
+    store = _store(path)
+    if store is not None:
+        try:
+            meta = json.loads(store.read_text("metadata.json") or "")
+        except ValueError:
+            return False
+        return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" and store.is_file(".metadata")
     path = Path(path)
     try:
         meta = json.loads((path / "metadata.json").read_text())
@@ -80,12 +116,16 @@ def is_complete(path: str | Path) -> bool:
 @dataclass(frozen=True)
 class CheckpointEntry:
     iteration: int
-    path: Path
+    path: Path | str
     complete: bool
 
 
 def list_checkpoints(root: str | Path) -> list[CheckpointEntry]:
     """Every `iter_*` directory under root, oldest first."""
+    store = _store(root)
+    if store is not None:
+        return sorted((CheckpointEntry(int(m.group(1)), store.join(name), is_complete(store.join(name)))
+                       for name in store.list_dirs() if (m := _ITER_RE.match(name))), key=lambda e: e.iteration)
     root = Path(root)
     if not root.is_dir():
         return []
@@ -100,7 +140,7 @@ def list_checkpoints(root: str | Path) -> list[CheckpointEntry]:
 @dataclass(frozen=True)
 class ResumeChoice:
     iteration: int
-    path: Path
+    path: Path | str
     reason: str
 
 
@@ -145,6 +185,10 @@ def select_for_deletion(entries: list[CheckpointEntry], keep: int, protect: set[
 
 def delete_checkpoint(entry: CheckpointEntry) -> None:
     """Remove a complete checkpoint: metadata.json first, so a half-deleted dir reads as incomplete."""
+    if isinstance(entry.path, str) and entry.path.startswith("msc://"):
+        parent, name = _split(entry.path)
+        _store(parent).delete_tree(name, first="metadata.json")
+        return
     meta = entry.path / "metadata.json"
     try:
         meta.unlink()
@@ -153,9 +197,14 @@ def delete_checkpoint(entry: CheckpointEntry) -> None:
     shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def prepare_save_dir(root: str | Path, iteration: int) -> Path:
+def prepare_save_dir(root: str | Path, iteration: int) -> Path | str:
     """Create `iter_N` for a new save. A leftover dir of the same iteration (an earlier attempt) is
-    removed first, so stale shards or a stale metadata.json can never make a partial save look complete."""
+    removed first, so stale shards or a stale metadata.json can never make a partial save look complete.
+    On an object store there is nothing to create: leftover keys under `iter_N/` are deleted."""
+    store = _store(root)
+    if store is not None:
+        store.delete_tree(checkpoint_name(iteration), first="metadata.json")
+        return checkpoint_path(root, iteration)
     path = checkpoint_path(root, iteration)
     if path.exists():
         stale = path.with_name(path.name + f".stale.{os.getpid()}")

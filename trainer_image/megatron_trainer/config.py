@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,7 +226,8 @@ class TrainingConfig:
         help="Timeout of collective operations in every process group, minutes (default: torch's 10 for "
              "the world group, Megatron-Core's 30 for the parallel groups)."))
     eval_interval: int | None = field(default=None, metadata=flag(
-        "--eval-interval", type=int, help="Accepted: the trainer does no evaluation (--eval-iters 0)."))
+        "--eval-interval", type=int, help="Iterations between validation-loss evaluations (SFT with "
+                                          "--sft-valid-path; default: at the end only). Ignored otherwise."))
     recompute_granularity: str | None = field(default=None, metadata=flag(
         "--recompute-granularity", choices=("full", "selective"),
         help="Activation recomputation: 'selective' = core attention, 'full' = whole layers."))
@@ -237,7 +239,8 @@ class TrainingConfig:
     log_interval: int = field(default=100, metadata=flag("--log-interval", type=int,
                                                          help="Iterations between log lines."))
     eval_iters: int = field(default=0, metadata=flag(
-        "--eval-iters", type=int, help="Evaluation iterations; the trainer does no evaluation, only 0."))
+        "--eval-iters", type=int, help="Global batches of the validation set per evaluation (SFT with "
+                                       "--sft-valid-path: >= 1; otherwise there is no evaluation: 0)."))
     exit_interval: int | None = field(default=None, metadata=flag(
         "--exit-interval", type=int, help="Save (if --save) and exit when iteration %% N == 0."))
     exit_duration_in_mins: float | None = field(default=None, metadata=flag(
@@ -272,6 +275,33 @@ class DataConfig:
         "--reset-position-ids", action="store_true", help="Restart position ids after each EOD."))
     reset_attention_mask: bool = field(default=False, metadata=flag(
         "--reset-attention-mask", action="store_true", help="Block attention across documents."))
+    data_format: str = field(default="pretraining", metadata=flag(
+        "--data-format", choices=("pretraining", "chat", "prompt-completion"),
+        help="pretraining: --mock-data or --data-path; chat or prompt-completion: JSONL for supervised "
+             "fine-tuning (--sft-train-path), loss on the answers only."))
+    sft_train_path: str | None = field(default=None, metadata=flag(
+        "--sft-train-path", help="SFT training JSONL (chat: {\"messages\": [...]}; prompt-completion: "
+             "{\"prompt\", \"completion\"})."))
+    sft_valid_path: str | None = field(default=None, metadata=flag(
+        "--sft-valid-path", help="SFT validation JSONL: its loss is logged every --eval-interval iterations "
+                                 "and at the end."))
+    sft_packing: bool = field(default=False, metadata=flag(
+        "--sft-packing", action=argparse.BooleanOptionalAction,
+        help="Pack several samples into one sequence (attention kept inside each sample, positions "
+             "restarting per sample); otherwise one sample per sequence, padded."))
+    sft_overflow: str = field(default="truncate", metadata=flag(
+        "--sft-overflow", choices=("truncate", "drop"),
+        help="A sample longer than --seq-length + 1 tokens: keep its beginning (one left with no answer "
+             "token is dropped), or drop it. Both are counted."))
+    sft_invalid_lines: str = field(default="error", metadata=flag(
+        "--sft-invalid-lines", choices=("error", "skip"),
+        help="A malformed line (bad JSON, unknown role, empty answer, a template error): stop with its "
+             "line number, or count and skip it."))
+    chat_template: str | None = field(default=None, metadata=flag(
+        "--chat-template", help="A Jinja chat-template file to use instead of the tokenizer's own."))
+    @property
+    def sft(self) -> bool:
+        return self.data_format != "pretraining"
 
     @property
     def blend(self) -> tuple[list[str], list[float]]:
@@ -283,8 +313,15 @@ class DataConfig:
 class CheckpointConfig:
     """Distributed checkpoints (torch_dist), async save, resume and preemption."""
 
-    save: str | None = field(default=None, metadata=flag("--save", help="Checkpoint directory to save to."))
-    load: str | None = field(default=None, metadata=flag("--load", help="Checkpoint directory to resume from."))
+    save: str | None = field(default=None, metadata=flag(
+        "--save", help="Checkpoint directory to save to, or s3://BUCKET/PREFIX (object storage through "
+        "multi-storage-client; credentials from boto3's chain, never a flag)."))
+    load: str | None = field(default=None, metadata=flag(
+        "--load", help="Checkpoint directory (or s3://BUCKET/PREFIX) to resume from."))
+    object_store_endpoint: str | None = field(default=None, metadata=flag(
+        "--object-store-endpoint", help="S3 endpoint URL for s3:// checkpoints (default: AWS's for the region)."))
+    object_store_region: str | None = field(default=None, metadata=flag(
+        "--object-store-region", help="S3 region for s3:// checkpoints."))
     save_interval: int | None = field(default=None, metadata=flag(
         "--save-interval", type=int, help="Iterations between checkpoints."))
     ckpt_format: str = field(default="torch_dist", metadata=flag(
@@ -580,8 +617,10 @@ def _validate_training(cfg: TrainerConfig) -> None:
         raise ValueError("--manual-gc-interval needs --manual-gc")
     if t.distributed_timeout_minutes is not None and t.distributed_timeout_minutes < 1:
         raise ValueError("--distributed-timeout-minutes must be >= 1")
-    if t.eval_iters != 0:
-        raise ValueError("the trainer does no evaluation: --eval-iters must be 0")
+    if t.eval_iters < 0 or (t.eval_iters and not cfg.data.sft_valid_path):
+        raise ValueError("--eval-iters evaluates SFT data (--sft-valid-path); without it, it must be 0")
+    if t.eval_interval is not None and t.eval_interval < 1:
+        raise ValueError("--eval-interval must be >= 1")
     if t.lr_warmup_iters < 0 or t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ValueError("need 0 <= --min-lr <= --lr and --lr-warmup-iters >= 0")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
@@ -594,6 +633,13 @@ def _validate_training(cfg: TrainerConfig) -> None:
 
 def _validate_data(cfg: TrainerConfig) -> None:
     d, m = cfg.data, cfg.model
+    if d.sft:
+        _validate_sft(cfg)
+        return
+    for name, value in (("--sft-train-path", d.sft_train_path), ("--sft-valid-path", d.sft_valid_path),
+                        ("--sft-packing", d.sft_packing), ("--chat-template", d.chat_template)):
+        if value:
+            raise ValueError(f"{name} needs --data-format chat or prompt-completion")
     if d.mock_data == bool(d.data_path):
         raise ValueError("give exactly one of --mock-data and --data-path")
     parse_blend(d.data_path)
@@ -607,6 +653,31 @@ def _validate_data(cfg: TrainerConfig) -> None:
             raise ValueError
     except ValueError:
         raise ValueError(f"--split {d.split!r}: expected comma-separated weights with train > 0") from None
+
+
+def _validate_sft(cfg: TrainerConfig) -> None:
+    d, p = cfg.data, cfg.parallel
+    if d.mock_data or d.data_path:
+        raise ValueError(f"--data-format {d.data_format} reads --sft-train-path; --mock-data and --data-path "
+                         "are for pretraining")
+    if not d.sft_train_path:
+        raise ValueError(f"--data-format {d.data_format} needs --sft-train-path (a JSONL file)")
+    if d.tokenizer_type != "HuggingFaceTokenizer" or not d.tokenizer_model:
+        raise ValueError(f"--data-format {d.data_format} needs --tokenizer-type HuggingFaceTokenizer and "
+                         "--tokenizer-model DIR (its tokenizer.json and chat template)")
+    if d.chat_template and d.data_format != "chat":
+        raise ValueError("--chat-template applies to --data-format chat only")
+    if d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss:
+        raise ValueError("--reset-attention-mask, --reset-position-ids and --eod-mask-loss are pretraining "
+                         "flags; SFT masks the loss to the answers and --sft-packing keeps samples apart")
+    if d.sft_packing and cfg.training.fp8_format:
+        raise ValueError("--sft-packing runs on the local path (Transformer Engine's attention ignores the "
+                         "document mask), which has no FP8: use --no-sft-packing for FP8")
+    if p.context > 1:
+        raise ValueError("SFT data with --context-parallel-size > 1 needs Transformer Engine's packed "
+                         "(THD) attention, which this trainer does not use")
+    if d.sft_valid_path and cfg.training.eval_iters < 1:
+        raise ValueError("--sft-valid-path needs --eval-iters >= 1 (global batches per evaluation)")
 
 
 def _validate_checkpoint(cfg: TrainerConfig) -> None:
@@ -624,6 +695,21 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
         raise ValueError("--async-save needs --use-persistent-ckpt-worker")
     if c.exit_on_missing_checkpoint and not c.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
+    remote = [p for p in (c.save, c.load) if p and p.startswith("s3://")]
+    if remote:
+        from .objstore import parse_s3_url
+
+        for p in remote:
+            parse_s3_url(p)  # ValueError: exit 2
+        if c.hf_export and c.hf_export.startswith("s3://"):
+            raise ValueError("--hf-export writes a local directory (a PVC); s3:// is not supported there yet")
+        if c.save and c.load and (c.save in remote) != (c.load in remote):
+            raise ValueError("--save and --load must both be s3:// or both be directories")
+    elif c.object_store_endpoint or c.object_store_region:
+        raise ValueError("--object-store-endpoint/--object-store-region need --save or --load s3://BUCKET/PREFIX")
+    if c.object_store_endpoint and not re.match(r"^https?://[^\s/@]+(:\d+)?/?$", c.object_store_endpoint):
+        raise ValueError(f"--object-store-endpoint {c.object_store_endpoint!r}: expected http(s)://HOST[:PORT] "
+                         "(no path, no user info)")
     if c.hf_export_only and not (c.hf_export and c.load):
         raise ValueError("--hf-export-only needs --load DIR (the checkpoint) and --hf-export DIR (where to write)")
     for name, path in (("--hf-init", c.hf_init), ("--hf-export", c.hf_export)):
@@ -644,7 +730,7 @@ def ignored_flags(cfg: TrainerConfig) -> list[str]:
         for f in dataclasses.fields(cls):
             if f.name not in acting and getattr(values, f.name) != f.default:
                 out.append(f.metadata["flags"][0])
-    if cfg.training.eval_interval is not None:
+    if cfg.training.eval_interval is not None and not cfg.data.sft_valid_path:
         out.append("--eval-interval")
     return out
 

@@ -172,3 +172,18 @@ def reap_children(timeout_s: float = 5.0) -> None:
         child.kill()
     for child in multiprocessing.active_children():
         child.join(timeout_s)
+
+
+def start_compile_workers() -> None:
+    """Start torch.compile's (Inductor's) compile worker pool now, with SIGTERM ignored.
+
+    Inductor starts its pool lazily, at the first compile, outside `ignore_sigterm`. The SIGTERM that
+    torchrun or the launcher sends to the rank's process group then kills those workers, and a compile
+    that comes after it (the fused SwiGLU/GeLU kernels in eval mode at a validation step) waits for
+    them forever: seen on an H100 as a pod that ignored SIGTERM until its grace period ran out."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:  # pragma: no cover - torch without Inductor
+        return
+    with ignore_sigterm():
+        AsyncCompile.warm_pool()

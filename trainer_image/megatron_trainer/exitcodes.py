@@ -44,10 +44,15 @@ class ExitCode(enum.IntEnum):
     #: The GPU itself failed (uncorrectable ECC or NVLink error, GPU lost or off the bus): retried, and
     #: the operator keeps the job's later attempts off this node (status.avoidedNodes).
     GPU_FAULT = 6
+    #: The object store refuses the checkpoint location: no such bucket, unknown access key, wrong
+    #: secret key, access denied (objstore.NON_RETRIABLE_CODES). Throttling, timeouts and 5xx answers
+    #: are ERROR (retried).
+    OBJECT_STORE_REFUSED = 7
 
 
 #: Codes that fail the job at once (the operator renders the same list; tests/test_contract.py).
-NON_RETRIABLE = (ExitCode.BAD_ARGUMENTS, ExitCode.BAD_DATA, ExitCode.OOM_AT_STARTUP, ExitCode.BAD_CHECKPOINT)
+NON_RETRIABLE = (ExitCode.BAD_ARGUMENTS, ExitCode.BAD_DATA, ExitCode.OOM_AT_STARTUP, ExitCode.BAD_CHECKPOINT,
+                 ExitCode.OBJECT_STORE_REFUSED)
 
 
 class Fatal(Exception):
@@ -111,10 +116,30 @@ def is_gpu_fault(exc: BaseException) -> bool:
     return False
 
 
+def object_store_refused(exc: BaseException) -> bool:
+    """An S3 answer (botocore ClientError, or objstore.ObjectStoreError) in the exception's chain
+    whose error code says retrying cannot help (no bucket, bad credentials, access denied)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__name__ == "ObjectStoreError":
+            return not getattr(cur, "retriable", True)
+        if type(cur).__name__ == "ClientError" and isinstance(getattr(cur, "response", None), dict):
+            from .objstore import NON_RETRIABLE_CODES
+
+            code = (cur.response.get("Error") or {}).get("Code", "")
+            return code in NON_RETRIABLE_CODES and code not in ("403", "404")
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def classify(exc: BaseException, first_iteration_done: bool) -> ExitCode:
     """The exit code for an exception that ends a worker."""
     if isinstance(exc, Fatal):
         return exc.code
+    if object_store_refused(exc):
+        return ExitCode.OBJECT_STORE_REFUSED
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         return ExitCode(code) if code in ExitCode.__members__.values() else ExitCode.ERROR
@@ -131,6 +156,7 @@ def fatal_message(exc: BaseException, code: ExitCode, rank: int, stage: str) -> 
             ExitCode.OOM_AT_STARTUP: "CUDA out of memory before the first iteration",
             ExitCode.BAD_CHECKPOINT: "checkpoint cannot be resumed",
             ExitCode.GPU_FAULT: "GPU hardware fault on this node",
+            ExitCode.OBJECT_STORE_REFUSED: "the object store refuses the checkpoint location",
             ExitCode.ERROR: "error"}.get(code, "error")
     retry = "not retried" if code in NON_RETRIABLE else "retried"
     head = f"rank {rank}: exit {int(code)} ({what}; {retry}) during {stage}: {type(exc).__name__}: {exc}"

@@ -83,6 +83,9 @@ class Trainer:
         self.progress: ProgressWriter | None = None
         self.stop_signal: StopSignal | None = None
         self.mem_after_first_step = 0
+        self.sft_data = None
+        self.validation_loss: float | None = None
+        self.evaluated_at: int | None = None
         self.started_age_s = process_age_s() or 0.0
         self.t_start = time.monotonic() - self.started_age_s
 
@@ -119,6 +122,11 @@ class Trainer:
         self.lifecycle.enter("building the model")
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
+        self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod
+        if cfg.data.sft_packing:  # choose_path keeps packed jobs on the local path, which honours the mask
+            from .sft_data import restart_rope_positions
+
+            restart_rope_positions(self.model)
         self.num_params_rank = count_parameters(self.model)
         torch.cuda.synchronize()
         self.mem_after_model = torch.cuda.memory_allocated()
@@ -171,6 +179,9 @@ class Trainer:
     def _init_after_checkpointer(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int) -> None:
         t, m = cfg.training, cfg.model
         self.checkpointer.start_workers()
+        from .distributed import start_compile_workers
+
+        start_compile_workers()
         self.lifecycle.enter("looking for a checkpoint")
         self.checkpointer.on_loading = lambda iteration: self.lifecycle.enter(f"loading checkpoint {iteration}")
         self.loaded = self.checkpointer.load()
@@ -188,7 +199,10 @@ class Trainer:
         # --- data (resumes from consumed samples) ---------------------------------------------
         from .data import build_data
 
-        if not self.export_only:  # an export needs the weights only
+        self.eval_forward_backward = None
+        if not self.export_only and cfg.data.sft:
+            self._build_sft_data(cfg, runtime, gbs)
+        elif not self.export_only:  # an export needs the weights only
             self.lifecycle.enter("building the data index")
             with data_errors_are_fatal("--data-path"):
                 _, self.data_iterators = build_data(cfg, self.env, self.state.consumed_samples, self.num_nodes,
@@ -227,6 +241,77 @@ class Trainer:
         self.first_iteration_age_s: float | None = None
         self.profiler = IterationProfiler.from_spec(runtime.profile, self.env.rank, {0, self.env.world_size - 1})
         self._log_startup()
+
+    def _build_sft_data(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from .data import _SAMPLE_SURPLUS, dataset_cache_path
+        from .sft_data import build_sft_iterators, load_sft_data
+
+        self.lifecycle.enter("tokenizing the fine-tuning data")
+        cache = dataset_cache_path(cfg, runtime.data_cache_shared, self.num_nodes)
+        self.sft_data = load_sft_data(cfg, self.env, self.vocab_size, self.pad_id, cache)
+        total = int(cfg.training.train_iters * gbs * _SAMPLE_SURPLUS) + gbs
+        self.data_iterators = build_sft_iterators(cfg, self.env, self.sft_data, self.state.consumed_samples, total)
+        if self.env.is_rank0:
+            log.info("sft: %d iterations x %d samples = %.2f epochs of %d samples", cfg.training.train_iters, gbs,
+                     cfg.training.train_iters * gbs / len(self.sft_data.train), len(self.sft_data.train))
+        self.eval_forward_backward = get_forward_backward_func()  # eager, also under the full-iteration graph
+
+    def evaluate(self) -> float | None:
+        """Validation loss over --eval-iters global batches (forward only; every rank calls it). The mean
+        over answer tokens, like the training loss; returned on every rank."""
+        from megatron.core import parallel_state
+
+        from .sft_data import build_eval_iterators
+
+        layout, m = self.env.layout, self.cfg.model
+        iterators = build_eval_iterators(self.cfg, self.env, self.sft_data, layout.global_batch_size)
+        for chunk in self.model:
+            chunk.eval()
+        total = torch.zeros(2, dtype=torch.float32, device=torch.cuda.current_device())
+        try:
+            with torch.no_grad():
+                for _ in range(self.cfg.training.eval_iters):
+                    reports = self.eval_forward_backward(
+                        forward_step_func=self._forward_step,
+                        data_iterator=iterators if len(self.model) > 1 else iterators[0],
+                        model=self.model if len(self.model) > 1 else self.model[0],
+                        num_microbatches=layout.num_microbatches, seq_length=m.seq_length,
+                        micro_batch_size=self.cfg.training.micro_batch_size, decoder_seq_length=m.seq_length,
+                        forward_only=True)
+                    if self.is_last_stage and reports:
+                        total += torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+            for it in iterators:
+                if it is not None:
+                    it.close()
+        if self.is_last_stage:
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        shared = torch.tensor([float(total[0] / total[1]) if self.is_logging_rank and total[1] > 0 else 0.0,
+                               1.0 if self.is_logging_rank and total[1] > 0 else 0.0], dtype=torch.float64)
+        torch.distributed.all_reduce(shared, group=self.env.cpu_group)
+        loss = float(shared[0]) if shared[1] > 0 else None
+        self.validation_loss, self.evaluated_at = loss, self.state.iteration
+        if self.is_logging_rank:
+            print(f" validation at iteration {self.state.iteration:8d} | lm loss: {loss:.6E} | "
+                  f"{self.cfg.training.eval_iters} x {layout.global_batch_size} samples", flush=True)
+        return loss
+
+    def should_evaluate(self, final: bool = False) -> bool:
+        """At --eval-interval (or, ``final``, at the end unless just done), unless a rank has a stop signal:
+        the grace period is for the checkpoint. Collective when due (one gloo all-reduce): every rank
+        decides the same."""
+        if self.sft_data is None or self.sft_data.valid is None:
+            return False
+        interval = self.cfg.training.eval_interval
+        if final:
+            due = self.evaluated_at != self.state.iteration
+        else:
+            due = interval is not None and self.state.iteration % interval == 0
+        return due and not any_rank(self.stop_signal.received is not None, self.env)
 
     def _import_hf(self) -> None:
         """Weights from the Hugging Face directory (validated in main): this rank's slices only. A fresh
@@ -313,6 +398,10 @@ class Trainer:
         attention_mask = batch.get("attention_mask")
         if attention_mask is not None:
             attention_mask = attention_mask.cuda(non_blocking=True)
+        elif "segment_ids" in batch:  # packed SFT samples: each attends within its own document only
+            from .sft_data import packed_attention_mask
+
+            attention_mask = packed_attention_mask(batch["segment_ids"].cuda(non_blocking=True))
         output = model(tokens, position_ids, attention_mask, labels=labels)
 
         def loss_func(output_tensor):
@@ -377,6 +466,8 @@ class Trainer:
                 if self.should_log():
                     self.log_iterations(window.losses, window.seconds_per_iteration(), grad_norm)
                     window.reset()
+                if self.should_evaluate():
+                    self.evaluate()
                 if self.should_collect_garbage():
                     gc.collect()
                 if saved := self.checkpointer.maybe_save(self.state.iteration, self.state.consumed_samples):
@@ -387,6 +478,8 @@ class Trainer:
                     if self.env.is_rank0:
                         log.warning("stopping at iteration %d (%s)", self.state.iteration, stop_reason)
                     break
+        if stop_reason is None and self.should_evaluate(final=True):
+            self.evaluate()  # the final validation loss (not on a stop: the grace period is for the checkpoint)
         signal_at = self.stop_signal.received_at if stop_reason == "signal" else None
         self.checkpointer.save_final(
             self.state.iteration, self.state.consumed_samples,
@@ -469,7 +562,8 @@ class Trainer:
                             loss=self.last_log["loss"], tokens_per_second=self.last_log["tokens_per_second"],
                             tflops_per_gpu=self.last_log["tflops_per_gpu"], mfu=self.last_log["mfu"],
                             last_checkpoint_iteration=self.checkpointer.stats.last_published,
-                            stage=self.lifecycle.stage)
+                            stage=self.lifecycle.stage, validation_loss=self.validation_loss,
+                            data=self.sft_data.status() if self.sft_data is not None else None)
         if force:
             self.progress.write_now(snapshot)
         else:
@@ -501,6 +595,8 @@ class Trainer:
                "resumed_from": self.loaded.iteration if self.loaded else None,
                "startup_to_first_iteration_s": self.first_iteration_age_s,
                "hf_import": self.hf_import, "hf_export": getattr(self, "hf_export", None),
+               "validation_loss": self.validation_loss,
+               "sft_data": self.sft_data.status() if self.sft_data is not None else None,
                "peak_rss_gib": peak_rss_gib(),
                "path": self.path.describe()}
         if median:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -29,7 +31,12 @@ def hf_start(cfg):
     from .ckpt_layout import find_resume_checkpoint
     from .hf_source import validate_source
 
-    if cfg.checkpoint.load and find_resume_checkpoint(cfg.checkpoint.load) is not None:
+    load = cfg.checkpoint.load
+    if load and load.startswith("s3://"):
+        from .objstore import configure
+
+        load = configure(load, cfg.checkpoint.object_store_endpoint, cfg.checkpoint.object_store_region)
+    if load and find_resume_checkpoint(load) is not None:
         return None
     return validate_source(cfg.checkpoint.hf_init, cfg)
 
@@ -54,6 +61,8 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code)
     attemptlog.start(cfg.checkpoint.save, runtime.restart_attempt, rank)  # before logging picks its stream
     setup_logging(rank, world)
+    # `kill -USR1 <trainer pid>` (kubectl exec) prints every thread's stack to the log: a hung rank explains itself.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     from .distributed import destroy_distributed, reap_children
     from .loop import Trainer, dump_summary

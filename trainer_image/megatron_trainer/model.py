@@ -39,12 +39,18 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
     t, p = cfg.training, cfg.parallel
     needs_te = [why for cond, why in ((p.context > 1, "--context-parallel-size > 1"),
                                       (t.fp8_format is not None, "--fp8-format")) if cond]
-    if t.transformer_impl == "transformer_engine" and have_te:
+    packed = cfg.data.sft_packing
+    if t.transformer_impl == "transformer_engine" and have_te and not packed:
         return ModelPath("transformer_engine", f"TE DotProductAttention ({t.attention_backend})")
+    if t.transformer_impl == "transformer_engine" and have_te and packed:
+        # TE's attention runs with a causal mask type and ignores an explicit mask, so packed samples would
+        # attend to each other; its packed (THD) format is not wired here. The local path honours the mask.
+        log.warning("--sft-packing: packed samples are kept apart by an attention mask, which Transformer "
+                    "Engine's attention ignores: running the local (Megatron-Core + SDPA) path instead")
     if needs_te:
         raise Fatal(ExitCode.BAD_ARGUMENTS,
                     f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
-    if t.transformer_impl == "transformer_engine":
+    if t.transformer_impl == "transformer_engine" and not (have_te and packed):
         log.warning("!!! --transformer-impl transformer_engine asked for, but Transformer Engine is not "
                     "importable: FALLING BACK to the local (Megatron-Core only) implementation !!!")
     if t.attention_backend in ("unfused", "local"):

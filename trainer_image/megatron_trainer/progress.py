@@ -44,6 +44,8 @@ class Progress:
     mfu: float | None = None
     last_checkpoint_iteration: int | None = None
     stage: str | None = None  # what the trainer is doing: "loading checkpoint 500", "training", ...
+    validation_loss: float | None = None
+    data: Mapping[str, int | float] | None = None  # SFT data counts (status.progress.data)
 
 
 def _finite(value: float | None, digits: int) -> float | None:
@@ -64,6 +66,8 @@ def build_patch(name: str, namespace: str, progress: Progress, now: datetime | N
         "tflopsPerGpu": _finite(progress.tflops_per_gpu, 2),
         "mfu": _finite(progress.mfu, 4),
         "lastCheckpointIteration": progress.last_checkpoint_iteration,
+        "validationLoss": _finite(progress.validation_loss, 6),
+        "data": dict(progress.data) if progress.data else None,
         "updateTime": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     return {
