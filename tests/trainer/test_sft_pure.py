@@ -113,7 +113,7 @@ def test_skip_policy_counts_each_reason_with_line_numbers(chatml, tmp_path):
     assert len(docs) == 2 and d["used"] == 2 and d["skipped"] == len(BAD_LINES)
     assert d["lines"] == 2 + len(BAD_LINES)  # the blank line is not counted
     assert d["skipped_lines"]["not JSON"] == [2] and d["skipped_lines"]["unknown role"] == [3]
-    assert "first skipped lines: not JSON: 2" in sft.describe(stats)
+    assert "first skipped lines: not JSON: 2" in sft.describe(stats.as_dict())
 
 
 def test_template_that_does_not_render_is_a_clear_error(tmp_path):

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 _SAMPLE_SURPLUS = 1.005
 
 
+def total_samples(train_iters: int, global_batch_size: int) -> int:
+    """Samples the run may draw: train_iters x global batch, with Megatron-LM's surplus, plus one batch."""
+    return int(train_iters * global_batch_size * _SAMPLE_SURPLUS) + global_batch_size
+
+
 def dataset_cache_path(cfg: TrainerConfig, shared: bool, num_nodes: int) -> str | None:
     """Megatron builds the index cache on global rank 0 and other ranks read it after a barrier
     (gpt_dataset.py, _build_document_sample_shuffle_indices), so a cache that other nodes cannot see breaks them: then each rank
@@ -98,8 +103,7 @@ def build_data(cfg: TrainerConfig, env: DistEnv, consumed_samples: int, num_node
     from megatron.core import parallel_state
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.model.vocab_size)
-    total = int(cfg.training.train_iters * env.layout.global_batch_size * _SAMPLE_SURPLUS) + \
-        env.layout.global_batch_size
+    total = total_samples(cfg.training.train_iters, env.layout.global_batch_size)
     cache = dataset_cache_path(cfg, cache_shared, num_nodes)
     dataset = build_dataset(cfg, env, tokenizer, total, cache)  # collective: every rank
     num_chunks = cfg.parallel.virtual_pipeline or 1

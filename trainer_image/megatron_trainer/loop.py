@@ -245,13 +245,13 @@ class Trainer:
     def _build_sft_data(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from .data import _SAMPLE_SURPLUS, dataset_cache_path
+        from .data import dataset_cache_path, total_samples
         from .sft_data import build_sft_iterators, load_sft_data
 
         self.lifecycle.enter("tokenizing the fine-tuning data")
         cache = dataset_cache_path(cfg, runtime.data_cache_shared, self.num_nodes)
         self.sft_data = load_sft_data(cfg, self.env, self.vocab_size, self.pad_id, cache)
-        total = int(cfg.training.train_iters * gbs * _SAMPLE_SURPLUS) + gbs
+        total = total_samples(cfg.training.train_iters, gbs)
         self.data_iterators = build_sft_iterators(cfg, self.env, self.sft_data, self.state.consumed_samples, total)
         if self.env.is_rank0:
             log.info("sft: %d iterations x %d samples = %.2f epochs of %d samples", cfg.training.train_iters, gbs,

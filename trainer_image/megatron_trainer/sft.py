@@ -284,8 +284,7 @@ class SFTTokenizer:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prefix = self.template.render(messages[:i], add_generation_prompt=True) if i else \
-                self.template.render([], add_generation_prompt=True)
+            prefix = self.template.render(messages[:i], add_generation_prompt=True)
             upto = self.template.render(messages[: i + 1], add_generation_prompt=False)
             if not upto.startswith(prefix) or not full.startswith(upto):
                 raise SFTDataError("the chat template renders a conversation's earlier turns differently once "
@@ -387,7 +386,7 @@ class SFTTokenizer:
                 flush()
         flush()
         if not ids_all:
-            raise SFTDataError(f"{path}: no usable sample ({_describe(stats)})")
+            raise SFTDataError(f"{path}: no usable sample ({describe(stats.as_dict())})")
         offsets = np.zeros(len(ids_all) + 1, dtype=np.int64)
         np.cumsum([len(a) for a in ids_all], out=offsets[1:])
         docs = SFTDocuments(np.concatenate(ids_all), np.concatenate(mask_all), offsets)
@@ -404,19 +403,14 @@ def _reason_key(message: str) -> str:
     return text.split(" (")[0][:60]
 
 
-def _describe(stats: SFTStats) -> str:
-    d = stats.as_dict()
-    by_reason = f" {d['skipped_by_reason']}" if d["skipped_by_reason"] else ""
-    return (f"{d['lines']} lines, {d['used']} used, {d['skipped']} skipped{by_reason}, "
-            f"{d['truncated']} truncated, {d['dropped_too_long']} dropped as too long")
-
-
-def describe(stats: SFTStats) -> str:
-    """One log line: counts, and the first line numbers of each kind of skip."""
-    text = _describe(stats)
-    if stats.skipped_lines:
+def describe(stats: dict) -> str:
+    """One log line from SFTStats.as_dict(): counts, and the first line numbers of each kind of skip."""
+    by_reason = f" {stats['skipped_by_reason']}" if stats["skipped_by_reason"] else ""
+    text = (f"{stats['lines']} lines, {stats['used']} used, {stats['skipped']} skipped{by_reason}, "
+            f"{stats['truncated']} truncated, {stats['dropped_too_long']} dropped as too long")
+    if stats["skipped_lines"]:
         text += "; first skipped lines: " + "; ".join(f"{r}: {', '.join(map(str, n))}"
-                                                      for r, n in stats.skipped_lines.items())
+                                                      for r, n in stats["skipped_lines"].items())
     return text
 
 
@@ -500,14 +494,9 @@ class SFTSamples:
         return out
 
 
-def epoch_order(num_samples: int, index: int, seed: int) -> int:
-    """The sample behind global index ``index``: each epoch is a fresh permutation from (seed, epoch)."""
-    epoch, i = divmod(index, num_samples)
-    return int(np.random.default_rng([seed, epoch]).permutation(num_samples)[i])
-
-
 class EpochShuffle:
-    """epoch_order with the current epoch's permutation kept (one permutation per epoch, not per sample)."""
+    """Global sample index -> sample: each epoch is a fresh permutation from (seed, epoch), computed once per
+    epoch; without ``shuffle``, file order."""
 
     def __init__(self, num_samples: int, seed: int, shuffle: bool = True):
         self.n, self.seed, self.shuffle = num_samples, seed, shuffle

@@ -152,13 +152,9 @@ def load_sft_data(cfg: TrainerConfig, env: DistEnv, vocab_size: int, pad_id: int
         valid = sft.SFTSamples.build(valid_docs, cfg.model.seq_length, pad_id, d.sft_packing)
     data = SFTData(train, train_stats, valid, valid_stats, time.monotonic() - t0, cached)
     if env.is_rank0:
-        stats = sft.SFTStats(lines=train_stats["lines"], used=train_stats["used"],
-                             truncated=train_stats["truncated"], dropped_too_long=train_stats["dropped_too_long"])
-        stats.skipped.update(train_stats["skipped_by_reason"])
-        stats.skipped_lines = train_stats["skipped_lines"]
         log.info("sft data (%s%s): %s; %d samples of %d tokens (%s, %.1f%% of positions are real tokens), "
                  "%d answer tokens; %.1f s", d.data_format, ", from the cache" if cached else "",
-                 sft.describe(stats), len(train), cfg.model.seq_length, "packed" if d.sft_packing else "padded",
+                 sft.describe(train_stats), len(train), cfg.model.seq_length, "packed" if d.sft_packing else "padded",
                  100 * train.efficiency(), train_stats["loss_tokens"], data.seconds)
         if valid is not None:
             log.info("sft validation data: %d lines, %d samples", valid_stats["lines"], len(valid))
