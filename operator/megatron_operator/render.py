@@ -174,6 +174,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
     # training
     flag("transformer-impl", tr.transformer_impl)
     flag("attention-backend", tr.attention_backend)
+    flag("cuda-graph-impl", {"fullIteration": "full_iteration"}.get(tr.cuda_graph, tr.cuda_graph))
     flag("micro-batch-size", tr.micro_batch_size)
     flag("global-batch-size", layout["globalBatchSize"])
     flag("train-iters", tr.train_iters)

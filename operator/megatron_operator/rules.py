@@ -145,7 +145,7 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "moe-router-topk", "swiglu", "normalization", "position-embedding-type", "rotary-base",
     "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
     "add-qkv-bias", "use-rope-scaling", "rope-scaling-factor", "hidden-dropout", "attention-dropout",
-    "transformer-impl", "attention-backend",
+    "transformer-impl", "attention-backend", "cuda-graph-impl",
     "micro-batch-size", "global-batch-size", "train-iters", "lr", "min-lr", "lr-decay-style",
     "lr-warmup-iters", "lr-decay-iters", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "bf16",
     "fp16", "fp8-format", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
@@ -382,6 +382,13 @@ SPEC_RULES: list[Rule] = [
     Rule("context-needs-flash", "training.attentionBackend",
          f("training.attentionBackend").eq("flash"), when=cp > 1,
          message=lit("spec.training.attentionBackend: context parallelism needs attentionBackend flash")),
+    # The trainer's full-iteration CUDA graph (Megatron-Core's FullCudaGraphWrapper): one pipeline stage, no
+    # per-step routing sizes.
+    Rule("cuda-graph-full-iteration", "training.cudaGraph",
+         (pp.eq(1)) & (experts.eq(0)), when=opt("training.cudaGraph", "auto").eq("fullIteration"),
+         message=fmt("spec.training.cudaGraph: fullIteration needs pipeline 1 and a dense model (pipeline is ",
+                     pp.str(), ", numExperts ", experts.str(), "); use cudaGraph auto, which runs such jobs "
+                     "eagerly")),
     # OptimizerParamScheduler: lr_warmup_steps < lr_decay_steps
     Rule("warmup-before-decay", "training.lrSchedule.warmupIters",
          f("training.lrSchedule.warmupIters") < opt("training.lrSchedule.decayIters", f("training.trainIters")),

@@ -228,6 +228,11 @@ class TrainingSpec(ApiModel):
     attention_backend: Literal["flash", "unfused"] = Field(
         "flash", description="Attention kernel (--attention-backend). flash: fused flash/cuDNN attention; "
         "unfused: materialises the s x s score matrix (Megatron's local attention with transformerImpl local).")
+    cuda_graph: Literal["auto", "none", "fullIteration"] = Field(
+        "auto", description="CUDA graphs (--cuda-graph-impl). auto: the trainer captures each step's forward "
+        "and backward as one graph (full iteration) where that is verified - the TE-less path, pipeline 1, a "
+        "dense model, pretraining data, no --overlap-param-gather - and runs eagerly elsewhere, logging why. "
+        "none: always eager. fullIteration: always the graph (pipeline 1, dense models).")
     seed: int = Field(1234, ge=0, le=2147483647, description="Random seed (--seed).")
     log_interval: int = Field(10, ge=1, le=1000000, description="Iterations between log lines (--log-interval).")
     extra_args: list[Annotated[str, Field(max_length=256)]] = Field(

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from conftest import without
-from megatron_trainer.config import build_parser, parse_args, parse_blend, runtime_from_env, world_layout
+from megatron_trainer.config import (build_parser, parse_args, parse_blend, resolve_cuda_graph, runtime_from_env,
+                                     world_layout)
 
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "trainer-contract.md"
 
@@ -94,6 +95,7 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be >= 1"),
     (lambda a: a + ["--timing-log-level", "5"], "invalid choice"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"], "must be >= 1"),
+    (lambda a: a + ["--cuda-graph-warmup-steps", "0"], "must be >= 1"),
     (lambda a: a + ["--cuda-graph-impl", "full_iteration", "--use-distributed-optimizer", "--overlap-grad-reduce",
                     "--overlap-param-gather"], "drop --overlap-param-gather"),
     (lambda a: a + ["--norm-epsilon", "0"], "--norm-epsilon must be in (0, 1)"),
@@ -187,7 +189,41 @@ def test_pure_modules_do_not_import_torch():
 def test_cuda_graph_flags(mock_argv):
     cfg = parse_args(mock_argv + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"])
     assert (cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps) == ("full_iteration", 2)
-    assert parse_args(mock_argv).training.cuda_graph_impl == "none"
+    assert parse_args(mock_argv).training.cuda_graph_impl == "auto"
+
+
+SFT_ARGV = ["--data-format", "chat", "--sft-train-path", "/d/train.jsonl", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", "/d/tok"]
+
+
+@pytest.mark.parametrize("extra,have_te,impl,reason", [
+    ([], False, "full_iteration", "TE-less path"),
+    ([], True, "full_iteration", "TE-less path"),  # --transformer-impl local
+    (["--transformer-impl", "transformer_engine"], False, "full_iteration", "TE-less path"),  # falls back
+    (["--transformer-impl", "transformer_engine"], True, "none", "Transformer Engine path"),
+    (["--pipeline-model-parallel-size", "2"], False, "none", "PP > 1"),
+    (["--num-experts", "2"], False, "none", "MoE"),
+    (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], False, "none",
+     "--overlap-param-gather"),
+    (["--use-distributed-optimizer", "--overlap-grad-reduce"], False, "full_iteration", "TE-less path"),
+    (["--hf-export-only", "--load", "/c", "--hf-export", "/e"], False, "none", "export-only"),
+    (["--cuda-graph-warmup-steps", "50"], False, "none", "ends before the graph"),
+    (["--cuda-graph-impl", "none"], False, "none", "as asked"),
+    (["--cuda-graph-impl", "full_iteration"], True, "full_iteration", "as asked"),
+])
+def test_cuda_graph_auto(mock_argv, extra, have_te, impl, reason):
+    """`auto` (the default) is the full-iteration graph only where it is verified; the reason is logged."""
+    base = without(mock_argv, "--transformer-impl") if "--transformer-impl" in extra else mock_argv
+    cfg, why = resolve_cuda_graph(parse_args(base + extra), have_te)
+    assert cfg.training.cuda_graph_impl == impl
+    assert reason in why
+
+
+def test_cuda_graph_auto_not_for_sft(mock_argv):
+    argv = [a for a in mock_argv if a != "--mock-data"]
+    argv = without(argv, "--tokenizer-type") + SFT_ARGV
+    cfg, why = resolve_cuda_graph(parse_args(argv), False)
+    assert (cfg.training.cuda_graph_impl, "SFT" in why) == ("none", True)
 
 
 # Megatron-LM flags users pass in spec.training.extraArgs (docs/trainer-contract.md, "extraArgs"): the

@@ -186,11 +186,13 @@ class TrainingConfig:
     overlap_param_gather: bool = field(default=False, metadata=flag(
         "--overlap-param-gather", action="store_true",
         help="Overlap the distributed optimizer's param all-gather with forward."))
-    cuda_graph_impl: str = field(default="none", metadata=flag(
-        "--cuda-graph-impl", choices=("none", "local", "transformer_engine", "full_iteration"),
+    cuda_graph_impl: str = field(default="auto", metadata=flag(
+        "--cuda-graph-impl", choices=("auto", "none", "local", "transformer_engine", "full_iteration"),
         help="CUDA graphs. 'full_iteration' captures forward+backward of a whole step once and replays it "
              "(optimizer outside the graph): removes the per-kernel launch cost of the host. This trainer "
-             "implements 'none' and 'full_iteration' (PP=1, dense models)."))
+             "implements 'none' and 'full_iteration' (PP=1, dense models). 'auto' (the default) is "
+             "full_iteration where it has been verified (the TE-less path, PP=1, dense, pretraining, no "
+             "--overlap-param-gather) and none elsewhere; the log says which and why."))
     cuda_graph_warmup_steps: int = field(default=3, metadata=flag(
         "--cuda-graph-warmup-steps", type=int, help="Eager steps before the CUDA graph is captured."))
     no_bias_activation_fusion: bool = field(default=False, metadata=flag(
@@ -513,6 +515,29 @@ def validate(cfg: TrainerConfig) -> None:
         check(cfg)
 
 
+def resolve_cuda_graph(cfg: TrainerConfig, have_te: bool) -> tuple[TrainerConfig, str]:
+    """`--cuda-graph-impl auto` made concrete: full_iteration where the full-iteration graph has been
+    verified (docs/trainer.md, "CUDA graphs"), none elsewhere. Returns the config (unchanged unless it
+    said auto) and the reason, for the start-up log; an explicit choice is returned as given."""
+    t = cfg.training
+    if t.cuda_graph_impl != "auto":
+        return cfg, "as asked"
+    why_not = [why for cond, why in (
+        (cfg.checkpoint.hf_export_only, "an export-only run trains nothing"),
+        (cfg.parallel.pipeline > 1, "pipeline parallelism (PP > 1) is not captured"),
+        (cfg.model.num_experts is not None, "MoE routing sizes change every step"),
+        (t.overlap_param_gather, "--overlap-param-gather waits inside the graph for a gather started outside it"),
+        (t.fp8_format is not None, "FP8 runs on Transformer Engine, where the graph is not verified"),
+        (t.transformer_impl == "transformer_engine" and have_te and not cfg.data.sft_packing,
+         "the Transformer Engine path is not verified under the graph"),
+        (cfg.data.sft, "fine-tuning data (SFT) is not verified under the graph"),
+        (t.train_iters <= t.cuda_graph_warmup_steps, "the run ends before the graph would be captured"),
+    ) if cond]
+    impl = "none" if why_not else "full_iteration"
+    reason = "; ".join(why_not) if why_not else "TE-less path, PP=1, dense, pretraining"
+    return dataclasses.replace(cfg, training=dataclasses.replace(t, cuda_graph_impl=impl)), reason
+
+
 def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.training
     for name, value in (("--tensor-model-parallel-size", p.tensor), ("--pipeline-model-parallel-size", p.pipeline),
@@ -609,8 +634,8 @@ def _validate_training(cfg: TrainerConfig) -> None:
             raise ValueError("--cuda-graph-impl full_iteration with --overlap-param-gather is not supported: the "
                              "parameter all-gather starts after the optimizer, outside the graph, and is waited "
                              "for inside it; drop --overlap-param-gather (--overlap-grad-reduce is fine)")
-        if t.cuda_graph_warmup_steps < 1:
-            raise ValueError("--cuda-graph-warmup-steps must be >= 1 (the graph is captured after eager steps)")
+    if t.cuda_graph_impl in ("full_iteration", "auto") and t.cuda_graph_warmup_steps < 1:
+        raise ValueError("--cuda-graph-warmup-steps must be >= 1 (the graph is captured after eager steps)")
     if t.manual_gc_interval < 0:
         raise ValueError("--manual-gc-interval must be >= 0")
     if t.manual_gc_interval and not t.manual_gc:

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Sequence
 
 from . import attemptlog
-from .config import parse_args, runtime_from_env
+from .config import parse_args, resolve_cuda_graph, runtime_from_env
 from .exitcodes import ExitCode, Fatal, Lifecycle, classify, fatal_message, write_termination_message
 
 
@@ -49,6 +49,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"megatron_trainer: {e}", file=sys.stderr)
         return int(ExitCode.BAD_ARGUMENTS)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    from .model import te_available
+
+    cfg, graph_reason = resolve_cuda_graph(cfg, te_available())  # before CUDA and the process group start
     if cfg.checkpoint.hf_export_only:  # weights only, from any layout; no data
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
             cfg.checkpoint, no_load_optim=True, no_load_rng=True))
@@ -63,6 +66,8 @@ def main(argv: Sequence[str]) -> int:
     setup_logging(rank, world)
     # `kill -USR1 <trainer pid>` (kubectl exec) prints every thread's stack to the log: a hung rank explains itself.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if rank == 0:
+        logging.getLogger("megatron_trainer").info("CUDA graph: %s (%s)", cfg.training.cuda_graph_impl, graph_reason)
 
     from .distributed import destroy_distributed, reap_children
     from .loop import Trainer, dump_summary
