@@ -93,7 +93,37 @@ MODELS = {
     "mem_s4k": dict(layers=12, hidden=1536, heads=12, ffn=6144, seq=4096, vocab=32768, mbs=4),
     # 7B-class, same architecture family as the peer's model (so the peer runs it too): issue 8's scale run.
     "gpt7b": dict(layers=32, hidden=4096, heads=32, ffn=16384, seq=2048, vocab=32768, mbs=1),
+    # Llama architecture (issue 29): RMSNorm, SwiGLU, RoPE (base 500k), GQA (8 KV groups), no biases, untied
+    # embeddings; sizes of Llama-3.2-1B / -3B / Llama-3-8B (the operator's llama3-8b preset), random weights.
+    "llama1b": dict(layers=16, hidden=2048, heads=32, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
+    "llama3b": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
+    "llama3b_s2k": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=2048, vocab=128256, mbs=1, accum=4,
+                        arch="llama"),  # Megatron-LM's unfused attention at 4096 does not fit one 80 GB GPU
+    "llama8b": dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, seq=4096, vocab=128256, mbs=1, arch="llama"),
+    "llama8b_s2k": dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, seq=2048, vocab=128256, mbs=1,
+                        accum=8, arch="llama"),  # what fits 2 x H100 80 GB at TP=2 with Adam and no recompute
 }
+
+
+def llama_flags(m: dict) -> list[str]:
+    """The architecture flags of a Llama model, the same for ours and Megatron-LM's pretrain_gpt.py."""
+    if m.get("arch") != "llama":
+        return []
+    return ["--normalization", "RMSNorm", "--norm-epsilon", "1e-05", "--position-embedding-type", "rope",
+            "--rotary-base", "500000", "--swiglu", "--group-query-attention", "--num-query-groups", str(m["groups"]),
+            "--disable-bias-linear"]
+
+
+def model_flops(model: str, gbs: int) -> float:
+    """FLOPs of one iteration: Megatron-LM 0.19's formula (SwiGLU's third matrix, GQA's smaller K/V, the
+    causal s^2 term halved) for Llama models; the classic formula (the peers') for the GPT models."""
+    from megatron_trainer import flops
+
+    m = MODELS[model]
+    if m.get("arch") == "llama":
+        return flops.megatron_flops_per_iteration(gbs, m["seq"], m["layers"], m["hidden"], m["heads"], m["groups"],
+                                                  m["ffn"], flops.padded_vocab_size(m["vocab"], 128, 1), swiglu=True)
+    return flops.classic_flops_per_iteration(gbs, m["seq"], m["layers"], m["hidden"], m["vocab"])
 
 WORK = Path(os.environ.get("SUITE_WORK", "/tmp/suite"))
 OURS_EXTRA: list[str] = []  # --ours-extra: appended to every trainer command line
@@ -115,7 +145,7 @@ def model_args(name: str) -> list[str]:
             "--num-attention-heads", str(m["heads"]), "--ffn-hidden-size", str(m["ffn"]),
             "--seq-length", str(m["seq"]), "--max-position-embeddings", str(m["seq"]),
             "--vocab-size", str(m["vocab"]), "--normalization", "LayerNorm",
-            "--position-embedding-type", "learned_absolute", "--untie-embeddings-and-output-weights"]
+            "--position-embedding-type", "learned_absolute", "--untie-embeddings-and-output-weights", *llama_flags(m)]
 
 
 def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="flash", lr="1e-3",
@@ -599,7 +629,7 @@ def scenario_sigterm(ctx) -> dict:
     for name, ref in ctx.get("refs", {}).items():
         if ctx["gpus"] > 1 and "pp" not in name:
             continue  # on several GPUs: the pipeline layout (stages must agree across the p2p schedule)
-        save = str(WORK / "ckpt" / f"term_{name}")
+        save = ckpt_loc(str(WORK / "ckpt" / f"term_{name}"))  # s3://suite/term_<layout> with --object-store
         shutil.rmtree(save, ignore_errors=True)
         args = [save if a == ref["save"] else a for a in ref["args"]]
         run = Run(f"sigterm_{name}", ctx["gpus"], args)
@@ -1257,17 +1287,29 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
                TP=str(tp), PP=str(pp), LAYERS=str(m["layers"]), HIDDEN=str(m["hidden"]), HEADS=str(m["heads"]),
                FFN=str(m["ffn"]), SEQ=str(m["seq"]), VOCAB=str(m["vocab"]), MBS=str(m["mbs"]), GBS=str(gbs),
                ITERS="26", CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()))
+    # Extra flags reach pretrain_gpt.py after the script's own (argparse: the last one wins). No RoPE fusion:
+    # it needs Transformer Engine, and ours runs RoPE unfused on the local path too.
+    extra = llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" else [])
+    # mlm_peer.sh prints only its RESULT line; its full log (mktemp) lands here, for report_memory's peak.
+    tmp = WORK / f"{name}_tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    env["TMPDIR"] = str(tmp)
     try:
-        p = subprocess.run(["bash", str(REPO / ".run" / "mlm_peer.sh")], capture_output=True, text=True, env=env,
-                           timeout=bounded(420))
+        p = subprocess.run(["bash", str(REPO / ".run" / "mlm_peer.sh"), *extra], capture_output=True, text=True,
+                           env=env, timeout=bounded(420))
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), -999
-    (LOGS / f"{name}.log").write_text(text)
+    full = "".join(f.read_text(errors="replace") for f in sorted(tmp.glob("tmp.*")))
+    (LOGS / f"{name}.log").write_text(text + "\n--- pretrain_gpt.py log ---\n" + full[-200000:])
+    text += full
     mm = MLM_RE.search(text)
     if not mm:
         return {"rc": rc, "error": text[-800:]}
-    return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct": float(mm.group(2)), "losses_1_5": json.loads(mm.group(3))}
+    peaks = [float(x) / 1024 for x in re.findall(r"\| max allocated: ([0-9.]+)", text)]  # report_memory, MB
+    return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct_classic": float(mm.group(2)),
+            "losses_1_5": json.loads(mm.group(3)), "peak_alloc_gib": round(max(peaks), 2) if peaks else None}
 
 
 def all_gpus(gpus: int) -> str:
@@ -1311,14 +1353,17 @@ def threeway_layout(ctx, layout: str) -> dict:
     model = ctx.get("bench_model", "gpt1b")
     m = MODELS[model]
     dp = gpus // (tp * pp)
-    gbs = m["mbs"] * dp * (4 if pp > 1 else 1)  # PP=2: 4 micro-batches (global batch 16 at mbs 4)
+    # PP=2: 4 micro-batches (global batch 16 at mbs 4); a model may ask for more ("accum").
+    gbs = m["mbs"] * dp * m.get("accum", 4 if pp > 1 else 1)
     visible = all_gpus(gpus)
     out: dict = {"layout": layout, "gpus": gpus, "model": model, "global_batch": gbs}
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
     # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
     variants = [("default", [])] + ([("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])] if dp > 1 else [])
-    if "graph" in ctx.get("threeway_variants", ()) and pp == 1:
-        variants.append(("graph", ["--cuda-graph-impl", "full_iteration"]))
+    # ours' default has the full-iteration CUDA graph where the trainer verifies it (--cuda-graph-impl auto:
+    # PP=1 here); "eager" measures the same run without it.
+    if "eager" in ctx.get("threeway_variants", ()) and pp == 1:
+        variants.append(("eager", ["--cuda-graph-impl", "none"]))
     for variant, extra in variants:
         key = "ours" if variant == "default" else f"ours_{variant}"
         ours = Run(f"threeway_{key}_{layout}", gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26,
@@ -1329,23 +1374,36 @@ def threeway_layout(ctx, layout: str) -> dict:
         ms = ours.iteration_ms()
         steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
         it_ms = statistics.median(steady) if steady else None
+        peaks = [float(x.group(5)) for x in ITER_RE.finditer(ours.text())]
+        graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", ours.text())
         out[key] = {"rc": rc, "iter_ms": it_ms, "flags": extra,
-                    "losses_1_5": [ours.losses().get(i) for i in range(1, 6)]}
+                    "losses_1_5": [ours.losses().get(i) for i in range(1, 6)],
+                    "peak_alloc_gib_logging_rank": max(peaks) if peaks else None,
+                    "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}
         if it_ms:
             from megatron_trainer import flops
 
-            classic = flops.classic_flops_per_iteration(gbs, m["seq"], m["layers"], m["hidden"], m["vocab"])
-            thr = flops.throughput(classic, gbs * m["seq"], it_ms / 1000, gpus)
-            out[key].update({"mfu_pct_classic": round(100 * thr["mfu"], 2),
+            thr = flops.throughput(model_flops(model, gbs), gbs * m["seq"], it_ms / 1000, gpus)
+            formula = "megatron" if m.get("arch") == "llama" else "classic"
+            out[key].update({f"mfu_pct_{formula}": round(100 * thr["mfu"], 2),
                              "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
     ours_ms, rc = out["ours"]["iter_ms"], out["ours"]["rc"]
     out["megatron_lm"] = mlm = run_mlm_peer(f"threeway_mlm_{layout}", gpus, model, tp, pp, gbs, visible)
-    if pp == 1:
+    if mlm.get("iter_ms"):
+        from megatron_trainer import flops
+
+        thr = flops.throughput(model_flops(model, gbs), gbs * m["seq"], mlm["iter_ms"] / 1000, gpus)
+        mlm.update({f"mfu_pct_{'megatron' if m.get('arch') == 'llama' else 'classic'}": round(100 * thr["mfu"], 2),
+                    "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
+    losses_ours, losses_mlm = out["ours"]["losses_1_5"], mlm.get("losses_1_5") or []
+    if len(losses_mlm) == 5 and None not in losses_ours:
+        out["losses_1_5_max_abs_diff_vs_megatron_lm"] = max(abs(a - b) for a, b in zip(losses_ours, losses_mlm))
+    if pp == 1 and m.get("arch") != "llama":  # the guides' loop builds a GPT only
         out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
     failures: list[str] = []
     check(ours_ms is not None, f"ours rc={rc}", failures)
     check("iter_ms" in mlm, "Megatron-LM did not run", failures)
-    for key in ("ours", "ours_overlap", "ours_graph"):
+    for key in ("ours", "ours_overlap", "ours_eager"):
         ratio = ratio_vs_mlm(out.get(key, {}).get("iter_ms"), mlm)
         if ratio is not None:
             out[f"{key}_speedup_vs_megatron_lm"] = ratio
@@ -1378,13 +1436,14 @@ def scenario_pods(ctx) -> dict:
     subprocess.run(["chmod", "-R", "a+rX,go-w", str(corpus)], check=True)  # read-only PVC, owned by root
     _, ns_ok, ns_msg = _pod_setup(ctx)
     out = {"mount_namespace_per_pod": ns_ok, "namespace_probe": ns_msg}
-    for job in POD_JOBS:
+    jobs = ctx.get("pod_jobs") or POD_JOBS
+    for job in jobs:
         try:
             out[job] = pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / f"{job}.yaml")
         except Exception as e:
             out[job] = {"ok": False, "failures": [f"{type(e).__name__}: {e}"], "trace": traceback.format_exc()[-1500:]}
         flush_outputs(ctx["out_dir"], {**ctx.get("results", {}), "pods": out}, ctx)
-    return {"ok": all(out[j]["ok"] for j in POD_JOBS), **out}
+    return {"ok": all(out[j]["ok"] for j in jobs), **out}
 
 
 def scenario_preempt(ctx) -> dict:
@@ -1489,9 +1548,11 @@ def main() -> int:
     ap.add_argument("--bench-variant", default="foreach",
                     help="PERF_VARIANTS entry ours runs in the benchmark, or 'auto': the fastest one perf measured")
     ap.add_argument("--ours-extra", default="", help="flags appended to every trainer command line (space separated)")
+    ap.add_argument("--pod-jobs", default="", help=f"e2e/gpu/jobs of the pods scenario (default {','.join(POD_JOBS)}; "
+                    "llama-1gpu runs on one GPU)")
     ap.add_argument("--threeway", default="tp2",
                     help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}")
-    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway: graph")
+    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway: eager (no CUDA graph)")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
@@ -1518,7 +1579,8 @@ def main() -> int:
            "perf_variants": args.perf_variants.split(",") if args.perf_variants else None,
            "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp,
            "bench_variant": args.bench_variant, "threeway": args.threeway,
-           "threeway_variants": set(filter(None, args.threeway_variants.split(",")))}
+           "threeway_variants": set(filter(None, args.threeway_variants.split(","))),
+           "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
