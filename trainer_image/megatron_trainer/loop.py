@@ -336,6 +336,7 @@ class Trainer:
 
         self.lifecycle.enter("exporting to Hugging Face format")
         self.checkpointer.finalize(blocking=True)
+        self.release_cuda_graph()  # training is over: the export's gathers run with no captured graph alive
         torch.cuda.synchronize()
         self.hf_export = export_weights(self.model, self.cfg, self.env, self.state.iteration, self.padded_vocab)
         self.hf_export["peak_rss_gib"] = peak_rss_gib()
