@@ -1397,7 +1397,7 @@ def threeway_layout(ctx, layout: str) -> dict:
                     "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
     losses_ours, losses_mlm = out["ours"]["losses_1_5"], mlm.get("losses_1_5") or []
     if len(losses_mlm) == 5 and None not in losses_ours:
-        out["losses_1_5_max_abs_diff_vs_megatron_lm"] = max(abs(a - b) for a, b in zip(losses_ours, losses_mlm))
+        out["losses_1_5_max_abs_diff_vs_megatron_lm"] = max(abs(a - b) for a, b in zip(losses_ours, losses_mlm, strict=True))
     if pp == 1 and m.get("arch") != "llama":  # the guides' loop builds a GPT only
         out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
     failures: list[str] = []

@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 from conftest import without
-from megatron_trainer.config import (build_parser, parse_args, parse_blend, resolve_cuda_graph, runtime_from_env,
-                                     world_layout)
+from megatron_trainer.config import (
+    build_parser,
+    parse_args,
+    parse_blend,
+    resolve_cuda_graph,
+    runtime_from_env,
+    world_layout,
+)
 
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "trainer-contract.md"
 
