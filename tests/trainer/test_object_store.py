@@ -358,3 +358,16 @@ def test_hf_export_prefix_must_be_apart_from_the_checkpoints():
     for export in ("s3://bkt/runs/a", "s3://bkt/runs/a/hf", "s3://bkt/runs", "s3://bkt"):
         with pytest.raises(SystemExit):
             parse_args([*base, "--save", "s3://bkt/runs/a", "--load", "s3://bkt/runs/a", "--hf-export", export])
+
+
+def test_hf_export_to_an_unreachable_store_is_retriable(server, creds, monkeypatch):
+    from megatron_trainer.exitcodes import ExitCode, classify
+    from megatron_trainer.hf_export import StoreExport
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    target = StoreExport("s3://hf-gone/exports/ft", f"http://127.0.0.1:{s3server._free_port()}", "us-east-1",
+                         profile=f"export{next(_profiles)}")
+    with pytest.raises(objstore.ObjectStoreError) as err:
+        target.prepare(1)
+    assert err.value.retriable is True, str(err.value)
+    assert classify(err.value, first_iteration_done=True) == ExitCode.ERROR  # a gang restart exports again
