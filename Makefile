@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 S3VENV ?= .venv-s3
 S3STAMP := $(S3VENV)/.installed
 
-.PHONY: help venv s3-venv s3-test versitygw constraints-objstore torch-tests test unit e2e cluster-build helm promtool argocd cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
+.PHONY: help venv s3-venv s3-test versitygw constraints-objstore constraints-trainer torch-tests test unit e2e cluster-build helm promtool argocd cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -53,6 +53,21 @@ constraints-objstore:
 	 echo "# pins python-dateutil<3 against the kubernetes client's >=3, so it cannot share .venv)."; \
 	 echo "# Regenerate: make constraints-objstore."; \
 	 /tmp/mo-constraints-s3/bin/pip freeze) > constraints-objstore.txt
+
+# The trainer image's pins (Dockerfile.trainer, scripts/images.sh trainer): what pip resolves for the
+# `trainer` extra under the torch venv's and the object-storage venv's pins (they agree where they
+# overlap), without installing anything (pip's resolver report). The image carries no Kubernetes
+# client, so boto3's python-dateutil<3 does not meet the operator's >=3 (constraints.txt) there.
+constraints-trainer:
+	rm -rf /tmp/mo-constraints-trainer && py=$$(scripts/find-python.sh) && "$$py" -m venv /tmp/mo-constraints-trainer
+	/tmp/mo-constraints-trainer/bin/pip install -q --dry-run --ignore-installed --report /tmp/mo-constraints-trainer/report.json \
+	  -c constraints-torch.txt -c constraints-objstore.txt '.[trainer]'
+	(echo "# Pinned versions of the trainer image's Python packages (the trainer extra, multi-storage-client[boto3]"; \
+	 echo "# included; torch and the CUDA wheels for stand-in builds: an NGC base keeps its own, Dockerfile.trainer)."; \
+	 echo "# Regenerate: make constraints-trainer (pip's resolver report under constraints-torch.txt + constraints-objstore.txt)."; \
+	 /tmp/mo-constraints-trainer/bin/python -c "import json; r = json.load(open('/tmp/mo-constraints-trainer/report.json')); \
+	   pins = [m['name'] + '==' + m['version'] for m in (i['metadata'] for i in r['install']) if m['name'] != 'megatron-operator']; \
+	   print(chr(10).join(sorted(pins, key=str.lower)))") > constraints-trainer.txt
 
 # The trainer's CPU tests that run torch and Megatron-Core (gloo): packed SFT losses, the HF converter
 # against transformers, the SDPA paths. Their own venv, pinned by constraints-torch.txt (torch's PyPI

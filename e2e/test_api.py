@@ -114,7 +114,13 @@ HF_CASES = {c[0]: c for c in CASES if c[0].startswith(("hf-", "bad-hf-"))}
     ("bad-hf-export-inside-init", "spec.export.huggingFace.path: a/ft is inside spec.init.huggingFace.path a on "
                                   "PVC m"),
     ("hf-init-export", None),
-], ids=["init-non-llama-refused", "export-inside-init-refused", "init-and-export-admitted"])
+    ("bad-hf-export-inside-checkpoints", "spec.export.huggingFace.path: runs/a/hf is inside "
+                                         "spec.checkpoint.objectStore.prefix runs/a; export to a prefix apart"),
+    ("bad-hf-export-object-store-without-one", "spec.export.huggingFace.objectStore: the export goes to the bucket "
+                                               "of spec.checkpoint.objectStore, and this job has none"),
+    ("hf-export-object-store", None),
+], ids=["init-non-llama-refused", "export-inside-init-refused", "init-and-export-admitted",
+        "export-inside-checkpoint-prefix-refused", "export-to-store-without-store-refused", "export-to-store-admitted"])
 def test_hf_init_and_export_rules_at_the_api_server(cluster, crd, namespace, case_id, fragment):
     """The Hugging Face rules by name (the table above runs them all): the API server's message."""
     verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace,

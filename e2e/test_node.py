@@ -16,6 +16,9 @@ are missing, and the kubelet is built on first use (`e2e/cluster/build.sh kubele
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -169,3 +172,187 @@ def test_helm_install_runs_the_operator_as_a_real_pod(cluster, crd, node, image,
                 jobs.delete(name)
         rel.uninstall()
         core.delete_namespace(rel.namespace)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 32: the volumes this turn added, as the operator renders them, on a real kubelet.
+# ---------------------------------------------------------------------------------------------------
+MOUNT_CHECK_TIMEOUT_S = 120
+CREDENTIALS_DIR = "/var/run/secrets/megatron-operator/object-store"
+# Runs in the rendered container (as its uid, under its securityContext): what it sees, as JSON. The
+# credentials file is hashed, never printed (pod logs are not a place for it).
+MOUNT_CHECK = r"""
+import errno, hashlib, json, os, sys
+paths = json.loads(sys.argv[1])
+facts = {"uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups()), "files": {}, "write": {}}
+for path in paths["files"]:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        facts["files"][path] = {"mode": st.st_mode & 0o7777, "uid": st.st_uid, "gid": st.st_gid, "sha256": digest}
+    except OSError as e:
+        facts["files"][path] = {"error": errno.errorcode.get(e.errno, str(e.errno))}
+for d in paths["dirs"]:
+    try:
+        with open(os.path.join(d, ".mount-check"), "w") as f:
+            f.write("x")
+        os.unlink(os.path.join(d, ".mount-check"))
+        facts["write"][d] = "ok"
+    except OSError as e:
+        facts["write"][d] = errno.errorcode.get(e.errno, str(e.errno))
+os.makedirs(paths["export_parent"], exist_ok=True)
+with open(os.path.join(paths["export_parent"], "written-in-pod"), "w") as f:
+    f.write(str(os.getuid()))
+facts["env"] = dict(os.environ)
+with open("/proc/1/cmdline", "rb") as f:
+    facts["cmdline"] = f.read().decode(errors="replace")
+with open("/proc/self/mounts") as f:
+    table = {line.split()[1]: line.split()[3].split(",")[0] for line in f}
+facts["mounts"] = {d: table.get(os.path.realpath(d)) for d in paths["dirs"]}  # /var/run -> /run in the image
+print(json.dumps(facts))
+"""
+
+
+def _host_volume(core, ns: str, claim: str, root: Path, files: dict[str, str], owner: int | None = None) -> str:
+    """A hostPath PersistentVolume on `root` holding `files`, pre-bound to the claim `claim` of `ns`."""
+    root.mkdir(parents=True)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+        if owner is not None:
+            os.chown(p, owner, owner)
+    pv = f"{ns}-{claim}"
+    core.create_persistent_volume({"metadata": {"name": pv}, "spec": {
+        "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+        "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(root), "type": "Directory"},
+        "claimRef": {"namespace": ns, "name": claim}}})
+    core.create_namespaced_persistent_volume_claim(ns, {"metadata": {"name": claim}, "spec": {
+        "accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+        "resources": {"requests": {"storage": "1Gi"}}}})
+    return pv
+
+
+def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, image, namespace, tmp_path):
+    """The operator's render of a job with an SFT data PVC, HF init and export PVCs and an object-store
+    credentials Secret: the API server takes the MegatronJob and the JobSet (server-side dry run) and
+    the job's ServiceAccount/Role/RoleBinding; the real kubelet mounts the rendered volumes into the
+    rendered container (its securityContext, env and mounts; only image, command, GPU limit and
+    placement swapped for a node without GPUs): files at the flags' paths, read-only where rendered
+    so, the credentials file 0440 for the fsGroup, the export PVC writable by the trainer's uid, and
+    no credential in the pod spec, its env or its command line."""
+    from megatron_operator.render import render
+    from megatron_operator.settings import Settings
+    from megatron_operator.validation import parse_job
+
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    access, secret = "AKIA" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
+    credentials = f"[default]\naws_access_key_id = {access}\naws_secret_access_key = {secret}\n"
+    doc = {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+           "metadata": {"name": "mounts", "namespace": namespace}, "spec": {
+               "numNodes": 1, "gpusPerNode": 1,
+               "model": {"numLayers": 2, "hiddenSize": 64, "numAttentionHeads": 4, "numQueryGroups": 2,
+                         "seqLength": 32, "vocabSize": 128, "activation": "swiglu", "normalization": "RMSNorm",
+                         "positionEmbedding": "rope", "addBiasLinear": False},
+               "training": {"microBatchSize": 1, "globalBatchSize": 1, "trainIters": 2},
+               "data": {"pvc": "sft-data", "format": "chat", "sft": {"train": "sft/train.jsonl"}},
+               "init": {"huggingFace": {"pvc": "models", "path": "llama/tiny"}},
+               "export": {"huggingFace": {"pvc": "exports", "path": "ft/tiny"}},
+               "checkpoint": {"objectStore": {"bucket": "ckpt-bucket", "endpoint": "http://127.0.0.1:9",
+                                              "region": "us-east-1", "credentialsSecret": "s3-creds"}}}}
+    objs = render(parse_job(doc), Settings())
+    jobset = next(o for o in objs if o["kind"] == "JobSet")
+    args = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    def flag(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    train, hf_init, hf_export = flag("--sft-train-path"), flag("--hf-init"), flag("--hf-export")
+    assert (train, hf_init, hf_export) == ("/data/sft/train.jsonl", "/hf-init/llama/tiny", "/hf-export/ft/tiny")
+
+    # What the API server accepts: the MegatronJob (CRD schema + CEL), the JobSet (server-side dry run:
+    # the JobSet controller would otherwise start it on the kwok nodes), the job's identity (created).
+    custom.create_namespaced_custom_object("megatron-operator.io", "v1alpha1", namespace, "megatronjobs", doc,
+                                           dry_run="All")
+    group, version = jobset["apiVersion"].split("/")
+    custom.create_namespaced_custom_object(group, version, namespace, "jobsets", jobset, dry_run="All")
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
+    for o in objs:
+        if o["kind"] == "ServiceAccount":
+            core.create_namespaced_service_account(namespace, o)
+        elif o["kind"] == "Role":
+            rbac.create_namespaced_role(namespace, o)
+        elif o["kind"] == "RoleBinding":
+            rbac.create_namespaced_role_binding(namespace, o)
+
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "s3-creds"}, "stringData": {
+        "credentials": credentials}})
+    chat = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    volumes = {"sft-data": _host_volume(core, namespace, "sft-data", tmp_path / "data", {"sft/train.jsonl": chat}),
+               "models": _host_volume(core, namespace, "models", tmp_path / "models",
+                                      {"llama/tiny/config.json": '{"model_type": "llama"}\n'}),
+               # the export PVC's directory belongs to the trainer's uid, as an RWX share provisioned for it
+               "exports": _host_volume(core, namespace, "exports", tmp_path / "exports", {}, owner=1000)}
+    try:
+        cluster.wait_for(lambda: all(core.read_namespaced_persistent_volume_claim(c, namespace).status.phase
+                                     == "Bound" for c in volumes), 60, "the PVCs to bind", namespace=namespace)
+        template = copy.deepcopy(jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
+        pod_spec = template["spec"]
+        container = pod_spec["containers"][0]
+        files = [train, f"{hf_init}/config.json", f"{CREDENTIALS_DIR}/credentials"]
+        dirs = ["/data", "/hf-init", "/hf-export", CREDENTIALS_DIR, "/tmp", "/dev/shm", "/"]
+        container.update(image=image, imagePullPolicy="Never", command=["python", "-c", MOUNT_CHECK, json.dumps(
+            {"files": files, "dirs": dirs, "export_parent": os.path.dirname(hf_export)})])
+        del container["resources"]["limits"]["nvidia.com/gpu"]  # the real node has no GPU (kwok's have)
+        pod_spec["nodeSelector"] = {"megatron-operator.io/real-node": "true"}
+        pod_spec["tolerations"] = [*pod_spec.get("tolerations", []),
+                                   {"key": real_node.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+        labels = {**template["metadata"]["labels"], "jobset.sigs.k8s.io/job-global-index": "0",
+                  "jobset.sigs.k8s.io/restart-attempt": "0"}
+        pod = core.create_namespaced_pod(namespace, {"metadata": {"name": "mounts-check", "labels": labels},
+                                                     "spec": pod_spec})
+        assert pod.spec.node_name in (None, node["node"])
+        done = cluster.wait_for(
+            lambda: (p := core.read_namespaced_pod("mounts-check", namespace)).status.phase in ("Succeeded", "Failed")
+            and p, MOUNT_CHECK_TIMEOUT_S, "the mount check pod to finish", namespace=namespace)
+        # the API server cannot reach this kubelet's log endpoint by node name (no DNS for it): the CRI log file
+        log = "".join(line.split(" ", 3)[3] for f in sorted((real_node.node_dir() / "pod-logs").glob(
+            f"{namespace}_mounts-check_*/trainer/*.log")) for line in f.read_text().splitlines(keepends=True))
+        assert done.status.phase == "Succeeded", f"{done.status}\n{log[-3000:]}"
+        assert done.spec.node_name == node["node"]
+        facts = json.loads(log.strip().splitlines()[-1])
+    finally:
+        with contextlib.suppress(kubernetes.client.ApiException):
+            core.delete_namespaced_pod("mounts-check", namespace, grace_period_seconds=0)
+        for pv in volumes.values():
+            with contextlib.suppress(kubernetes.client.ApiException):
+                core.delete_persistent_volume(pv)
+
+    # the trainer's identity, as rendered
+    assert (facts["uid"], facts["gid"]) == (1000, 1000) and 1000 in facts["groups"]
+    # files at the paths the rendered flags name, with the content put on the volumes
+    sha = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in
+           {train: chat, f"{hf_init}/config.json": '{"model_type": "llama"}\n',
+            f"{CREDENTIALS_DIR}/credentials": credentials}.items()}
+    for path, digest in sha.items():
+        assert facts["files"][path].get("sha256") == digest, (path, facts["files"][path])
+    # the credentials: one key of the Secret, 0440, group = the fsGroup (boto3 as uid 1000 read it above)
+    cred = facts["files"][f"{CREDENTIALS_DIR}/credentials"]
+    assert (cred["mode"], cred["gid"]) == (0o440, 1000), cred
+    # read-only where rendered so, writable where the trainer writes
+    assert facts["write"]["/data"] == facts["write"]["/hf-init"] == facts["write"][CREDENTIALS_DIR] == "EROFS", \
+        facts["write"]
+    assert facts["mounts"]["/data"] == facts["mounts"]["/hf-init"] == facts["mounts"][CREDENTIALS_DIR] == "ro"
+    assert facts["mounts"]["/hf-export"] == "rw" and facts["write"]["/hf-export"] == "ok"
+    assert facts["write"]["/tmp"] == facts["write"]["/dev/shm"] == "ok"
+    assert facts["write"]["/"] in ("EROFS", "EACCES")  # readOnlyRootFilesystem (and not root)
+    written = tmp_path / "exports" / "ft" / "written-in-pod"
+    assert written.read_text() == "1000" and written.stat().st_uid == 1000  # on the PVC, as the trainer's uid
+    # no credential anywhere but the file: not in the pod (as the API server stores it), env or command
+    stored = json.dumps(kubernetes.client.ApiClient().sanitize_for_serialization(done))
+    for value in (secret, access):
+        assert value not in stored and value not in json.dumps(facts["env"]) and value not in facts["cmdline"]
+    assert facts["env"]["AWS_SHARED_CREDENTIALS_FILE"] == f"{CREDENTIALS_DIR}/credentials"

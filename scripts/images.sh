@@ -105,16 +105,19 @@ cmd_base() {
 
 # pip wheel of an extra's dependencies (and the build backend) into a cache keyed by the inputs.
 # Prints the directory.
+# The trainer's pins are its own (constraints-trainer.txt: multi-storage-client's boto3 needs
+# python-dateutil<3, the operator's kubernetes client >=3; the trainer image has no Kubernetes client).
 wheelhouse() {
-  local extra=$1 py version key dir
+  local extra=$1 py version key dir constraints=constraints.txt
+  [ "$extra" = trainer ] && constraints=constraints-trainer.txt
   py=$(host_python); version=$(python_version "$py")
-  key=$(key_of constraints.txt pyproject.toml <(echo "$extra $version"))
+  key=$(key_of "$constraints" pyproject.toml <(echo "$extra $version"))
   dir=$CACHE/wheelhouse/$extra-py$version-$key
   if [ ! -f "$dir/.complete" ]; then
-    log "wheelhouse: pip wheel '.[$extra]' (constraints.txt) into $dir"
+    log "wheelhouse: pip wheel '.[$extra]' ($constraints) into $dir"
     rm -rf "$dir" && mkdir -p "$dir"
     "$py" -m pip wheel --quiet --disable-pip-version-check --wheel-dir "$dir" \
-      --constraint constraints.txt ".[$extra]" 'setuptools>=68' wheel >&2
+      --constraint "$constraints" ".[$extra]" 'setuptools>=68' wheel >&2
     rm -f "$dir"/megatron_operator-*.whl   # the project itself is built inside the image
     touch "$dir/.complete"
     find "$CACHE/wheelhouse" -mindepth 1 -maxdepth 1 -name "$extra-py*" ! -path "$dir" -exec rm -rf {} +   # superseded keys
@@ -169,6 +172,24 @@ eod = tok.token_to_id("<|endoftext|>")
 assert all(int(view.sequence(i)[-1]) == eod for i in range(len(texts)))
 print(f"preprocess as uid {os.getuid()}: {len(texts)} documents, {int(view.sequence_lengths.sum())} tokens")
 ' || die "preprocess failed in $image"
+  # multi-storage-client with boto3 (object-storage checkpoints and exports): a client built the
+  # trainer's way; with no network, the store is unreachable and the error classified as retriable.
+  run_image 1000 --entrypoint python "$image" -c '
+import os
+with open("/tmp/credentials", "w") as f:
+    f.write("[default]\naws_access_key_id = a\naws_secret_access_key = b\n")
+os.environ.update(AWS_SHARED_CREDENTIALS_FILE="/tmp/credentials", AWS_CONFIG_FILE="/tmp/none", AWS_MAX_ATTEMPTS="1")
+import boto3, multistorageclient
+from megatron_trainer.objstore import MscStore, ObjectStoreError, configure
+store = MscStore(configure("s3://ckpt-bucket/run", "http://127.0.0.1:9", "us-east-1"))
+try:
+    store.ensure_root()
+except ObjectStoreError as e:
+    assert e.retriable, e
+    print(f"multi-storage-client {multistorageclient.__version__}, boto3 {boto3.__version__}: {str(e)[:90]}")
+else:
+    raise SystemExit("an unreachable store answered")
+' || die "the object-store client failed in $image"
 }
 
 case ${1:-} in

@@ -53,6 +53,9 @@ OPERATOR_ONLY = {
     "data-sft-eval-interval": "evalInterval is rendered only with a validation file",
     "hf-export-outside-init": "the two PVCs are mounted apart (/hf-init, /hf-export): the trainer cannot see "
                               "that two paths are one directory of one volume",
+    "hf-export-one-location": "the spec's export section shape (one location is rendered)",
+    "hf-export-object-store-needs-checkpoint-store": "the bucket comes from spec.checkpoint.objectStore: without "
+                                                     "it the spec names none to render",
     "checkpoint-one-location": "the spec's checkpoint section shape (one location is rendered)",
     "checkpoint-path-with-pvc": "the spec's checkpoint section shape (path is not rendered for objectStore)",
     "tensorboard-needs-checkpoint-pvc": "where the event files go (nothing to render without a checkpoint PVC)",

@@ -8,6 +8,9 @@
              torch_dist checkpoint exported again under PP=2 with --hf-export-only must be
              bit-identical; transformers' logits of the export against Megatron's (the export
              imported); a resume with the HF directory gone uses the job's own checkpoint
+  hf_store   issue 33 (--object-store): the same with checkpoints and the export in the S3 server on
+             loopback: the export in the bucket == --hf-export-only to a directory (PP=2) bit for bit;
+             again: skipped; a prefix with someone else's key: exit 2, left as it was
   hf_bench   a Llama-3.2-1B-architecture model (random, made here) at TP=2: start -> first iteration
              from HF against resuming the same model from its torch_dist checkpoint (same call),
              host peak RSS per rank (and a baseline run without any load), export time
@@ -127,6 +130,78 @@ def scenario_hf_train(ctx) -> dict:
             f"first iteration {min(resumed.losses() or {0: 0})}", failures)
     s.check("hf import:" not in resumed.text(), "the resume did not import", failures)
     for r in (train, only, resumed):
+        r.close()
+    return {"ok": not failures, "failures": failures, **res}
+
+
+def scenario_hf_store(ctx) -> dict:
+    """Issue 33 (needs --object-store): the real trainer (TP=2) imports from HF, trains 10 iterations with
+    its checkpoints in s3://suite/hf_store and exports to s3://suite/exports/hf_store; --hf-export-only
+    of that checkpoint under PP=2 to a local directory must equal the downloaded export bit for bit; the
+    same export again is skipped (a restart after the export); a prefix holding a key the trainer did
+    not write is refused (exit 2) and left as it was."""
+    s = _suite()
+    if not s.STORE:
+        return {"ok": False, "error": "needs --object-store"}
+    import boto3
+
+    srv = s.STORE["server"]
+    s3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1",
+                      aws_access_key_id=srv.access_key, aws_secret_access_key=srv.secret_key)
+
+    def keys(prefix: str) -> list[str]:
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=s.STORE_BUCKET, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    work = s.WORK / "hf_store"
+    src, local, downloaded = work / "src", work / "export-only-pp2", work / "downloaded"
+    src.mkdir(parents=True)
+    config = hc.make_model("tiny-llama3", src, "bfloat16")
+    ckpt, export = f"s3://{s.STORE_BUCKET}/hf_store", f"s3://{s.STORE_BUCKET}/exports/hf_store"
+    store = ["--object-store-endpoint", s.STORE["endpoint"], "--object-store-region", "us-east-1"]
+    failures: list[str] = []
+    res: dict = {}
+    train = s.Run("hf_store_train_tp2", 2, _argv(config, 2, 1, 10, [
+        "--hf-init", str(src), "--save", ckpt, "--load", ckpt, "--save-interval", "10", "--ckpt-format",
+        "torch_dist", "--hf-export", export, *store]))
+    rc = train.wait(240)
+    res["train"] = {"rc": rc, "summary": train.summary()}
+    s.check(rc == 0, f"train with --hf-export s3:// exit {rc}", failures)
+    exported = keys("exports/hf_store/")
+    res["export_keys"] = exported
+    s.check("exports/hf_store/.megatron-export.json" in exported
+            and "exports/hf_store/.megatron-export-partial" not in exported
+            and "exports/hf_store/model.safetensors.index.json" in exported,
+            f"the export is complete in the bucket: {exported}", failures)
+    only = s.Run("hf_store_export_only_pp2", 2, _argv(config, 1, 2, 10, [
+        "--hf-init", str(src), "--load", ckpt, "--hf-export", str(local), "--hf-export-only", *store]))
+    rc = only.wait(180)
+    s.check(rc == 0, f"--hf-export-only of the s3:// checkpoint under PP=2 to a directory: exit {rc}", failures)
+    downloaded.mkdir()
+    for key in exported:
+        s3.download_file(s.STORE_BUCKET, key, str(downloaded / key.rsplit("/", 1)[1]))
+    if local.is_dir() and exported:
+        same = hc.compare_export(downloaded, local)
+        res["store_vs_local"] = same
+        s.check(not same["not_identical"] and same["config_equal"] and same["tensors"] == same["exported"],
+                f"the export in the bucket (TP=2) == --hf-export-only to a directory (PP=2): "
+                f"{same['not_identical'][:3]}", failures)
+    again = s.Run("hf_store_export_again", 2, _argv(config, 2, 1, 10, [
+        "--hf-init", str(src), "--load", ckpt, "--hf-export", export, "--hf-export-only", *store]))
+    rc = again.wait(180)
+    s.check(rc == 0 and "already holds the export of iteration 10" in again.text(),
+            f"the same export again is skipped: exit {rc}", failures)
+    s3.put_object(Bucket=s.STORE_BUCKET, Key="exports/taken/README.md", Body=b"not the trainer's")
+    taken = s.Run("hf_store_taken", 2, _argv(config, 2, 1, 10, [
+        "--hf-init", str(src), "--load", ckpt, "--hf-export", f"s3://{s.STORE_BUCKET}/exports/taken",
+        "--hf-export-only", *store]))
+    rc = taken.wait(180)
+    res["taken"] = {"rc": rc}
+    # torchrun exits 1 when a worker fails; the worker's own code is in its message
+    s.check(rc != 0 and "exit 2 (" in taken.text() and "did not write" in taken.text()
+            and keys("exports/taken/") == ["exports/taken/README.md"],
+            f"a taken prefix is refused (torchrun exit {rc}, the worker's exit 2) and left as it was", failures)
+    for r in (train, only, again, taken):
         r.close()
     return {"ok": not failures, "failures": failures, **res}
 

@@ -1515,10 +1515,16 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
              "deterministic": scenario_deterministic, "detcost": scenario_detcost, "objbench": scenario_objbench, "threeway": scenario_threeway}
 try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
-    from hf import scenario_hf_bench, scenario_hf_logits, scenario_hf_pods, scenario_hf_train
+    from hf import (
+        scenario_hf_bench,
+        scenario_hf_logits,
+        scenario_hf_pods,
+        scenario_hf_store,
+        scenario_hf_train,
+    )
 
     SCENARIOS.update(hf_logits=scenario_hf_logits, hf_train=scenario_hf_train, hf_bench=scenario_hf_bench,
-                     hf_pods=scenario_hf_pods)
+                     hf_pods=scenario_hf_pods, hf_store=scenario_hf_store)
 except ImportError as _e:  # pragma: no cover - reported by --only hf_*
     print(f"hf scenarios unavailable: {_e}", file=sys.stderr)
 try:  # issue 28: supervised fine-tuning (e2e/gpu/sft.py; transformers for the oracle)
@@ -1593,7 +1599,7 @@ def main() -> int:
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 300, "objbench": 200,
                   "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
-                  "hf_pods": 200}
+                  "hf_pods": 200, "hf_store": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):

@@ -77,6 +77,16 @@ def checkpoint_dir(job: MegatronJob) -> str | None:
     return f"{CHECKPOINT_MOUNT}/{ckpt.path or job.metadata.name}"
 
 
+def hf_export_location(job: MegatronJob) -> str:
+    """--hf-export: the directory on the export PVC, or s3://BUCKET/PATH in the checkpoint bucket (whose
+    --object-store-endpoint/--object-store-region the trainer uses for both)."""
+    export = job.spec.export.hugging_face
+    store = job.spec.checkpoint.object_store if export.object_store and job.spec.checkpoint else None
+    if store is not None:
+        return f"s3://{store.bucket}/{export.path}"
+    return f"{HF_EXPORT_MOUNT}/{export.path}"
+
+
 #: Where the object-store credentials Secret is mounted (read-only) in the trainer container.
 OBJECT_STORE_CREDENTIALS_MOUNT = "/var/run/secrets/megatron-operator/object-store"
 
@@ -265,7 +275,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
     if spec.init is not None:
         flag("hf-init", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
     if spec.export is not None:
-        flag("hf-export", f"{HF_EXPORT_MOUNT}/{spec.export.hugging_face.path}")
+        flag("hf-export", hf_export_location(job))
     return a + list(tr.extra_args)
 
 
@@ -408,7 +418,7 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
         volumes.append({"name": "hf-init", "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
                                                                      "readOnly": True}})
         mounts.append({"name": "hf-init", "mountPath": HF_INIT_MOUNT, "readOnly": True})
-    if spec.export is not None:
+    if spec.export is not None and spec.export.hugging_face.pvc is not None:
         volumes.append({"name": "hf-export", "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}})
         mounts.append({"name": "hf-export", "mountPath": HF_EXPORT_MOUNT})
     container: dict[str, Any] = {

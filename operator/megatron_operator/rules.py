@@ -579,7 +579,7 @@ SPEC_RULES += [
     Rule("hf-export-outside-init", "export.huggingFace.path",
          ~(export_path.eq(init_path) | StartsWith(export_path, init_path + "/")
            | StartsWith(init_path, export_path + "/")),
-         when=has("init") & has("export") & export_pvc.eq(init_pvc),
+         when=has("init") & has("export") & has("export.huggingFace.pvc") & export_pvc.eq(init_pvc),
          message=fmt("spec.export.huggingFace.path: ", export_path,
                      cond(export_path.eq(init_path), " is the same directory as",
                           cond(StartsWith(export_path, init_path + "/"), " is inside", " contains")),
@@ -590,6 +590,8 @@ SPEC_RULES += [
 
 # Checkpoints in object storage (spec.checkpoint.objectStore, docs/object-storage.md).
 ckpt_store = has("checkpoint") & has("checkpoint.objectStore")
+export_to_store = has("export") & f("export.huggingFace.objectStore")
+ckpt_prefix = f("checkpoint.objectStore.prefix")
 sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
 WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
 # Environment variables that hold an object-store credential: never as a literal value in the spec
@@ -619,6 +621,26 @@ SPEC_RULES += [
          when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
          message=lit("spec.checkpoint.objectStore: give credentialsSecret or serviceAccountAnnotations "
                      "(workload identity), not both")),
+    Rule("hf-export-one-location", "export.huggingFace",
+         has("export.huggingFace.pvc").ne(f("export.huggingFace.objectStore")), when=has("export"),
+         message=lit("spec.export.huggingFace: give exactly one of pvc and objectStore: true")),
+    Rule("hf-export-object-store-needs-checkpoint-store", "export.huggingFace.objectStore",
+         ckpt_store, when=export_to_store,
+         message=lit("spec.export.huggingFace.objectStore: the export goes to the bucket of "
+                     "spec.checkpoint.objectStore, and this job has none; set spec.checkpoint.objectStore, or "
+                     "export to a pvc")),
+    # An export among the checkpoints' keys would mix the two (and its never-overwrite check would refuse
+    # the prefix the checkpoints fill). The default prefix is the job's name, which a spec rule cannot see:
+    # the trainer refuses that overlap at start-up (exit 2).
+    Rule("hf-export-outside-checkpoint-prefix", "export.huggingFace.path",
+         ~(export_path.eq(ckpt_prefix) | StartsWith(export_path, ckpt_prefix + "/")
+           | StartsWith(ckpt_prefix, export_path + "/")),
+         when=export_to_store & ckpt_store & has("checkpoint.objectStore.prefix"),
+         message=fmt("spec.export.huggingFace.path: ", export_path,
+                     cond(export_path.eq(ckpt_prefix), " is the same prefix as",
+                          cond(StartsWith(export_path, ckpt_prefix + "/"), " is inside", " contains")),
+                     " spec.checkpoint.objectStore.prefix ", ckpt_prefix,
+                     "; export to a prefix apart from the checkpoints, e.g. exports/<name>")),
     Rule("env-no-literal-credentials", "env",
          All(f("env"), "e", ~(Matches(Field("name", "e"), CREDENTIAL_ENV_RE) & Has(Field("value", "e")))),
          message=fmt("spec.env: ",

@@ -381,13 +381,27 @@ class InitSpec(ApiModel):
                                          "hf-config prints the block).")
 
 
+class HuggingFaceExportDir(ApiModel):
+    """Where a Hugging Face export goes: a directory on a PVC, or a prefix in the job's checkpoint bucket."""
+
+    pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim that "
+                            "holds the directory, mounted read-write at /hf-export. Exactly one of pvc and "
+                            "objectStore.")
+    object_store: bool = Field(False, description="Write to the bucket of spec.checkpoint.objectStore instead "
+                               "(same endpoint, region and credentials), under the key prefix `path` "
+                               "(docs/object-storage.md). Exactly one of pvc and objectStore.")
+    path: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Directory inside the PVC, "
+                      "or key prefix inside the bucket (relative: no leading '/', no '..' or '.' components).")
+
+
 class ExportSpec(ApiModel):
     """Where the trained model is written when training finishes."""
 
-    hugging_face: HuggingFaceDir = Field(..., description="Write the model as a Hugging Face checkpoint "
-                                         "(safetensors, config.json, tokenizer) to this directory when training "
-                                         "finishes; the PVC is mounted read-write at /hf-export (--hf-export). "
-                                         "Never the init directory, nor inside it or around it.")
+    hugging_face: HuggingFaceExportDir = Field(
+        ..., description="Write the model as a Hugging Face checkpoint (safetensors, config.json, tokenizer) "
+        "when training finishes (--hf-export): to a directory on a PVC, never the init directory nor inside "
+        "it or around it; or to the checkpoint bucket, apart from the checkpoints' prefix. An export never "
+        "overwrites: a target that already holds files is refused.")
 
 
 class LoggingSpec(ApiModel):

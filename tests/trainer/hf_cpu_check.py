@@ -186,8 +186,8 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
             model_parallel_cuda_manual_seed(1234)
         env = Env(rank, world, cpu_group)
         result["jobs"] = []
-        for src, out, precision in args.jobs:
-            src, out = Path(src), Path(out)
+        for src, dst, precision in args.jobs:
+            src = Path(src)
             job: dict = {"src": src.name, "precision": precision}
             result["jobs"].append(job)
             config = json.loads((src / "config.json").read_text())
@@ -209,11 +209,20 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
                 job["argmax_equal"] = float((logits.argmax(-1) == ref32.argmax(-1)).float().mean())
                 job["argmax_equal_vs_hf_same_dtype"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
                 job["hf_bf16_argmax_vs_fp32"] = float((ref.argmax(-1) == ref32.argmax(-1)).float().mean())
-            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, hf_export=str(out.resolve())))
+            if dst.startswith("s3://"):  # the object store: the endpoint is the checkpoints' flag
+                export = {"hf_export": dst, "object_store_endpoint": args.endpoint, "object_store_region": "us-east-1"}
+            else:
+                export = {"hf_export": str(Path(dst).resolve())}
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **export))
             job["export"] = export_weights(model, cfg, env, 0, padded, max_shard_bytes=args.max_shard_bytes)
             del model
     except BaseException as e:  # report, do not hang the other ranks' collectives forever
+        from megatron_trainer.exitcodes import classify, fatal_message
+
+        code = classify(e, first_iteration_done=True)
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        result["exit_code"] = int(code)
+        result["fatal_message"] = fatal_message(e, code, rank, "exporting to Hugging Face format")
         Path(results_path + f".{rank}").write_text(json.dumps(result))
         os._exit(1)
     Path(results_path + f".{rank}").write_text(json.dumps(result))
@@ -266,8 +275,10 @@ def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32
 
 
 def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, work: Path,
-             max_shard_bytes: int = 5 * 10**9) -> list[dict]:
-    """(HF source directory, export directory, precision) jobs at one layout, one set of workers."""
+             max_shard_bytes: int = 5 * 10**9, endpoint: str | None = None) -> list[dict]:
+    """(HF source directory, export directory or s3://BUCKET/PREFIX, precision) jobs at one layout, one set
+    of workers. An s3:// export goes to `endpoint` (credentials from boto3's chain); the caller downloads
+    it to compare (no "roundtrip" here)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -275,7 +286,8 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = argparse.Namespace(tp=tp, pp=pp, jobs=jobs, device=device, max_shard_bytes=max_shard_bytes)
+    args = argparse.Namespace(tp=tp, pp=pp, jobs=jobs, device=device, max_shard_bytes=max_shard_bytes,
+                              endpoint=endpoint)
     results = str(work / f"results-{tp}-{pp}")
     world = tp * pp
     ctx = mp.get_context("spawn")
@@ -295,6 +307,8 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
         done = [r["jobs"][i] for r in per_rank if len(r.get("jobs", [])) > i]
         if len(done) < world or errors:
             summary["error"] = errors[0] if errors else "not run"
+            summary["exit_codes"] = [r.get("exit_code") for r in per_rank]
+            summary["fatal_messages"] = [r.get("fatal_message") for r in per_rank]
             out.append(summary)
             continue
         last = done[-1]
@@ -302,7 +316,9 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
                                                  "logit_scale", "argmax_equal", "argmax_equal_vs_hf_same_dtype",
                                                  "hf_bf16_argmax_vs_fp32")})
         summary["import_s_max"] = max(d["import"]["seconds"] for d in done)
-        summary["roundtrip"] = compare_export(Path(src), Path(dst))
+        summary["export"] = [d.get("export") for d in done]
+        if not dst.startswith("s3://"):
+            summary["roundtrip"] = compare_export(Path(src), Path(dst))
         out.append(summary)
     return out
 

@@ -114,11 +114,13 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--save", "s3://ckpt-bucket/run", "--load", "/ckpt/run"], "both be s3:// or both"),
     (lambda a: a + ["--save", "s3://B/run"], "is not an s3://BUCKET/PREFIX URL"),
     (lambda a: a + ["--save", "s3://ckpt-bucket/a/../b"], "'.' or '..' part"),
-    (lambda a: a + ["--save", "/ckpt/run", "--object-store-endpoint", "http://h:9000"], "need --save or --load s3://"),
+    (lambda a: a + ["--save", "/ckpt/run", "--object-store-endpoint", "http://h:9000"],
+     "need an s3://BUCKET/PREFIX --save, --load or --hf-export"),
     (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--object-store-endpoint", "http://key:secret@h:9000"],
      "no path, no user info"),
-    (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--hf-export", "s3://ckpt-bucket/hf"],
-     "s3:// is not supported there yet"),
+    (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--load", "s3://ckpt-bucket/r", "--hf-export",
+                    "s3://ckpt-bucket/r/hf"], "overlaps the checkpoint location s3://ckpt-bucket/r"),
+    (lambda a: a + ["--hf-export", "s3://B/hf"], "is not an s3://BUCKET/PREFIX URL"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:

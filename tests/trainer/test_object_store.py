@@ -244,3 +244,130 @@ def test_classification_of_s3_error_codes(code, status, retriable):
     except objstore.ObjectStoreError as raised:
         assert classify(raised, True) == (ExitCode.ERROR if retriable else ExitCode.OBJECT_STORE_REFUSED)
     assert classify(exc, True) == (ExitCode.ERROR if retriable else ExitCode.OBJECT_STORE_REFUSED)
+
+
+# ---------------------------------------------------------------- Hugging Face export to the store
+def _export_target(server, url: str):
+    from megatron_trainer.hf_export import StoreExport
+
+    return StoreExport(url, server.endpoint, "us-east-1", profile=f"export{next(_profiles)}")
+
+
+def _bucket_keys(server, bucket: str, prefix: str) -> list[str]:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                      aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key)
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def test_hf_export_to_the_store_is_complete_only_at_the_end_and_never_overwrites(server, creds, tmp_path):
+    from megatron_trainer.hf_source import MARKER, PARTIAL_MARKER
+
+    server.make_bucket("hf-exp")
+    target = _export_target(server, "s3://hf-exp/exports/ft")
+    assert target.check_at_start() is None
+    assert target.prepare(20) == ("go", "")
+    target.begin("")
+    shard = target.shard_path("model-00001-of-00001.safetensors")
+    shard.write_bytes(b"\0" * 1000)
+    target.shard_written(shard.name, shard)
+    assert not shard.exists()  # the staging copy is gone once uploaded
+    # Shards are there, nothing that makes it loadable or complete yet.
+    assert _bucket_keys(server, "hf-exp", "exports/ft/") == [
+        f"exports/ft/{PARTIAL_MARKER}", "exports/ft/model-00001-of-00001.safetensors"]
+    for name in ("config.json", "model.safetensors.index.json"):
+        (target.dir / name).write_text("{}")
+    target.publish(["config.json", "model.safetensors.index.json"], {"iteration": 20})
+    staging = target.dir
+    target.close()
+    assert not staging.exists()
+    assert _bucket_keys(server, "hf-exp", "exports/ft/") == [
+        f"exports/ft/{MARKER}", "exports/ft/config.json", "exports/ft/model-00001-of-00001.safetensors",
+        "exports/ft/model.safetensors.index.json"]
+    # A restart after the export: skipped; another iteration: refused, nothing touched.
+    again = _export_target(server, "s3://hf-exp/exports/ft")
+    assert again.check_at_start() is None
+    assert again.prepare(20)[0] == "skip"
+    verdict, message = again.prepare(30)
+    assert verdict == "fail" and "already holds an export of iteration 20" in message
+    assert len(_bucket_keys(server, "hf-exp", "exports/ft/")) == 4
+
+
+def test_hf_export_to_the_store_restarts_an_interrupted_export_and_refuses_foreign_keys(server, creds):
+    from megatron_trainer.hf_source import PARTIAL_MARKER
+    from megatron_trainer.objstore import MscStore
+
+    server.make_bucket("hf-exp2")
+    first = _export_target(server, "s3://hf-exp2/exports/ft")
+    assert first.prepare(5)[0] == "go"
+    first.begin("")
+    shard = first.shard_path("model-00001-of-00002.safetensors")
+    shard.write_bytes(b"x" * 100)
+    first.shard_written(shard.name, shard)
+    first.close()  # the attempt dies here
+    retry = _export_target(server, "s3://hf-exp2/exports/ft")
+    assert retry.check_at_start() is None  # an interrupted export of ours is not "foreign"
+    assert retry.prepare(5) == ("go", "")
+    assert _bucket_keys(server, "hf-exp2", "exports/ft/") == [f"exports/ft/{PARTIAL_MARKER}"]
+
+    # Keys this trainer did not write: refused at start-up and at export time, naming one of them.
+    MscStore(_root(server, "hf-exp2", "models/base")).write_text("config.json", "{}")
+    MscStore(_root(server, "hf-exp2", "models/base-2")).write_text("x", "y")  # a sibling prefix is not inside
+    taken = _export_target(server, "s3://hf-exp2/models/base")
+    message = taken.check_at_start()
+    assert "already holds 1 object(s) this trainer did not write" in message and "'config.json'" in message
+    assert taken.prepare(5) == ("fail", message)
+    assert _bucket_keys(server, "hf-exp2", "models/base/") == ["models/base/config.json"]
+
+
+def test_hf_export_to_the_store_with_bad_credentials_exits_7_without_the_secret(server, tmp_path, monkeypatch,
+                                                                               caplog):
+    import logging
+
+    from megatron_trainer.exitcodes import ExitCode, classify, fatal_message
+
+    server.make_bucket("hf-exp3")
+    caplog.set_level(logging.DEBUG)
+    wrong = "Q" * 10 + server.secret_key[10:]
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(server.credentials_file(tmp_path / "bad", secret_key=wrong)))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    target = _export_target(server, "s3://hf-exp3/exports/ft")
+    for attempt in (target.check_at_start, lambda: target.prepare(1)):
+        with pytest.raises(objstore.ObjectStoreError) as err:
+            attempt()
+        assert classify(err.value, first_iteration_done=True) == ExitCode.OBJECT_STORE_REFUSED
+        message = fatal_message(err.value, ExitCode.OBJECT_STORE_REFUSED, 0, "exporting to Hugging Face format")
+        assert "exit 7" in message and "SignatureDoesNotMatch" in message and "hf-exp3" in str(err.value)
+        for text in (message, caplog.text):
+            assert wrong not in text and server.secret_key not in text
+    assert _bucket_keys(server, "hf-exp3", "") == []
+
+
+def test_hf_export_prefix_must_be_apart_from_the_checkpoints():
+    from megatron_trainer.config import parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    ok = parse_args([*base, "--save", "s3://bkt/runs/a", "--load", "s3://bkt/runs/a", "--hf-export", "s3://bkt/runs/a-hf"])
+    assert ok.checkpoint.hf_export == "s3://bkt/runs/a-hf"
+    # the export alone (checkpoints on a PVC) takes the object-store flags too
+    assert parse_args([*base, "--hf-export", "s3://bkt/x", "--object-store-endpoint", "http://h:9000"])
+    for export in ("s3://bkt/runs/a", "s3://bkt/runs/a/hf", "s3://bkt/runs", "s3://bkt"):
+        with pytest.raises(SystemExit):
+            parse_args([*base, "--save", "s3://bkt/runs/a", "--load", "s3://bkt/runs/a", "--hf-export", export])
+
+
+def test_hf_export_to_an_unreachable_store_is_retriable(server, creds, monkeypatch):
+    from megatron_trainer.exitcodes import ExitCode, classify
+    from megatron_trainer.hf_export import StoreExport
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    target = StoreExport("s3://hf-gone/exports/ft", f"http://127.0.0.1:{s3server._free_port()}", "us-east-1",
+                         profile=f"export{next(_profiles)}")
+    with pytest.raises(objstore.ObjectStoreError) as err:
+        target.prepare(1)
+    assert err.value.retriable is True, str(err.value)
+    assert classify(err.value, first_iteration_done=True) == ExitCode.ERROR  # a gang restart exports again

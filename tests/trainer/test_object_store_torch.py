@@ -98,3 +98,101 @@ def test_two_ranks_save_kill_resume_retention(server, tmp_path):
         assert rank["resume"] == [3, "tracker"]
         assert rank["iteration"] == 3
         assert rank["weight_bit_exact"] and rank["bias_bit_exact"]
+
+
+# ---------------------------------------------------------------- Hugging Face export to the store
+def _download(server, bucket: str, prefix: str, dest: Path) -> list[str]:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                      aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key)
+    dest.mkdir(parents=True)
+    names = []
+    for key in _keys(server, bucket, prefix):
+        name = key[len(prefix):]
+        s3.download_file(bucket, key, str(dest / name))
+        names.append(name)
+    return names
+
+
+def _hf_env(server, tmp_path, monkeypatch, secret_key: str | None = None) -> None:
+    """The credentials as the operator projects them (a file named by path); the spawned ranks inherit it."""
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE",
+                       str(server.credentials_file(tmp_path / "credentials", secret_key=secret_key)))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_hf_export_to_the_store_loads_in_transformers_like_the_local_export(server, tmp_path, monkeypatch):
+    """A tiny Llama made with transformers (random weights), imported into Megatron-Core at PP=2 and
+    exported twice by the same ranks: to a local directory and to s3:// (several shards per stage, each
+    stage uploading its own). The downloaded export is byte-identical to the local one and to the source,
+    and transformers gives the source's logits from it."""
+    require("transformers")
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import hf_cpu_check as hc
+
+    _hf_env(server, tmp_path, monkeypatch)
+    server.make_bucket("hf-torch")
+    src = tmp_path / "src"
+    src.mkdir()
+    hc.make_model("tiny-llama3", src)
+    local = tmp_path / "local-export"
+    jobs = [(str(src), str(local), "fp32"), (str(src), "s3://hf-torch/exports/tiny", "fp32")]
+    results = hc.run_jobs(jobs, 1, 2, "cpu", tmp_path, max_shard_bytes=200_000, endpoint=server.endpoint)
+    for r in results:
+        assert "error" not in r, r["error"]
+    assert results[1]["export"][0]["shards"] >= 4  # both stages wrote several shards
+    names = _download(server, "hf-torch", "exports/tiny/", tmp_path / "from-store")
+    store = tmp_path / "from-store"
+    # the completion marker is there and the partial one gone; the same files as the local export
+    assert ".megatron-export.json" in names and ".megatron-export-partial" not in names
+    assert sorted(names) == sorted(p.name for p in local.iterdir())
+    for name in names:
+        if name != ".megatron-export.json":
+            assert (store / name).read_bytes() == (local / name).read_bytes(), name
+    rt = hc.compare_export(src, store)
+    assert not rt["not_identical"] and not rt["extra"] and rt["config_equal"] and rt["tensors"] == rt["exported"]
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 1000, (2, 16))
+    assert torch.equal(hc.hf_logits(store, tokens), hc.hf_logits(src, tokens))
+
+
+def test_hf_export_to_the_store_refusals_exit_codes_and_no_secret(server, tmp_path, monkeypatch):
+    """Through the ranks' export: a prefix holding someone else's keys -> exit 2 on every rank, nothing
+    written there; a wrong secret key -> exit 7 (not retried) with the S3 code, the secret in no message."""
+    require("transformers")
+    sys.path.insert(0, str(HERE))
+    import hf_cpu_check as hc
+
+    _hf_env(server, tmp_path, monkeypatch)
+    server.make_bucket("hf-refuse")
+    src = tmp_path / "src"
+    src.mkdir()
+    hc.make_model("tiny-llama3", src)
+    import boto3
+
+    boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id=server.access_key,
+                 aws_secret_access_key=server.secret_key).put_object(Bucket="hf-refuse", Key="taken/README.md",
+                                                                     Body=b"someone else's")
+    (tmp_path / "a").mkdir()
+    (taken,) = hc.run_jobs([(str(src), "s3://hf-refuse/taken", "fp32")], 1, 2, "cpu", tmp_path / "a",
+                           endpoint=server.endpoint)
+    assert taken["exit_codes"] == [2, 2], taken
+    assert "already holds 1 object(s) this trainer did not write" in taken["fatal_messages"][0]
+    assert _keys(server, "hf-refuse", "taken/") == ["taken/README.md"]
+
+    wrong = "W" * 8 + server.secret_key[8:]
+    _hf_env(server, tmp_path, monkeypatch, secret_key=wrong)
+    (tmp_path / "b").mkdir()
+    (refused,) = hc.run_jobs([(str(src), "s3://hf-refuse/exports/x", "fp32")], 1, 2, "cpu", tmp_path / "b",
+                             endpoint=server.endpoint)
+    assert refused["exit_codes"] == [7, 7], refused
+    for message in refused["fatal_messages"]:
+        assert "exit 7" in message and "not retried" in message and "SignatureDoesNotMatch" in message
+        assert wrong not in message and server.secret_key not in message
+    assert wrong not in refused["error"]
+    assert _keys(server, "hf-refuse", "exports/") == []

@@ -242,6 +242,32 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ckpt"}}}), None),
     ("env-credential-from-secret", make_job(env=[{"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {
         "secretKeyRef": {"name": "s3", "key": "secret"}}}]), None),
+    ("hf-export-object-store", make_job(model=LLAMA_TINY, checkpoint={"objectStore": {"bucket": "ckpt-bucket",
+                                                                                      "prefix": "runs/a"}},
+                                        export={"huggingFace": {"objectStore": True, "path": "exports/a"}}), None),
+    ("hf-export-object-store-sibling-prefix", make_job(
+        model=LLAMA_TINY, checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "runs/a"}},
+        export={"huggingFace": {"objectStore": True, "path": "runs/a-hf"}}), None),
+    ("hf-export-object-store-default-prefix", make_job(model=LLAMA_TINY, checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket"}}, export={"huggingFace": {"objectStore": True, "path": "exports/a"}}), None),
+    ("bad-hf-export-both-locations", make_job(model=LLAMA_TINY, checkpoint={"objectStore": {"bucket": "ckpt-bucket"}},
+                                              export={"huggingFace": {"pvc": "m", "objectStore": True, "path": "x"}}),
+     "hf-export-one-location"),
+    ("bad-hf-export-no-location", make_job(model=LLAMA_TINY, export={"huggingFace": {"path": "x"}}),
+     "hf-export-one-location"),
+    ("bad-hf-export-object-store-without-one", make_job(model=LLAMA_TINY, checkpoint={"pvc": "ckpt"},
+                                                        export={"huggingFace": {"objectStore": True, "path": "x"}}),
+     "hf-export-object-store-needs-checkpoint-store"),
+    ("bad-hf-export-same-prefix", make_job(model=LLAMA_TINY, checkpoint={"objectStore": {"bucket": "ckpt-bucket",
+                                                                                         "prefix": "runs/a"}},
+                                           export={"huggingFace": {"objectStore": True, "path": "runs/a"}}),
+     "hf-export-outside-checkpoint-prefix"),
+    ("bad-hf-export-inside-checkpoints", make_job(
+        model=LLAMA_TINY, checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "runs/a"}},
+        export={"huggingFace": {"objectStore": True, "path": "runs/a/hf"}}), "hf-export-outside-checkpoint-prefix"),
+    ("bad-hf-export-around-checkpoints", make_job(
+        model=LLAMA_TINY, checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "runs/a"}},
+        export={"huggingFace": {"objectStore": True, "path": "runs"}}), "hf-export-outside-checkpoint-prefix"),
     ("bad-checkpoint-both", make_job(checkpoint={"pvc": "ckpt", "objectStore": {"bucket": "ckpt-bucket"}}),
      "checkpoint-one-location"),
     ("bad-checkpoint-neither", make_job(checkpoint={"interval": 10}), "checkpoint-one-location"),

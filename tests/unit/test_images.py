@@ -173,6 +173,32 @@ def test_trainer_image_is_ngc_pytorch_with_only_the_trainer_extra():
     assert "--constraint /tmp/base-constraints.txt" in cmds and "transformer" in cmds
 
 
+def _pins(name: str) -> dict[str, str]:
+    return {re.sub(r"[-_.]+", "-", line.split("==")[0]).lower(): line.split("==")[1].strip()
+            for line in (ROOT / name).read_text().splitlines() if "==" in line and not line.startswith("#")}
+
+
+def test_trainer_image_pins_its_extra_with_multi_storage_client_and_no_kubernetes_client():
+    """Issue 33: the trainer image installs multi-storage-client[boto3], pinned by constraints-trainer.txt,
+    which agrees with the venvs the object-store and torch tests ran in; no Kubernetes client, so boto3's
+    python-dateutil<3 meets nothing that needs >=3 (the operator's constraints.txt pins 4.x)."""
+    pins = _pins("constraints-trainer.txt")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trainer"]
+    assert any(r.startswith("multi-storage-client[boto3]") for r in extra)
+    for req in extra:
+        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ]", req)[0]).lower()
+        assert name in pins, f"{name} (trainer extra) is not pinned in constraints-trainer.txt"
+    assert {"boto3", "botocore", "python-dateutil"} <= pins.keys()
+    assert int(pins["python-dateutil"].split(".")[0]) < 3
+    assert "kubernetes" not in pins and "kopf" not in pins
+    for other in ("constraints-objstore.txt", "constraints-torch.txt"):
+        differ = {n: (v, pins[n]) for n, v in _pins(other).items() if n in pins and pins[n] != v}
+        assert not differ, f"constraints-trainer.txt and {other} disagree: {differ}"
+    cmds = " ".join(runs(ROOT / "Dockerfile.trainer"))
+    # the pins less what the base image froze (a second pin of torch would conflict with NGC's build)
+    assert "constraints-trainer.txt" in cmds and "--constraint /tmp/image-constraints.txt" in cmds
+
+
 def test_trainer_image_matches_what_the_operator_renders():
     final = {}
     for i in final_stage(ROOT / "Dockerfile.trainer"):

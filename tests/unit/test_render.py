@@ -469,3 +469,16 @@ def test_object_store_render_carries_no_secret_material():
     assert "secretKeyRef" not in text
     for word in ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"):
         assert word not in text
+
+
+def test_hf_export_to_the_checkpoint_bucket_mounts_nothing_and_names_the_bucket():
+    doc = make_job(model=LLAMA, training={"trainIters": 10}, checkpoint={"objectStore": OBJECT_STORE},
+                   export={"huggingFace": {"objectStore": True, "path": "exports/ft"}})
+    js = objects(doc)["JobSet"]
+    args = container(js)["command"]
+    assert args[args.index("--hf-export") + 1] == "s3://ckpt-bucket/exports/ft"
+    # the endpoint and region of the checkpoints serve the export too; no export volume
+    assert args[args.index("--object-store-endpoint") + 1] == "http://minio.storage:9000"
+    assert "hf-export" not in {v["name"] for v in pod_spec(js)["volumes"]}
+    assert "hf-export" not in {m["name"] for m in container(js)["volumeMounts"]}
+    assert [v["name"] for v in pod_spec(js)["volumes"] if "secret" in v] == ["object-store-credentials"]

@@ -150,6 +150,13 @@ class Checkpointer:
                 from .objstore import MscStore
 
                 MscStore(loc).ensure_root()
+            if c.hf_export and c.hf_export.startswith("s3://"):
+                # The export's bucket answers and its prefix is free now, not after the training run.
+                from .hf_export import StoreExport
+
+                problem = StoreExport(c.hf_export, c.object_store_endpoint, c.object_store_region).check_at_start()
+                if problem:
+                    raise Fatal(ExitCode.BAD_ARGUMENTS, problem)
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.sharding_type = None
         if cfg.training.use_distributed_optimizer:

@@ -321,9 +321,10 @@ class CheckpointConfig:
     load: str | None = field(default=None, metadata=flag(
         "--load", help="Checkpoint directory (or s3://BUCKET/PREFIX) to resume from."))
     object_store_endpoint: str | None = field(default=None, metadata=flag(
-        "--object-store-endpoint", help="S3 endpoint URL for s3:// checkpoints (default: AWS's for the region)."))
+        "--object-store-endpoint", help="S3 endpoint URL for s3:// checkpoints and --hf-export (default: AWS's for "
+        "the region)."))
     object_store_region: str | None = field(default=None, metadata=flag(
-        "--object-store-region", help="S3 region for s3:// checkpoints."))
+        "--object-store-region", help="S3 region for s3:// checkpoints and --hf-export."))
     save_interval: int | None = field(default=None, metadata=flag(
         "--save-interval", type=int, help="Iterations between checkpoints."))
     ckpt_format: str = field(default="torch_dist", metadata=flag(
@@ -357,7 +358,8 @@ class CheckpointConfig:
         "weights from when --load holds no checkpoint: a fresh optimizer at iteration 0. Resumes never read it."))
     hf_export: str | None = field(default=None, metadata=flag(
         "--hf-export", help="Write the model as a Hugging Face checkpoint (safetensors, config.json, tokenizer) to "
-        "this directory when training finishes (created through a temporary directory and a rename)."))
+        "this directory when training finishes (created through a temporary directory and a rename), or to "
+        "s3://BUCKET/PREFIX (through --object-store-endpoint/--object-store-region; the index and a marker last)."))
     hf_export_only: bool = field(default=False, metadata=flag(
         "--hf-export-only", action="store_true",
         help="Export the newest complete checkpoint under --load to --hf-export and exit (no training; any "
@@ -720,28 +722,46 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
         raise ValueError("--async-save needs --use-persistent-ckpt-worker")
     if c.exit_on_missing_checkpoint and not c.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
-    remote = [p for p in (c.save, c.load) if p and p.startswith("s3://")]
+    remote = [p for p in (c.save, c.load, c.hf_export) if p and p.startswith("s3://")]
     if remote:
         from .objstore import parse_s3_url
 
         for p in remote:
             parse_s3_url(p)  # ValueError: exit 2
-        if c.hf_export and c.hf_export.startswith("s3://"):
-            raise ValueError("--hf-export writes a local directory (a PVC); s3:// is not supported there yet")
         if c.save and c.load and (c.save in remote) != (c.load in remote):
             raise ValueError("--save and --load must both be s3:// or both be directories")
+        if c.hf_export in remote:
+            _check_export_apart_from_checkpoints(c.hf_export, [p for p in (c.save, c.load) if p in remote])
     elif c.object_store_endpoint or c.object_store_region:
-        raise ValueError("--object-store-endpoint/--object-store-region need --save or --load s3://BUCKET/PREFIX")
+        raise ValueError("--object-store-endpoint/--object-store-region need an s3://BUCKET/PREFIX --save, --load "
+                         "or --hf-export")
     if c.object_store_endpoint and not re.match(r"^https?://[^\s/@]+(:\d+)?/?$", c.object_store_endpoint):
         raise ValueError(f"--object-store-endpoint {c.object_store_endpoint!r}: expected http(s)://HOST[:PORT] "
                          "(no path, no user info)")
     if c.hf_export_only and not (c.hf_export and c.load):
         raise ValueError("--hf-export-only needs --load DIR (the checkpoint) and --hf-export DIR (where to write)")
-    for name, path in (("--hf-init", c.hf_init), ("--hf-export", c.hf_export)):
+    local_export = c.hf_export if c.hf_export is not None and not c.hf_export.startswith("s3://") else None
+    for name, path in (("--hf-init", c.hf_init), ("--hf-export", local_export)):
         if path is not None and (not path.startswith("/") or ".." in path.split("/") or path.rstrip("/") == ""):
             raise ValueError(f"{name} must be an absolute directory path without '..' components, got {path!r}")
     if c.hf_init and c.hf_export and c.hf_init.rstrip("/") == c.hf_export.rstrip("/"):
         raise ValueError("--hf-export must not be the --hf-init directory (an export never overwrites its source)")
+
+
+def _check_export_apart_from_checkpoints(export: str, checkpoints: list[str]) -> None:
+    """An export under the checkpoint prefix (or around it) would mix its files with the checkpoints'
+    keys, and its never-overwrite check would refuse the prefix the checkpoints fill."""
+    from .objstore import parse_s3_url
+
+    e = parse_s3_url(export)
+    for url in checkpoints:
+        ckpt = parse_s3_url(url)
+        if ckpt.bucket != e.bucket:
+            continue
+        if e.prefix == ckpt.prefix or not e.prefix or not ckpt.prefix or e.prefix.startswith(ckpt.prefix + "/") \
+                or ckpt.prefix.startswith(e.prefix + "/"):
+            raise ValueError(f"--hf-export {export} overlaps the checkpoint location {url}: export to a prefix apart "
+                             "from the checkpoints, e.g. s3://BUCKET/exports/NAME")
 
 
 def ignored_flags(cfg: TrainerConfig) -> list[str]:

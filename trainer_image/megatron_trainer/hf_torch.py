@@ -10,13 +10,14 @@ only), turned into the HF tensors by the same plans, and streamed into safetenso
 `max_shard_bytes`, never mixing pipeline stages) that each stage writes itself, inside a temporary
 directory that is renamed to the target only when everything is written: a crash mid-export never
 leaves a directory that looks complete. No rank holds more than one full parameter at a time.
+The target may also be an object-store prefix (hf_export.StoreExport): the same shards, staged one
+at a time on local disk and uploaded, the index and a completion marker last.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -28,8 +29,9 @@ from .checkpoint import unwrap
 from .config import TrainerConfig
 from .exitcodes import ExitCode, Fatal
 from .hf_config import HF_DTYPES, HfModel, export_config, generation_config, parse_config
+from .hf_export import export_target
 from .hf_mapping import ParamPlan, exported_by, hf_tensor_shapes, megatron_names, param_plan
-from .hf_source import MARKER, PARTIAL_MARKER, HfSource, copy_tokenizer, prepare_export_dir
+from .hf_source import HfSource, copy_tokenizer
 from .safetensors_io import (
     INDEX_NAME,
     PlannedTensor,
@@ -130,36 +132,41 @@ def hf_model_for_export(cfg: TrainerConfig) -> tuple[HfModel, dict | None]:
     return parse_config(config, cfg.model.seq_length), source
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_vocab: int,
                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Collective on every rank: write the model as a Hugging Face checkpoint to --hf-export."""
+    """Collective on every rank: write the model as a Hugging Face checkpoint to --hf-export (a directory
+    or s3://BUCKET/PREFIX; hf_export.py: never overwritten, complete only once everything is there)."""
+    target = export_target(cfg.checkpoint)
+    try:
+        return _export(model, cfg, env, iteration, padded_vocab, max_shard_bytes, target)
+    finally:
+        target.close()
+
+
+def _export(model: list, cfg: TrainerConfig, env, iteration: int, padded_vocab: int, max_shard_bytes: int,
+            target) -> dict:
     from megatron.core import parallel_state as ps
 
+    from .objstore import ObjectStoreError
+
     t0 = time.monotonic()
-    final = Path(cfg.checkpoint.hf_export)
-    decision = [None]
+    decision: list = [None]
     if env.is_rank0:
         try:
-            decision[0] = prepare_export_dir(final, iteration)
-        except OSError as e:
-            decision[0] = ("fail", f"--hf-export {final}: cannot create the export: {e}")
+            decision[0] = target.prepare(iteration)
+        except ObjectStoreError as e:  # told to every rank, each exits with its code (7 or 1)
+            decision[0] = ("store-error", str(e), e.retriable, e.code)
     torch.distributed.broadcast_object_list(decision, src=0, group=env.cpu_group)
-    verdict, detail = decision[0]
+    verdict, detail = decision[0][:2]
+    if verdict == "store-error":
+        raise ObjectStoreError(detail, *decision[0][2:])
     if verdict == "fail":
         raise Fatal(ExitCode.BAD_ARGUMENTS, detail)
     if verdict == "skip":
         if env.is_rank0:
             log.info("hf export: %s", detail)
         return {"skipped": detail}
-    tmp = Path(detail)
+    target.begin(detail)
 
     m, source_config = hf_model_for_export(cfg)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -221,36 +228,33 @@ def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_
                 if not pending:
                     fname, planned_here = next(shard_iter)
                     pending = list(planned_here)
-                    writer = StreamingWriter(tmp / fname, planned_here, {"format": "pt"})
+                    writer = StreamingWriter(target.shard_path(fname), planned_here, {"format": "pt"})
                 writer.write(hf, tensor.contiguous().view(-1).view(torch.uint8).numpy())
                 written += tensor.numel() * tensor.element_size()
                 pending.pop(0)
                 if not pending:
                     writer.close()
+                    target.shard_written(fname, writer.path)
                     writer = None
         if writer is not None:
             writer.close()
     torch.distributed.barrier(group=env.cpu_group)
 
     if env.is_rank0:
+        tmp = target.dir  # the small files are written here, then published
         config = export_config(cfg, source_config, {v: k for k, v in HF_DTYPES.items()}[code])
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         src_dir = Path(cfg.checkpoint.hf_init) if cfg.checkpoint.hf_init else \
             (Path(cfg.data.tokenizer_model) if cfg.data.tokenizer_model else None)
         gen = generation_config(Path(cfg.checkpoint.hf_init) if cfg.checkpoint.hf_init else None, config)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        tokenizer = copy_tokenizer(src_dir, tmp)
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2, sort_keys=True) + "\n")
-        tokenizer = copy_tokenizer(src_dir, tmp)
-        (tmp / MARKER).write_text(json.dumps({"iteration": iteration, "shards": names, "dtype": code}) + "\n")
-        (tmp / PARTIAL_MARKER).unlink()
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        # The index last: without it transformers loads nothing.
+        target.publish(["config.json", "generation_config.json", *tokenizer, INDEX_NAME],
+                       {"iteration": iteration, "shards": names, "dtype": code})
         log.info("hf export: iteration %d -> %s: %d tensors, %.2f GB in %d shard(s), tokenizer files %s, %.1f s",
-                 iteration, final, len(planned), total / 1e9, len(names), tokenizer or "none", time.monotonic() - t0)
+                 iteration, target, len(planned), total / 1e9, len(names), tokenizer or "none", time.monotonic() - t0)
     torch.distributed.barrier(group=env.cpu_group)
     return {"seconds": time.monotonic() - t0, "bytes": total, "shards": len(names), "written_here": written}

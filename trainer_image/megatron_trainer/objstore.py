@@ -227,6 +227,22 @@ class MscStore:
         if keys:
             self._call(self.client.delete_many, keys)
 
+    def list_keys(self, rel: str = "") -> list[str]:
+        """Every key under the 'directory' rel, relative to it (sorted)."""
+        prefix = self._prefix(rel)
+        keys = [o.key for o in self._call(lambda: list(self.client.list(prefix)))]
+        return sorted(k[len(prefix):] if k.startswith(prefix) else k for k in keys)
+
+    def delete_keys(self, rels: list[str]) -> None:
+        """Delete these keys (relative to the root), in one request where the store allows."""
+        if rels:
+            self._call(self.client.delete_many, [self._key(r) for r in rels])
+
+    def upload_file(self, rel: str, local_path) -> None:
+        """Upload a local file to one key (boto3's transfer manager: multipart for a large file, read
+        from disk a part at a time)."""
+        self._call(self.client.upload_file, self._key(rel), str(local_path))
+
     def ensure_root(self) -> None:
         """Fail early and clearly when the bucket is missing or the credentials are refused:
         one LIST of the prefix (needs s3:ListBucket, which resume needs anyway)."""
