@@ -142,7 +142,12 @@ class Controller:
                 return
             if (body.get("metadata") or {}).get("deletionTimestamp"):
                 return
-            self.observe(body, jobset, pods, emit_for(body), resync=resync)
+            emit = emit_for(body)
+
+            def counted(ev: st.Event) -> None:
+                self.metrics.api_request("POST", "events", 0)  # posted by kopf, in its event loop
+                emit(ev)
+            self.observe(body, jobset, pods, counted, resync=resync)
 
     # ---- children ---------------------------------------------------------------------------------
 
