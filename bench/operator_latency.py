@@ -129,17 +129,23 @@ def proc_stats(pid: int) -> dict[str, float]:
 COMPONENTS = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok", "jobset", "kueue")
 
 
-def component_cpu() -> dict[str, float]:
-    """CPU seconds (utime + stime) so far of each control-plane process, by the name of its binary."""
+def component_cpu(run_dir: Path) -> dict[str, float]:
+    """CPU seconds (utime + stime) so far of each control-plane process of this cluster (its command
+    line names ``run_dir``: another cluster on the machine, e.g. a CI run's, is not counted), by the
+    name of its binary."""
     out: dict[str, float] = {}
     ticks = os.sysconf("SC_CLK_TCK")
+    mine = (str(run_dir).rstrip("/") + "/").encode()
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            argv0 = (d / "cmdline").read_bytes().split(b"\0", 1)[0].decode()
+            cmdline = (d / "cmdline").read_bytes()
+            argv0 = cmdline.split(b"\0", 1)[0].decode()
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, UnicodeDecodeError, IndexError):
+            continue
+        if mine not in cmdline:
             continue
         base = Path(argv0).name
         name = next((c for c in COMPONENTS if base == c or base.startswith(c + "-") or base.startswith(c + "_")), None)
@@ -442,7 +448,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         system.create(custom, ns, name)
 
     load_before = loadavg()
-    requests0, cpu0 = apiserver_requests(cluster), component_cpu()
+    requests0, cpu0 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     stats0 = proc_stats(pid) if pid else None
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(max_workers=16) as pool:
@@ -452,7 +458,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
     while time.monotonic() < deadline and (len(jobset_at) < n or len(running_at) < n):
         time.sleep(0.5)
     stats1 = proc_stats(pid) if pid else None
-    requests1, cpu1 = apiserver_requests(cluster), component_cpu()
+    requests1, cpu1 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     load_after = loadavg()
     running_s = time.monotonic() - t0
     # Settled: the start-up work that comes after the pods run counts too (ours: the status writes that
@@ -469,7 +475,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
             break
         last = now_writes
     stats2 = proc_stats(pid) if pid else None
-    requests2, cpu2 = apiserver_requests(cluster), component_cpu()
+    requests2, cpu2 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     settled_s = time.monotonic() - t0
     stop.set()
     to_jobset = [jobset_at[k] - created[k] for k in names if k in jobset_at]

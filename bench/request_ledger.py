@@ -104,7 +104,9 @@ def ledger_table(runs: list[dict[str, Any]], n: int) -> list[str]:
     lines = [f"| verb resource | {' | '.join(present)} | the operator's own count |",
              "|---|" + "---|" * (len(present) + 1)]
     for key in keys:
-        lines.append(f"| {key} | " + " | ".join(med(per[s], key) for s in present) + f" | {med(own, key)} |")
+        cells = [med(per[s], key) for s in present] + [med(own, key)]
+        if any(c != "-" for c in cells):  # rows under 0.005 per job everywhere: the previous burst's teardown
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
     totals = " | ".join(f"**{statistics.median([sum(row.values()) for row in per[s]]):.2f}**" for s in present)
     own_total = f"**{statistics.median([sum(row.values()) for row in own]):.2f}**" if own else "-"
     lines.append(f"| total | {totals} | {own_total} |")
