@@ -183,11 +183,12 @@ class Controller:
                 for warning in spec_warnings(job, self.settings):
                     emit(st.Event("Warning", st.Reason.SPEC_WARNING, warning))
                 self.metrics.observe_jobset_created(meta.get("creationTimestamp"))
-                recreated = bool((body.get("status") or {}).get("jobSetName"))
-                emit(st.Event("Normal" if not recreated else "Warning",
-                              st.Reason.JOBSET_RECREATED if recreated else st.Reason.JOBSET_CREATED,
-                              (f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
-                               f"from the last checkpoint") if recreated else f"created JobSet {obj['metadata']['name']}"))
+                # A first JobSet gets no event: the status's Created condition (reason JobSetCreated, with
+                # its time) says it, and a burst of jobs paid one more API write per job for it (issue 30).
+                if (body.get("status") or {}).get("jobSetName"):
+                    emit(st.Event("Warning", st.Reason.JOBSET_RECREATED,
+                                  f"JobSet {obj['metadata']['name']} was missing and is recreated; training resumes "
+                                  f"from the last checkpoint"))
         self._not_owned.pop(key, None)
         self._created[key] = (meta["uid"], time.monotonic(), jobset)
         self.metrics.reconciles.labels(kind="MegatronJob", result="success").inc()
