@@ -517,6 +517,13 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
                        "to_status_running_p99_s": q(to_status_running, 0.99),
                        "status_running_after_pods_p50_s": q(status_after_pods, 0.5),
                        "status_running_after_pods_p99_s": q(status_after_pods, 0.99)})
+    # Who posted which events (a FailedScheduling here means the burst waited for GPUs, not for controllers).
+    reasons: dict[str, int] = {}
+    for ev in core.list_namespaced_event(ns).items:
+        who = ev.reporting_component or (ev.source.component if ev.source else None) or "?"
+        key = f"{who} {ev.type} {ev.reason}"
+        reasons[key] = reasons.get(key, 0) + (ev.count or 1)
+    result["events"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
     # Clean up with the controller still running (as it would be), then stop it.
     core.delete_namespace(ns)
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
