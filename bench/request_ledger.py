@@ -30,9 +30,16 @@ CONTROL_PLANE = ("kube-apiserver", "etcd", "jobset", "kube-controller-manager")
 RBAC_PER_JOB = 3
 
 
+#: "settled": from the first create until the start-up writes stopped after every pod ran (the default;
+#: it counts what comes after the pods run, e.g. a status write that says Running); "running": until the
+#: last pod ran.
+WINDOWS = {"settled": "apiserver_requests_settled", "running": "apiserver_requests"}
+window = "settled"
+
+
 def per_job_requests(result: dict[str, Any]) -> dict[str, float]:
-    """{"VERB resource": requests per job} in the settled window, background left out."""
-    reqs = result.get("apiserver_requests_settled") or result["apiserver_requests"]
+    """{"VERB resource": requests per job} in the chosen window, background left out."""
+    reqs = result.get(WINDOWS[window]) or result["apiserver_requests"]
     out = {}
     for key, v in reqs.items():
         verb, _, resource = key.partition(" ")
@@ -43,8 +50,12 @@ def per_job_requests(result: dict[str, Any]) -> dict[str, float]:
 
 
 def cp_cpu_per_job_ms(result: dict[str, Any]) -> float:
-    cpu = result.get("component_cpu_settled_s") or result["component_cpu_s"]
+    cpu = (result.get("component_cpu_settled_s") if window == "settled" else None) or result["component_cpu_s"]
     return 1000 * sum(cpu.get(c, 0.0) for c in CONTROL_PLANE) / result["jobs"]
+
+
+def controller_cpu_s(result: dict[str, Any]) -> float:
+    return (result.get("controller_cpu_settled_s") if window == "settled" else None) or result["controller_cpu_s"]
 
 
 def figures(run: dict[str, Any], n: int) -> dict[str, float] | None:
@@ -61,8 +72,8 @@ def figures(run: dict[str, Any], n: int) -> dict[str, float] | None:
         "requests_margin": peer_req + RBAC_PER_JOB - ours_req,
         "cp_cpu_ms_per_job_ours": cp_cpu_per_job_ms(ours), "cp_cpu_ms_per_job_peer": cp_cpu_per_job_ms(peer),
         "cp_cpu_ratio": cp_cpu_per_job_ms(ours) / cp_cpu_per_job_ms(peer),
-        "operator_cpu_ms_per_job": 1000 * (ours.get("controller_cpu_settled_s") or ours["controller_cpu_s"]) / n,
-        "peer_cpu_ms_per_job": 1000 * (peer.get("controller_cpu_settled_s") or peer["controller_cpu_s"]) / n,
+        "operator_cpu_ms_per_job": 1000 * controller_cpu_s(ours) / n,
+        "peer_cpu_ms_per_job": 1000 * controller_cpu_s(peer) / n,
         "jobset_p99_ratio": ours["to_jobset_p99_s"] / peer["to_jobset_p99_s"],
         "ours_peak_rss_mib": ours["controller_peak_rss_mib"],
     }
@@ -136,7 +147,11 @@ def report(runs: list[dict[str, Any]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="operator_latency.py JSON files (one per run)")
+    ap.add_argument("--window", choices=["settled", "running"], default="settled",
+                    help="count requests until the start-up writes settled (default) or until the last pod ran")
     args = ap.parse_args()
+    global window
+    window = args.window
     runs = [json.loads(Path(p).read_text()) for p in args.results]
     print(report(runs))
     return 0
