@@ -60,6 +60,8 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 NODE_LABEL = "megatron-bench"
 RUN_S = 3600  # kwok keeps every pod Running this long (longer than any burst)
 SETTLE_TIMEOUT_S = 300  # namespace deletion between bursts
+SETTLE_QUIET_S = 3.0  # after all pods run: settled when no job's write came in this long ...
+SETTLE_WRITES_S = 60.0  # ... or after this long
 
 
 def bench_nodes(count: int) -> list[dict]:
@@ -127,17 +129,23 @@ def proc_stats(pid: int) -> dict[str, float]:
 COMPONENTS = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok", "jobset", "kueue")
 
 
-def component_cpu() -> dict[str, float]:
-    """CPU seconds (utime + stime) so far of each control-plane process, by the name of its binary."""
+def component_cpu(run_dir: Path) -> dict[str, float]:
+    """CPU seconds (utime + stime) so far of each control-plane process of this cluster (its command
+    line names ``run_dir``: another cluster on the machine, e.g. a CI run's, is not counted), by the
+    name of its binary."""
     out: dict[str, float] = {}
     ticks = os.sysconf("SC_CLK_TCK")
+    mine = (str(run_dir).rstrip("/") + "/").encode()
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            argv0 = (d / "cmdline").read_bytes().split(b"\0", 1)[0].decode()
+            cmdline = (d / "cmdline").read_bytes()
+            argv0 = cmdline.split(b"\0", 1)[0].decode()
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, UnicodeDecodeError, IndexError):
+            continue
+        if mine not in cmdline:
             continue
         base = Path(argv0).name
         name = next((c for c in COMPONENTS if base == c or base.startswith(c + "-") or base.startswith(c + "_")), None)
@@ -161,6 +169,17 @@ def apiserver_requests(cluster: Cluster) -> dict[str, list[float]]:
                     f"/{labels['subresource']}" if labels.get("subresource") else "")
                 out.setdefault(key, [0.0, 0.0])[idx] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+#: Requests that are not any job's (node heartbeats, leader leases, reads): left out of "settled".
+BACKGROUND = ("leases", "nodes", "nodes/status")
+
+
+def writes(requests: dict[str, list[float]]) -> int:
+    """Write requests so far, background left out: settled once this stops growing."""
+    return int(sum(n for key, (n, _) in requests.items()
+                   if key.split(" ")[0] in ("POST", "PUT", "PATCH", "APPLY", "DELETE")
+                   and key.split(" ", 1)[1] not in BACKGROUND))
 
 
 def diff_requests(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -207,12 +226,23 @@ class Ours:
     def create(self, custom: Any, ns: str, name: str) -> None:
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, megatron_job(name))
 
-    def metrics(self) -> dict[str, float]:
-        """The operator's own counters of API writes (from its /metrics), cumulative for this burst."""
-        out = {}
+    def metrics(self) -> dict[str, Any]:
+        """The operator's own counters (from its /metrics), cumulative for this burst: status writes, and
+        every API request it made by verb and resource (``operator_requests``; events: those it handed to
+        kopf to post) with the ones that did not succeed (``operator_failed_requests``, by HTTP status)."""
+        out: dict[str, Any] = {"operator_requests": {}, "operator_failed_requests": {}}
         for line in self.op.metrics().splitlines():
             if line.startswith("megatron_operator_status_writes_total"):
                 out["operator_status_writes"] = float(line.split()[-1])
+            elif line.startswith("megatron_operator_api_requests_total{"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")]
+                              .replace('"', "").split(",") if "=" in kv)
+                count = int(float(line.rsplit(" ", 1)[1]))
+                key = f"{labels['verb']} {labels['resource']}"
+                out["operator_requests"][key] = out["operator_requests"].get(key, 0) + count
+                if labels["code"] not in ("0", "200", "201") and count:
+                    fkey = f"{key} {labels['code']}"
+                    out["operator_failed_requests"][fkey] = out["operator_failed_requests"].get(fkey, 0) + count
         return out
 
 
@@ -382,6 +412,22 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
             if stop.is_set():
                 break
 
+    status_at: dict[str, float] = {}  # ours: the MegatronJob's first status (any phase)
+    status_running_at: dict[str, float] = {}  # ours: status.phase Running
+
+    def watch_megatronjobs():
+        w = kubernetes.watch.Watch()
+        for ev in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
+                           timeout_seconds=int(timeout_s) + 60):
+            obj = ev["object"]
+            phase = (obj.get("status") or {}).get("phase")
+            if phase:
+                status_at.setdefault(obj["metadata"]["name"], time.monotonic())
+            if phase == "Running":
+                status_running_at.setdefault(obj["metadata"]["name"], time.monotonic())
+            if stop.is_set():
+                break
+
     def watch_jobs():
         w = kubernetes.watch.Watch()
         batch = kubernetes.client.BatchV1Api(api)
@@ -390,7 +436,8 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
             if stop.is_set():
                 break
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (watch_jobsets, watch_jobs, watch_pods)]
+    watchers = [watch_jobsets, watch_jobs, watch_pods] + ([watch_megatronjobs] if system.name == "ours" else [])
+    threads = [threading.Thread(target=f, daemon=True) for f in watchers]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -401,7 +448,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         system.create(custom, ns, name)
 
     load_before = loadavg()
-    requests0, cpu0 = apiserver_requests(cluster), component_cpu()
+    requests0, cpu0 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     stats0 = proc_stats(pid) if pid else None
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(max_workers=16) as pool:
@@ -411,13 +458,34 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
     while time.monotonic() < deadline and (len(jobset_at) < n or len(running_at) < n):
         time.sleep(0.5)
     stats1 = proc_stats(pid) if pid else None
-    requests1, cpu1 = apiserver_requests(cluster), component_cpu()
+    requests1, cpu1 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     load_after = loadavg()
+    running_s = time.monotonic() - t0
+    # Settled: the start-up work that comes after the pods run counts too (ours: the status writes that
+    # report Running; the peer's: its TrainJob status writes): wait until every MegatronJob's status says
+    # Running (ours) and the API server's per-job writes stop, then read the counters again.
+    while system.name == "ours" and time.monotonic() < deadline and len(status_running_at) < n:
+        time.sleep(0.5)
+    settle_deadline = time.monotonic() + SETTLE_WRITES_S
+    last = writes(requests1)
+    while time.monotonic() < settle_deadline:
+        time.sleep(SETTLE_QUIET_S)
+        now_writes = writes(apiserver_requests(cluster))
+        if now_writes == last:
+            break
+        last = now_writes
+    stats2 = proc_stats(pid) if pid else None
+    requests2, cpu2 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
+    settled_s = time.monotonic() - t0
     stop.set()
     to_jobset = [jobset_at[k] - created[k] for k in names if k in jobset_at]
     to_running = [running_at[k] - created[k] for k in names if k in running_at]
     to_pod = [pod_at[k] - created[k] for k in names if k in pod_at]
     to_job = [job_at[k] - created[k] for k in names if k in job_at]
+    to_status = [status_at[k] - created[k] for k in names if k in status_at]
+    to_status_running = [status_running_at[k] - created[k] for k in names if k in status_running_at]
+    status_after_pods = [status_running_at[k] - running_at[k] for k in names if k in status_running_at
+                         and k in running_at]
     extra = system.metrics() if pid else {}
 
     def q(values: list[float], p: float) -> float | None:
@@ -436,7 +504,26 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         "loadavg_before": load_before, "loadavg_after": load_after,
         "component_cpu_s": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in sorted(cpu1.items())},
         "apiserver_requests": diff_requests(requests0, requests1),
+        # the same, from the first create until settled (see above), and the controller's CPU over it
+        "running_s": round(running_s, 1), "settled_s": round(settled_s, 1),
+        "controller_cpu_settled_s": round(stats2["cpu_s"] - stats0["cpu_s"], 2) if stats2 else None,
+        "component_cpu_settled_s": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in sorted(cpu2.items())},
+        "apiserver_requests_settled": diff_requests(requests0, requests2),
     }
+    if system.name == "ours":
+        result.update({"status_seen": len(to_status), "status_running": len(to_status_running),
+                       "to_status_p50_s": q(to_status, 0.5), "to_status_p99_s": q(to_status, 0.99),
+                       "to_status_running_p50_s": q(to_status_running, 0.5),
+                       "to_status_running_p99_s": q(to_status_running, 0.99),
+                       "status_running_after_pods_p50_s": q(status_after_pods, 0.5),
+                       "status_running_after_pods_p99_s": q(status_after_pods, 0.99)})
+    # Who posted which events (a FailedScheduling here means the burst waited for GPUs, not for controllers).
+    reasons: dict[str, int] = {}
+    for ev in core.list_namespaced_event(ns).items:
+        who = ev.reporting_component or (ev.source.component if ev.source else None) or "?"
+        key = f"{who} {ev.type} {ev.reason}"
+        reasons[key] = reasons.get(key, 0) + (ev.count or 1)
+    result["events"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
     # Clean up with the controller still running (as it would be), then stop it.
     core.delete_namespace(ns)
     deadline = time.monotonic() + SETTLE_TIMEOUT_S

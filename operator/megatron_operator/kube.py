@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import urllib3
@@ -119,20 +120,49 @@ def _raise(exc: ApiException, what: str) -> None:
     raise PermanentApiError(f"{what}: HTTP {exc.status}: {detail}", status=exc.status) from None
 
 
+def request_label(method: str, path: str, content_type: str) -> tuple[str, str]:
+    """(verb, resource) of a request as the API server's ``apiserver_request_total`` names them
+    (``APPLY`` for a server-side apply, ``LIST`` for a collection read, ``jobsets/status``), so that
+    the operator's own count lines up with the API server's in the benchmark's request ledger."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        rest = parts[parts.index("namespaces") + 2:]
+    else:  # discovery (/apis/group/version) or a cluster-scoped collection
+        rest = [parts[-1]] if parts else ["/"]
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    verb = method.upper()
+    if verb == "PATCH" and content_type == "application/apply-patch+yaml":
+        verb = "APPLY"
+    elif verb == "GET" and len(rest) == 1:
+        verb = "LIST"
+    return verb, resource
+
+
+#: Called once per API request the operator makes: (verb, resource, HTTP status, or 0 for no answer).
+RequestHook = Callable[[str, str, int], None]
+
+
 class Kube:
-    def __init__(self, api: client.ApiClient, timeout_s: float = 30.0):
+    def __init__(self, api: client.ApiClient, timeout_s: float = 30.0, on_request: RequestHook | None = None):
         self.api = api
         self.timeout_s = timeout_s
+        self.on_request = on_request or (lambda verb, resource, code: None)
 
     def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
                  query: list[tuple[str, str]] | None = None) -> Any:
         """One API call; the decoded JSON body on 2xx, ApiException otherwise."""
         headers = {"Content-Type": content_type, "Accept": "application/json"}
+        verb, resource = request_label(method, path, content_type)
         method, url, headers, body, _ = self.api.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body,
             auth_settings=["BearerToken"])
-        resp = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout_s)
-        data = resp.read()
+        try:
+            resp = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout_s)
+            data = resp.read()
+        except BaseException:
+            self.on_request(verb, resource, 0)
+            raise
+        self.on_request(verb, resource, resp.status)
         if not 200 <= resp.status <= 299:
             raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp,
                                body=data.decode("utf-8", "replace") if data else None)

@@ -25,6 +25,11 @@ class Metrics:
         self.jobs = Gauge("megatron_operator_jobs", "MegatronJobs by phase", ["phase"], registry=self.registry)
         self.status_writes = Counter("megatron_operator_status_writes_total", "Status writes (once per change)",
                                      registry=self.registry)
+        self.api_requests = Counter(
+            "megatron_operator_api_requests_total",
+            "API requests the operator made, by verb and resource as the API server names them (events: the "
+            "ones it handed to kopf to post), and HTTP status (0: no answer, or an event: kopf posts it)",
+            ["verb", "resource", "code"], registry=self.registry)
         self.job_phase = Gauge("megatron_operator_job_phase", "1 for the current phase of each MegatronJob",
                                ["namespace", "name", "phase"], registry=self.registry)
         self._phases: dict[tuple[str, str], str] = {}
@@ -37,6 +42,9 @@ class Metrics:
             return
         created = datetime.strptime(creation_timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
         self.jobset_latency.observe(max(0.0, (datetime.now(UTC) - created).total_seconds()))
+
+    def api_request(self, verb: str, resource: str, code: int) -> None:
+        self.api_requests.labels(verb=verb, resource=resource, code=str(code)).inc()
 
     def set_phase(self, ns: str, name: str, phase: str) -> None:
         with self._lock:

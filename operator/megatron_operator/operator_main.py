@@ -33,8 +33,9 @@ def run_operator(args: argparse.Namespace) -> int:
     from .metrics import Metrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    metrics = Metrics()
     try:
-        kube = Kube(load_config(args.kubeconfig))
+        kube = Kube(load_config(args.kubeconfig), on_request=metrics.api_request)
         missing = kube.missing_apis()
     except (ConfigException, FileNotFoundError) as exc:
         print(f"megatron-operator: no cluster configuration: {exc}", file=sys.stderr)
@@ -52,7 +53,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from . import handlers  # noqa: F401  (registers the handlers)
 
-    memo = kopf.Memo(controller=Controller(kube, settings, Metrics(), status_threads=STATUS_WRITE_THREADS),
+    memo = kopf.Memo(controller=Controller(kube, settings, metrics, status_threads=STATUS_WRITE_THREADS),
                      metrics_port=settings.metrics_port,
                      metrics_host=settings.metrics_host)
     namespaces = settings.watched_namespaces()

@@ -92,6 +92,11 @@ class Reason:
 
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+#: Start-up phases that get no event: the status says all there is (the JobSet is being created, its
+#: pods are starting), and a burst of jobs paid one more API write per job for it (issue 30). Every
+#: other phase change still gets one: Running, Pending for a reason (Unschedulable, Queued, a
+#: container's waiting reason), restarts and the end.
+QUIET_PHASES = ((Phase.PENDING, Reason.CREATING), (Phase.PENDING, Reason.PODS_STARTING))
 # JobSet's own condition reason when its restarts ran out
 _JOBSET_MAX_RESTARTS = "ReachedMaxRestarts"
 # The status fields the operator owns (server-side apply): all of them but the trainer's progress.
@@ -445,7 +450,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                             f"is recreated without it and the job resumes from its last checkpoint"))
     phase, reason, message = _explain(phase, reason, message, failure, new_failure)
     message = message[:MAX_MESSAGE]
-    if phase != prev.get("phase") or reason != prev.get("reason"):
+    if (phase != prev.get("phase") or reason != prev.get("reason")) and (phase, reason) not in QUIET_PHASES:
         warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART,
                                                                       Reason.NOT_OWNED, Reason.PREEMPTED,
                                                                       Reason.DISRUPTION)

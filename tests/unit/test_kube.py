@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kubernetes.client.exceptions import ApiException
-from megatron_operator.kube import Kube, NotOwned, PermanentApiError, TransientError
+from megatron_operator.kube import Kube, NotOwned, PermanentApiError, TransientError, request_label
 
 
 def kube_answering(status: int, body: str = '{"message": "m"}') -> Kube:
@@ -89,3 +89,59 @@ def test_409_on_our_object_being_deleted_is_retried_not_success():
     existing["metadata"]["deletionTimestamp"] = "2026-11-23T05:00:00Z"
     with pytest.raises(TransientError, match="being deleted"):
         kube_with_existing(existing).create(sa("u1"))
+
+
+@pytest.mark.parametrize(("method", "path", "content_type", "label"), [
+    ("POST", "/api/v1/namespaces/ns/serviceaccounts", "application/json", ("POST", "serviceaccounts")),
+    ("POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets", "application/json", ("POST", "jobsets")),
+    ("GET", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets/j", "application/json", ("GET", "jobsets")),
+    ("GET", "/apis/kueue.x-k8s.io/v1beta2/namespaces/ns/workloads", "application/json", ("LIST", "workloads")),
+    ("PATCH", "/apis/megatron-operator.io/v1alpha1/namespaces/ns/megatronjobs/j/status",
+     "application/apply-patch+yaml", ("APPLY", "megatronjobs/status")),
+    ("PATCH", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets/j", "application/merge-patch+json",
+     ("PATCH", "jobsets")),
+    ("DELETE", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets/j", "application/json", ("DELETE", "jobsets")),
+    ("GET", "/apis/jobset.x-k8s.io/v1alpha2", "application/json", ("LIST", "v1alpha2")),
+])
+def test_requests_are_labelled_as_the_api_server_counts_them(method, path, content_type, label):
+    # the benchmark's ledger puts the operator's count beside apiserver_request_total's (verb, resource)
+    assert request_label(method, path, content_type) == label
+
+
+class FakeResponse:
+    def __init__(self, status: int, data: bytes = b"{}"):
+        self.status, self.reason, self._data, self.headers = status, "r", data, {}
+
+    def read(self) -> bytes:
+        return self._data
+
+
+class FakeApi:
+    """Just enough of kubernetes.client.ApiClient for Kube._request."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    def param_serialize(self, method, path, **_kw):
+        return method, path, {}, None, None
+
+    def call_api(self, *_a, **_kw):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_every_request_is_counted_with_its_answer_failures_included():
+    seen = []
+    kube = Kube(FakeApi(FakeResponse(201), FakeResponse(409), FakeResponse(200, b'{"metadata": {}}'),
+                        OSError("reset")),  # type: ignore[arg-type]
+                on_request=lambda verb, resource, code: seen.append((verb, resource, code)))
+    obj = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "a", "namespace": "ns"}}
+    kube.create(obj)
+    with pytest.raises(NotOwned):  # 409, then the GET finds an object without our owner reference
+        kube.create({**obj, "metadata": {**obj["metadata"], "ownerReferences": [{"uid": "u", "controller": True}]}})
+    with pytest.raises(TransientError):
+        kube.set_jobset_suspend("ns", "j", True)
+    assert seen == [("POST", "serviceaccounts", 201), ("POST", "serviceaccounts", 409),
+                    ("GET", "serviceaccounts", 200), ("PATCH", "jobsets", 0)]

@@ -58,6 +58,21 @@ def test_image_pull_backoff_is_the_pending_reason():
     assert (s["phase"], s["reason"]) == ("Pending", "ImagePullBackOff")
 
 
+@pytest.mark.parametrize(("observed", "event"), [
+    (dict(), None),  # Creating: the status says it
+    (dict(jobset=js(), pods=pods(2, phase="Pending")), None),  # PodsStarting: the status says it
+    (dict(jobset=js(), pods=[PodView("p0", "Pending", waiting_reason="ImagePullBackOff")]),
+     ("Normal", "ImagePullBackOff")),  # a reason to wait: an event, as every other phase change
+    (dict(jobset=js(), pods=[PodView("p0", "Pending", unschedulable="0/1 nodes are available")]),
+     ("Warning", "Unschedulable")),
+    (dict(jobset=js(), pods=pods(2)), ("Normal", "Running")),
+])
+def test_start_up_phases_that_the_status_tells_get_no_event(observed, event):
+    # issue 30: one API write per job and phase in a burst, for an event that repeats the status
+    _, events = derive(obs(**observed), NOW)
+    assert [(e.type, e.reason) for e in events] == ([event] if event else [])
+
+
 def test_all_pods_running_is_running_and_start_time_is_set_once():
     s, events = derive(obs(jobset=js(), pods=pods(2)), NOW)
     assert s["phase"] == "Running" and s["startTime"] == iso(NOW)

@@ -6,7 +6,10 @@ import threading
 import time
 from typing import Any
 
+import pytest
 from factory import wait_until
+from megatron_operator import controller as controller_mod
+from megatron_operator import status as st
 from megatron_operator.controller import Controller
 from megatron_operator.kube import PermanentApiError, TransientError
 from megatron_operator.metrics import Metrics
@@ -99,7 +102,85 @@ def test_threads_0_writes_inline():
     assert written == ["Pending"] and not writer.has(("ns", "a"))
 
 
+def test_a_delayed_status_is_written_once_its_delay_is_over():
+    written = []
+    writer = StatusWriter(lambda ns, name, status: written.append((time.monotonic(), status["phase"])), threads=1)
+    t0 = time.monotonic()
+    writer.submit(("ns", "a"), {"phase": "Pending"}, delay_s=0.3)
+    writer.submit(("ns", "a"), {"phase": "Pending", "message": "1/2"}, delay_s=0.3)  # keeps the first due time
+    assert writer.has(("ns", "a")) and writer.pending() == 1 and written == []
+    wait_until(lambda: written)
+    assert written[0][1] == "Pending" and 0.3 <= written[0][0] - t0 < 5
+    wait_until(lambda: not writer.has(("ns", "a")))
+    assert len(written) == 1
+    writer.stop()
+
+
+def test_a_status_without_delay_replaces_a_delayed_one_and_goes_at_once():
+    written = []
+    writer = StatusWriter(lambda ns, name, status: written.append(status["phase"]), threads=1)
+    writer.submit(("ns", "a"), {"phase": "Pending"}, delay_s=30)
+    writer.submit(("ns", "a"), {"phase": "Running"})
+    wait_until(lambda: written == ["Running"], timeout_s=5)  # not 30 s later
+    wait_until(lambda: not writer.has(("ns", "a")))
+    writer.submit(("ns", "a"), {"phase": "Pending"}, delay_s=0.05)  # a new delay: the old one is gone
+    wait_until(lambda: written == ["Running", "Pending"], timeout_s=5)
+    writer.stop()
+    assert written == ["Running", "Pending"]
+
+
+def test_stop_writes_the_delayed_statuses_too():
+    written = []
+    writer = StatusWriter(lambda ns, name, status: written.append(name), threads=1)
+    writer.submit(("ns", "a"), {"phase": "Pending"}, delay_s=60)
+    writer.stop()
+    assert written == ["a"]
+
+
 # ---- through the controller -----------------------------------------------------------------------
+
+def test_a_new_jobs_first_status_waits_for_its_pods_so_one_write_says_running(monkeypatch):
+    # issue 30: "pods starting" then "Running" a moment later were two MegatronJob writes per job
+    monkeypatch.setattr(controller_mod, "FIRST_STATUS_DELAY_S", 30.0)
+    kube = FakeKube()
+    ctl = Controller(kube, Settings(), Metrics(), status_threads=1)  # type: ignore[arg-type]
+    observe(ctl, body(), None)  # creates the children; "pods starting" waits
+    observe(ctl, body(), jobset(), running_pods(1))
+    assert kube.of("status") == [] and ctl.writer.has(("team-a", "job"))
+    observe(ctl, body(), jobset(), running_pods(), resync=True)  # a resync does not write it either
+    wait_until(lambda: kube.of("status") != [], timeout_s=5)
+    wait_until(lambda: not ctl.writer.has(("team-a", "job")))
+    assert kube.of("status") == [("status", "Running", "AllPodsRunning")]
+    ctl.writer.stop()
+
+
+@pytest.mark.parametrize(("stored", "pods", "written"), [
+    # a reason to wait is written at once
+    (None, [st.PodView("job-p0", "Pending", unschedulable="0/3 nodes are available")], ("Pending", "Unschedulable")),
+    # the first status only: a job that had one gets every later status at once
+    ({"phase": "Suspended", "reason": "Suspended", "jobSetName": "job"}, [], ("Pending", "PodsStarting")),
+])
+def test_only_a_new_jobs_first_starting_status_waits(monkeypatch, stored, pods, written):
+    monkeypatch.setattr(controller_mod, "FIRST_STATUS_DELAY_S", 30.0)
+    kube = FakeKube()
+    ctl = Controller(kube, Settings(), Metrics(), status_threads=1)  # type: ignore[arg-type]
+    observe(ctl, body(status=stored), jobset(), pods)
+    wait_until(lambda: kube.of("status") != [], timeout_s=5)
+    assert kube.of("status") == [("status", *written)]
+    ctl.writer.stop()
+
+
+def test_a_delayed_first_status_is_written_when_the_pods_do_not_start(monkeypatch):
+    monkeypatch.setattr(controller_mod, "FIRST_STATUS_DELAY_S", 0.2)
+    kube = FakeKube()
+    ctl = Controller(kube, Settings(), Metrics(), status_threads=1)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    observe(ctl, body(), jobset(), [st.PodView("job-p0", "Pending"), st.PodView("job-p1", "Pending")])
+    wait_until(lambda: kube.of("status") != [], timeout_s=5)
+    assert time.monotonic() - t0 >= 0.2
+    assert kube.of("status") == [("status", "Pending", "PodsStarting")]
+    ctl.writer.stop()
+
 
 def test_a_lost_write_is_derived_again_and_a_deleted_job_is_not_an_error():
     kube = FakeKube()

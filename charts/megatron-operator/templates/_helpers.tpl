@@ -98,7 +98,7 @@ handlers.py; kopf's watching and event posting); docs/install.md explains each o
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create"]
-# Events on MegatronJobs (JobSetCreated, Running, Stalled, ...).
+# Events on MegatronJobs (Running, Stalled, JobSetRecreated, ...).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
