@@ -124,22 +124,29 @@ def _hf_env(server, tmp_path, monkeypatch, secret_key: str | None = None) -> Non
         monkeypatch.delenv(var, raising=False)
 
 
+def _tiny_llama_source(server, tmp_path, monkeypatch, bucket: str):
+    """hf_cpu_check and a tiny Llama made with transformers (random weights) in tmp_path/src; the store's
+    environment set and `bucket` made."""
+    require("transformers")
+    sys.path.insert(0, str(HERE))
+    import hf_cpu_check as hc
+
+    _hf_env(server, tmp_path, monkeypatch)
+    server.make_bucket(bucket)
+    src = tmp_path / "src"
+    src.mkdir()
+    hc.make_model("tiny-llama3", src)
+    return hc, src
+
+
 def test_hf_export_to_the_store_loads_in_transformers_like_the_local_export(server, tmp_path, monkeypatch):
     """A tiny Llama made with transformers (random weights), imported into Megatron-Core at PP=2 and
     exported twice by the same ranks: to a local directory and to s3:// (several shards per stage, each
     stage uploading its own). The downloaded export is byte-identical to the local one and to the source,
     and transformers gives the source's logits from it."""
-    require("transformers")
     import torch
 
-    sys.path.insert(0, str(HERE))
-    import hf_cpu_check as hc
-
-    _hf_env(server, tmp_path, monkeypatch)
-    server.make_bucket("hf-torch")
-    src = tmp_path / "src"
-    src.mkdir()
-    hc.make_model("tiny-llama3", src)
+    hc, src = _tiny_llama_source(server, tmp_path, monkeypatch, "hf-torch")
     local = tmp_path / "local-export"
     jobs = [(str(src), str(local), "fp32"), (str(src), "s3://hf-torch/exports/tiny", "fp32")]
     results = hc.run_jobs(jobs, 1, 2, "cpu", tmp_path, max_shard_bytes=200_000, endpoint=server.endpoint)
@@ -164,15 +171,7 @@ def test_hf_export_to_the_store_loads_in_transformers_like_the_local_export(serv
 def test_hf_export_to_the_store_refusals_exit_codes_and_no_secret(server, tmp_path, monkeypatch):
     """Through the ranks' export: a prefix holding someone else's keys -> exit 2 on every rank, nothing
     written there; a wrong secret key -> exit 7 (not retried) with the S3 code, the secret in no message."""
-    require("transformers")
-    sys.path.insert(0, str(HERE))
-    import hf_cpu_check as hc
-
-    _hf_env(server, tmp_path, monkeypatch)
-    server.make_bucket("hf-refuse")
-    src = tmp_path / "src"
-    src.mkdir()
-    hc.make_model("tiny-llama3", src)
+    hc, src = _tiny_llama_source(server, tmp_path, monkeypatch, "hf-refuse")
     import boto3
 
     boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id=server.access_key,
