@@ -114,6 +114,16 @@ def llama_flags(m: dict) -> list[str]:
             "--disable-bias-linear"]
 
 
+def throughput_fields(model: str, gbs: int, iter_ms: float, gpus: int) -> dict:
+    """MFU (named by its formula, see model_flops) and tokens/s/GPU of one loop's median iteration."""
+    from megatron_trainer import flops
+
+    m = MODELS[model]
+    thr = flops.throughput(model_flops(model, gbs), gbs * m["seq"], iter_ms / 1000, gpus)
+    formula = "megatron" if m.get("arch") == "llama" else "classic"
+    return {f"mfu_pct_{formula}": round(100 * thr["mfu"], 2), "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])}
+
+
 def model_flops(model: str, gbs: int) -> float:
     """FLOPs of one iteration: Megatron-LM 0.19's formula (SwiGLU's third matrix, GQA's smaller K/V, the
     causal s^2 term halved) for Llama models; the classic formula (the peers') for the GPT models."""
@@ -1381,20 +1391,11 @@ def threeway_layout(ctx, layout: str) -> dict:
                     "peak_alloc_gib_logging_rank": max(peaks) if peaks else None,
                     "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}
         if it_ms:
-            from megatron_trainer import flops
-
-            thr = flops.throughput(model_flops(model, gbs), gbs * m["seq"], it_ms / 1000, gpus)
-            formula = "megatron" if m.get("arch") == "llama" else "classic"
-            out[key].update({f"mfu_pct_{formula}": round(100 * thr["mfu"], 2),
-                             "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
+            out[key].update(throughput_fields(model, gbs, it_ms, gpus))
     ours_ms, rc = out["ours"]["iter_ms"], out["ours"]["rc"]
     out["megatron_lm"] = mlm = run_mlm_peer(f"threeway_mlm_{layout}", gpus, model, tp, pp, gbs, visible)
     if mlm.get("iter_ms"):
-        from megatron_trainer import flops
-
-        thr = flops.throughput(model_flops(model, gbs), gbs * m["seq"], mlm["iter_ms"] / 1000, gpus)
-        mlm.update({f"mfu_pct_{'megatron' if m.get('arch') == 'llama' else 'classic'}": round(100 * thr["mfu"], 2),
-                    "tokens_per_s_per_gpu": round(thr["tokens_per_s_per_gpu"])})
+        mlm.update(throughput_fields(model, gbs, mlm["iter_ms"], gpus))
     losses_ours, losses_mlm = out["ours"]["losses_1_5"], mlm.get("losses_1_5") or []
     if len(losses_mlm) == 5 and None not in losses_ours:
         out["losses_1_5_max_abs_diff_vs_megatron_lm"] = max(abs(a - b) for a, b in zip(losses_ours, losses_mlm, strict=True))
