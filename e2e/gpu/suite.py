@@ -99,7 +99,8 @@ MODELS = {
     "llama3b": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
     "llama3b_s2k": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=2048, vocab=128256, mbs=1, accum=4,
                         arch="llama"),  # Megatron-LM's unfused attention at 4096 does not fit one 80 GB GPU
-    "llama8b": dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, seq=4096, vocab=128256, mbs=1, arch="llama"),
+    "llama8b": dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, seq=4096, vocab=128256, mbs=1, accum=8,
+                    arch="llama"),  # 8 micro-batches of 4096 tokens per step
     "llama8b_s2k": dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, seq=2048, vocab=128256, mbs=1,
                         accum=8, arch="llama"),  # what fits 2 x H100 80 GB at TP=2 with Adam and no recompute
 }
@@ -1316,7 +1317,7 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     text += full
     mm = MLM_RE.search(text)
     if not mm:
-        return {"rc": rc, "error": text[-800:]}
+        return {"rc": rc, "error": text[-800:], "out_of_memory": "out of memory" in text.lower()}
     peaks = [float(x) / 1024 for x in re.findall(r"\| max allocated: ([0-9.]+)", text)]  # report_memory, MB
     return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct_classic": float(mm.group(2)),
             "losses_1_5": json.loads(mm.group(3)), "peak_alloc_gib": round(max(peaks), 2) if peaks else None}
@@ -1359,43 +1360,49 @@ def scenario_threeway(ctx) -> dict:
 
 
 def threeway_layout(ctx, layout: str) -> dict:
+    """One layout: Megatron-LM first (the loop that needs more memory: its local spec keeps the s x s
+    attention scores), then ours. If Megatron-LM runs out of memory on --bench-model and
+    --threeway-fallback names a model, both loops are measured on that model ("what fits"), and ours
+    also runs on the model Megatron-LM could not fit, as a record of its own."""
     gpus, tp, pp = THREEWAY[layout]
-    model = ctx.get("bench_model", "gpt1b")
+    models = [ctx.get("bench_model", "gpt1b")] + ([ctx["threeway_fallback"]] if ctx.get("threeway_fallback") else [])
+    visible = all_gpus(gpus)
+    out: dict = {"layout": layout, "gpus": gpus}
+    for i, model in enumerate(models):
+        gbs = threeway_gbs(model, gpus, tp, pp)
+        mlm = run_mlm_peer(f"threeway_mlm_{layout}_{model}", gpus, model, tp, pp, gbs, visible)
+        if mlm.get("iter_ms"):
+            mlm.update(throughput_fields(model, gbs, mlm["iter_ms"], gpus))
+        if mlm.get("out_of_memory") and i + 1 < len(models):
+            out.setdefault("megatron_lm_did_not_fit", {})[model] = {"global_batch": gbs, **mlm}
+            continue
+        out.update(model=model, global_batch=gbs, megatron_lm=mlm)
+        break
+    model, gbs, mlm = out["model"], out["global_batch"], out["megatron_lm"]
     m = MODELS[model]
     dp = gpus // (tp * pp)
-    # PP=2: 4 micro-batches (global batch 16 at mbs 4); a model may ask for more ("accum").
-    gbs = m["mbs"] * dp * m.get("accum", 4 if pp > 1 else 1)
-    visible = all_gpus(gpus)
-    out: dict = {"layout": layout, "gpus": gpus, "model": model, "global_batch": gbs}
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
     # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
     variants = [("default", [])] + ([("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])] if dp > 1 else [])
     # ours' default has the full-iteration CUDA graph where the trainer verifies it (--cuda-graph-impl auto:
     # PP=1 here); "eager" measures the same run without it.
-    if "eager" in ctx.get("threeway_variants", ()) and pp == 1:
-        variants.append(("eager", ["--cuda-graph-impl", "none"]))
-    for variant, extra in variants:
+    variants = [(name, extra, {}) for name, extra in variants]
+    for name in sorted(ctx.get("threeway_variants", ())):
+        env, extra = THREEWAY_VARIANTS[name]
+        if name != "eager" or pp == 1:
+            variants.append((name, extra, env))
+    for variant, extra, env in variants:
         key = "ours" if variant == "default" else f"ours_{variant}"
-        ours = Run(f"threeway_{key}_{layout}", gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26,
-                                                                 lr="3e-4", warmup=4, extra=extra),
-                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}, gpus=visible)
-        rc = ours.wait(bounded(300))
-        ours.close()
-        ms = ours.iteration_ms()
-        steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
-        it_ms = statistics.median(steady) if steady else None
-        peaks = [float(x.group(5)) for x in ITER_RE.finditer(ours.text())]
-        graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", ours.text())
-        out[key] = {"rc": rc, "iter_ms": it_ms, "flags": extra,
-                    "losses_1_5": [ours.losses().get(i) for i in range(1, 6)],
-                    "peak_alloc_gib_logging_rank": max(peaks) if peaks else None,
-                    "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}
-        if it_ms:
-            out[key].update(throughput_fields(model, gbs, it_ms, gpus))
+        if key != "ours" and time.monotonic() + 120 > DEADLINE[0]:
+            out[key] = {"skipped": "deadline"}
+            continue
+        out[key] = run_ours_threeway(ctx, f"threeway_{key}_{layout}", model, gpus, tp, pp, gbs, extra, variant, env)
+    if model != models[0] and time.monotonic() + 150 < DEADLINE[0]:
+        # ours on the model Megatron-LM could not fit: does the default configuration fit, and how fast is it
+        big = models[0]
+        out["ours_on_" + big] = run_ours_threeway(ctx, f"threeway_ours_{layout}_{big}", big, gpus, tp, pp,
+                                                  threeway_gbs(big, gpus, tp, pp), [], "default")
     ours_ms, rc = out["ours"]["iter_ms"], out["ours"]["rc"]
-    out["megatron_lm"] = mlm = run_mlm_peer(f"threeway_mlm_{layout}", gpus, model, tp, pp, gbs, visible)
-    if mlm.get("iter_ms"):
-        mlm.update(throughput_fields(model, gbs, mlm["iter_ms"], gpus))
     losses_ours, losses_mlm = out["ours"]["losses_1_5"], mlm.get("losses_1_5") or []
     if len(losses_mlm) == 5 and None not in losses_ours:
         out["losses_1_5_max_abs_diff_vs_megatron_lm"] = max(abs(a - b) for a, b in zip(losses_ours, losses_mlm, strict=True))
@@ -1404,7 +1411,7 @@ def threeway_layout(ctx, layout: str) -> dict:
     failures: list[str] = []
     check(ours_ms is not None, f"ours rc={rc}", failures)
     check("iter_ms" in mlm, "Megatron-LM did not run", failures)
-    for key in ("ours", "ours_overlap", "ours_eager"):
+    for key in ["ours", "ours_overlap"] + [f"ours_{v}" for v in THREEWAY_VARIANTS]:
         ratio = ratio_vs_mlm(out.get(key, {}).get("iter_ms"), mlm)
         if ratio is not None:
             out[f"{key}_speedup_vs_megatron_lm"] = ratio
@@ -1412,6 +1419,114 @@ def threeway_layout(ctx, layout: str) -> dict:
     if ours_ms and "iter_ms" in peer:
         out["ours_speedup_vs_guides_loop"] = round(peer["iter_ms"] / ours_ms, 3)
     out["ok"], out["failures"] = not failures, failures
+    return out
+
+
+def threeway_gbs(model: str, gpus: int, tp: int, pp: int) -> int:
+    """PP=2: 4 micro-batches; a model may ask for more ("accum")."""
+    m = MODELS[model]
+    return m["mbs"] * (gpus // (tp * pp)) * m.get("accum", 4 if pp > 1 else 1)
+
+
+# Extra variants of ours in threeway (--threeway-variants): name -> (environment, flags).
+THREEWAY_VARIANTS = {
+    "eager": ({}, ["--cuda-graph-impl", "none"]),  # the same run without the full-iteration CUDA graph
+    "nofusion": ({}, ["--no-gradient-accumulation-fusion"]),  # weight gradients in bf16, then an fp32 add
+    "nccl32": ({"NCCL_MIN_NCHANNELS": "32"}, []),  # more NCCL channels for the TP all-reduces
+}
+
+
+def run_ours_threeway(ctx, name: str, model: str, gpus: int, tp: int, pp: int, gbs: int, extra: list[str],
+                      variant: str, variant_env: dict | None = None) -> dict:
+    """One run of ours in threeway: median iteration 4-20 of 26; profiled over iteration 22 when
+    --threeway-profile names the variant (a kernel-time breakdown per rank lands in the result)."""
+    m = MODELS[model]
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}
+    env.update(variant_env or {})
+    profile_dir = LOGS / f"profile_{name}"
+    if variant in ctx.get("threeway_profile", ()):
+        env["MEGATRON_TRAINER_PROFILE"] = f"22:22:{profile_dir}"
+    ours = Run(name, gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26, lr="3e-4", warmup=4,
+                                        extra=extra), env=env, gpus=all_gpus(gpus))
+    rc = ours.wait(bounded(300))
+    ours.close()
+    ms = ours.iteration_ms()
+    steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
+    it_ms = statistics.median(steady) if steady else None
+    peaks = [float(x.group(5)) for x in ITER_RE.finditer(ours.text())]
+    graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", ours.text())
+    fusion = re.search(r"wgrad accumulation fusion=([^,\n]+)", ours.text())
+    res = {"rc": rc, "model": model, "global_batch": gbs, "iter_ms": it_ms, "flags": extra, "env": variant_env or {},
+           "wgrad_fusion": fusion.group(1).strip() if fusion else None,
+           "losses_1_5": [ours.losses().get(i) for i in range(1, 6)],
+           "peak_alloc_gib_logging_rank": max(peaks) if peaks else None,
+           "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}
+    if rc != 0 and "out of memory" in ours.text().lower():
+        res["out_of_memory"] = True
+    if it_ms:
+        res.update(throughput_fields(model, gbs, it_ms, gpus))
+    if profile_dir.is_dir():
+        res["profile"] = profile_breakdown(profile_dir)
+    return res
+
+
+# Kernel categories of a profile, by the first pattern that matches the kernel's name (lower case).
+KERNEL_CATEGORIES = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "sm90_", "sm80_")),
+    ("optimizer", ("multi_tensor", "foreach", "adam")),
+    ("norm", ("rms", "norm")),
+    ("softmax_loss", ("softmax", "cross_entropy", "nll", "logsumexp")),
+    ("copy", ("memcpy", "memset", "copy", "cat_", "catarray")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "index", "scatter", "gather")),
+)
+
+
+def profile_breakdown(directory: Path, big_trace_bytes: int = 6 << 20) -> dict:
+    """Per rank, from torch.profiler's Chrome trace of one iteration: GPU kernel time by category, the
+    iteration's span on the GPU (first kernel start to last kernel end), the time some kernel was running
+    (union over streams) and the GPU-idle share of the span. Traces over `big_trace_bytes` are deleted
+    after reading (the logs archive must stay small enough to come back); the operator tables stay."""
+    import gzip
+
+    out: dict = {}
+    for trace in sorted(directory.glob("rank*.json.gz")):
+        try:
+            events = json.loads(gzip.open(trace).read()).get("traceEvents", [])
+        except Exception as e:  # diagnostics only
+            out[trace.name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+        if not kernels:
+            out[trace.name.split(".")[0]] = {"kernels": 0}
+            continue
+        by_cat: dict[str, float] = {}
+        top: dict[str, float] = {}
+        for e in kernels:
+            name = str(e.get("name", "")).lower()
+            cat = next((c for c, pats in KERNEL_CATEGORIES if any(p in name for p in pats)), "other")
+            by_cat[cat] = by_cat.get(cat, 0.0) + e["dur"]
+            top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + e["dur"]
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+        busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+        for s, e in spans[1:]:
+            if s > cur_e:
+                busy, cur_s, cur_e = busy + (cur_e - cur_s), s, e
+            else:
+                cur_e = max(cur_e, e)
+        busy += cur_e - cur_s
+        span = spans[-1][1] - spans[0][0]
+        total = sum(by_cat.values())
+        out[trace.name.split(".")[0]] = {
+            "kernels": len(kernels), "gpu_span_ms": round(span / 1000, 2), "gpu_busy_ms": round(busy / 1000, 2),
+            "gpu_idle_pct_of_span": round(100 * (1 - busy / span), 2) if span else None,
+            "kernel_ms_by_category": {k: round(v / 1000, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "kernel_pct_by_category": {k: round(100 * v / total, 1) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": {k: round(v / 1000, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]}}
+        if trace.stat().st_size > big_trace_bytes:
+            trace.unlink()
+            out[trace.name.split(".")[0]]["trace_deleted"] = "over the size that comes back"
     return out
 
 
@@ -1559,7 +1674,12 @@ def main() -> int:
                     "llama-1gpu runs on one GPU)")
     ap.add_argument("--threeway", default="tp2",
                     help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}")
-    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway: eager (no CUDA graph)")
+    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway, of THREEWAY_VARIANTS "
+                    "(eager: no CUDA graph; nofusion: no weight-gradient accumulation fusion; nccl32)")
+    ap.add_argument("--threeway-profile", default="", help="variants of ours in threeway (default, eager, overlap) to "
+                    "profile over iteration 22 on the first and last rank")
+    ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
+                    help="threeway's model where Megatron-LM runs out of memory on --bench-model")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
@@ -1567,6 +1687,9 @@ def main() -> int:
                     help="checkpoints to versitygw on loopback through multi-storage-client (issue 33)")
     ap.add_argument("--objbench-model", default="gpt1b", choices=sorted(MODELS), help="model of objbench")
     args = ap.parse_args()
+    unknown = set(filter(None, args.threeway_variants.split(","))) - set(THREEWAY_VARIANTS)
+    if unknown:
+        ap.error(f"--threeway-variants: unknown {sorted(unknown)}; known: {sorted(THREEWAY_VARIANTS)}")
     import torch
 
     started = time.monotonic()
@@ -1587,6 +1710,8 @@ def main() -> int:
            "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp,
            "bench_variant": args.bench_variant, "threeway": args.threeway,
            "threeway_variants": set(filter(None, args.threeway_variants.split(","))),
+           "threeway_profile": set(filter(None, args.threeway_profile.split(","))),
+           "threeway_fallback": args.threeway_fallback,
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
