@@ -306,3 +306,29 @@ def test_rng_tracker_states_round_trip_between_tensor_and_generator_forms():
     plain = Tracker({})
     restore_tracker_states(plain, saved)
     assert torch.equal(plain.states_["model-parallel-rng"], saved["model-parallel-rng"])
+
+
+def test_wgrad_accumulation_fusion_follows_the_path(mock_argv):
+    """The local path fuses weight-gradient accumulation only where the trainer found a working
+    implementation (compat.patch_wgrad_accumulation_fusion: "torch" or "apex"); --no-gradient-
+    accumulation-fusion and a failed check keep it off. Without CUDA the check refuses, so the
+    stand-in is never installed into Megatron's layers here."""
+    from megatron.core.tensor_parallel import layers
+    from megatron_trainer import model as M
+    from megatron_trainer.compat import TorchWgradAccumulation, patch_wgrad_accumulation_fusion
+    from megatron_trainer.config import parse_args
+
+    cfg = parse_args(mock_argv)
+    path = M.choose_path(cfg, have_te=False)
+    assert path.transformer_impl == "local"
+    assert M.transformer_config(cfg, path).gradient_accumulation_fusion is False  # not checked yet
+    for found, fused in (("torch", True), ("apex", True), ("off: no CUDA device", False)):
+        path.wgrad_fusion = found
+        assert M.transformer_config(cfg, path).gradient_accumulation_fusion is fused, found
+        assert f"wgrad accumulation fusion={found}" in path.describe()
+    off = parse_args(mock_argv + ["--no-gradient-accumulation-fusion"])
+    path.wgrad_fusion = "torch"
+    assert M.transformer_config(off, path).gradient_accumulation_fusion is False
+    if not torch.cuda.is_available():
+        assert patch_wgrad_accumulation_fusion() == "off: no CUDA device"
+        assert getattr(layers, "fused_weight_gradient_mlp_cuda", None) is not TorchWgradAccumulation

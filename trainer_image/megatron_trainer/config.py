@@ -208,7 +208,8 @@ class TrainingConfig:
         help="Do not fuse rotary embeddings (Transformer Engine path; the local path never fuses them)."))
     no_gradient_accumulation_fusion: bool = field(default=False, metadata=flag(
         "--no-gradient-accumulation-fusion", action="store_true",
-        help="Do not fuse weight-gradient accumulation into the GEMM (Transformer Engine path)."))
+        help="Do not fuse weight-gradient accumulation into the GEMM (both paths; the local path fuses it "
+             "with torch.addmm into the fp32 main_grad where CUDA supports it)."))
     no_persist_layer_norm: bool = field(default=True, metadata=flag(
         "--no-persist-layer-norm", action="store_true",
         help="Accepted: this trainer never uses apex's persistent layer norm."))

@@ -120,6 +120,11 @@ class Trainer:
                             f"--vocab-size {m.vocab_size} (the Hugging Face model's vocab_size)")
             self.vocab_size = m.vocab_size
         self.lifecycle.enter("building the model")
+        if self.path.transformer_impl == "local":
+            from .compat import patch_wgrad_accumulation_fusion
+
+            self.path.wgrad_fusion = "off: --no-gradient-accumulation-fusion" \
+                if t.no_gradient_accumulation_fusion else patch_wgrad_accumulation_fusion()
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod

@@ -21,9 +21,13 @@ class ModelPath:
 
     transformer_impl: str  # "transformer_engine" | "local"
     attention: str  # e.g. "TE flash", "SDPA (flash>cudnn>efficient)", "Megatron DotProductAttention (unfused)"
+    # weight-gradient accumulation fusion on the local path: "torch" (compat.TorchWgradAccumulation),
+    # "apex", or "off: <reason>"; set by the trainer before the model is built (the TE path has its own)
+    wgrad_fusion: str = "off: not checked"
 
     def describe(self) -> str:
-        return f"transformer_impl={self.transformer_impl}, attention={self.attention}"
+        text = f"transformer_impl={self.transformer_impl}, attention={self.attention}"
+        return text + (f", wgrad accumulation fusion={self.wgrad_fusion}" if self.transformer_impl == "local" else "")
 
 
 def te_available() -> bool:
@@ -103,7 +107,8 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         bias_dropout_fusion=not t.no_bias_dropout_fusion,
         masked_softmax_fusion=not local and not t.no_masked_softmax_fusion,
         apply_rope_fusion=not local and m.position_embedding_type == "rope" and not t.no_rope_fusion,
-        gradient_accumulation_fusion=not local and not t.no_gradient_accumulation_fusion,
+        gradient_accumulation_fusion=not t.no_gradient_accumulation_fusion
+        and (not local or path.wgrad_fusion in ("torch", "apex")),
         persist_layer_norm=False,
         # Loss: sum over tokens, divided by the global token count (finalize_model_grads).
         calculate_per_token_loss=True,
