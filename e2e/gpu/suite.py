@@ -1345,16 +1345,20 @@ def scenario_threeway(ctx) -> dict:
     the guides' loop (mcore_peer.py; TP x DP only) on the benchmark model, for each layout of
     --threeway (comma-separated), the three loops of a layout one after the other in the same call, same
     global batch; iteration time = median of iterations 4-20; MFU by the classic formula for all three."""
-    layouts = [x for x in (ctx.get("threeway") or "tp2").split(",") if x]
-    unknown = [x for x in layouts if x not in THREEWAY]
+    # "tp2:llama8b,pp2:llama3b": a layout may name its own model (default --bench-model)
+    specs = [x.split(":", 1) for x in (ctx.get("threeway") or "tp2").split(",") if x]
+    layouts = [x[0] for x in specs]
+    models = {x[0]: x[1] for x in specs if len(x) == 2}
+    unknown = [x for x in layouts if x not in THREEWAY] + [m for m in models.values() if m not in MODELS]
     if unknown:
-        return {"ok": False, "error": f"unknown --threeway layouts {unknown}; known: {sorted(THREEWAY)}"}
+        return {"ok": False, "error": f"unknown --threeway layouts or models {unknown}; known: {sorted(THREEWAY)}, "
+                                      f"{sorted(MODELS)}"}
     out: dict = {}
     for layout in layouts:
         if time.monotonic() + 150 > DEADLINE[0]:
             out[layout] = {"ok": False, "skipped": "deadline"}
             continue
-        out[layout] = threeway_layout(ctx, layout)
+        out[layout] = threeway_layout(dict(ctx, bench_model=models.get(layout, ctx.get("bench_model"))), layout)
     out["ok"] = bool(layouts) and all(out[x].get("ok") for x in layouts)
     return out
 
@@ -1433,6 +1437,7 @@ THREEWAY_VARIANTS = {
     "eager": ({}, ["--cuda-graph-impl", "none"]),  # the same run without the full-iteration CUDA graph
     "nofusion": ({}, ["--no-gradient-accumulation-fusion"]),  # weight gradients in bf16, then an fp32 add
     "nccl32": ({"NCCL_MIN_NCHANNELS": "32"}, []),  # more NCCL channels for the TP all-reduces
+    "torchadam": ({"MEGATRON_TRAINER_FUSED_ADAM": "0"}, []),  # torch AdamW's foreach kernels, not its fused one
 }
 
 
@@ -1673,9 +1678,10 @@ def main() -> int:
     ap.add_argument("--pod-jobs", default="", help=f"e2e/gpu/jobs of the pods scenario (default {','.join(POD_JOBS)}; "
                     "llama-1gpu runs on one GPU)")
     ap.add_argument("--threeway", default="tp2",
-                    help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}")
+                    help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}; LAYOUT:MODEL "
+                    "gives a layout its own model")
     ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway, of THREEWAY_VARIANTS "
-                    "(eager: no CUDA graph; nofusion: no weight-gradient accumulation fusion; nccl32)")
+                    "(eager: no CUDA graph; nofusion: no weight-gradient accumulation fusion; nccl32; torchadam)")
     ap.add_argument("--threeway-profile", default="", help="variants of ours in threeway (default, eager, overlap) to "
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),

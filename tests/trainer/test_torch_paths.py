@@ -332,3 +332,40 @@ def test_wgrad_accumulation_fusion_follows_the_path(mock_argv):
     if not torch.cuda.is_available():
         assert patch_wgrad_accumulation_fusion() == "off: no CUDA device"
         assert getattr(layers, "fused_weight_gradient_mlp_cuda", None) is not TorchWgradAccumulation
+
+
+def test_fused_adamw_switch_matches_foreach_and_moves_loaded_steps():
+    """compat.use_fused_adamw: the same AdamW update as torch's foreach kernels (run here with torch's
+    fused CPU kernel; the trainer switches only CUDA optimizers), `step` counters that a checkpoint
+    load left as CPU float tensors of another dtype moved to the parameter's device as float32, and a
+    second call changes nothing. CUDA-only by default: CPU parameters are left alone."""
+    from megatron_trainer.compat import use_fused_adamw
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 32))
+        return p, torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+    class Wrapped:  # Megatron's optimizer wrapper: the torch optimizer as .optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    ref_p, ref = make()
+    p, opt = make()
+    assert use_fused_adamw(Wrapped(opt)) == 0 and opt.param_groups[0]["fused"] is not True  # CPU: untouched
+    assert use_fused_adamw(Wrapped(opt), devices=("cpu",)) == 1
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is False
+    for step in range(5):
+        g = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        ref_p.grad, p.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+    assert torch.allclose(p, ref_p, rtol=1e-5, atol=1e-6)
+    assert opt.state[p]["step"].dtype == torch.float32 and float(opt.state[p]["step"]) == 5.0
+    # a loaded checkpoint: foreach groups and a float64 step, as torch's load keeps it for non-fused groups
+    opt.param_groups[0].update(fused=None, foreach=None)
+    opt.state[p]["step"] = torch.tensor(5.0, dtype=torch.float64)
+    assert use_fused_adamw(Wrapped(opt), devices=("cpu",)) == 1
+    assert opt.state[p]["step"].dtype == torch.float32 and float(opt.state[p]["step"]) == 5.0
+    before = opt.state[p]["step"]
+    assert use_fused_adamw(Wrapped(opt), devices=("cpu",)) == 1 and opt.state[p]["step"] is before

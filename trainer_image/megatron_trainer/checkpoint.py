@@ -127,7 +127,8 @@ def _location(path: str, c) -> Path | str:
 class Checkpointer:
     """Saves and loads the training state; every public method is collective (all ranks)."""
 
-    def __init__(self, cfg: TrainerConfig, env: DistEnv, model: list, optimizer, scheduler, keep: int):
+    def __init__(self, cfg: TrainerConfig, env: DistEnv, model: list, optimizer, scheduler, keep: int,
+                 fused_adam: bool = False):
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelLoadStrategyWrapper,
@@ -140,6 +141,7 @@ class Checkpointer:
 
         self.cfg, self.env = cfg, env
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.fused_adam = fused_adam  # compat.use_fused_adamw again after a load (its groups come from the file)
         self.keep = keep
         c = cfg.checkpoint
         self.save_dir = _location(c.save, c) if c.save else None
@@ -468,6 +470,10 @@ class Checkpointer:
 
             if unshare_adam_steps(self.optimizer):
                 log.info("checkpoint: optimizer step counters unshared (Megatron-Core 0.19 shares one; compat.py)")
+            if self.fused_adam:
+                from .compat import use_fused_adamw
+
+                use_fused_adamw(self.optimizer)
             steps = adam_steps(self.optimizer)
             if steps:
                 log.info("checkpoint: optimizer resumes at AdamW step %s", ", ".join(f"{x:g}" for x in sorted(steps)))

@@ -453,6 +453,8 @@ class RuntimeConfig:
     # diagnostics knobs for benchmarks (docs/trainer.md, "Diagnostics"); not rendered by the operator
     foreach_ops: bool = True
     """MEGATRON_TRAINER_FOREACH_OPS: 0 keeps Megatron's multi-tensor fallbacks (for A/B runs)."""
+    fused_adam: bool = True
+    """MEGATRON_TRAINER_FUSED_ADAM: 0 keeps torch AdamW's foreach kernels instead of its fused one (A/B runs)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
 
@@ -829,6 +831,7 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         shutdown_grace_s=num("MEGATRON_SHUTDOWN_GRACE_S", num("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0, float), float),
         data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
+        fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
     )
 

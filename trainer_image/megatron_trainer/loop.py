@@ -147,6 +147,11 @@ class Trainer:
 
         patch_distopt_state_load_for_torch_adam(self.optimizer)
         self.patched_ops = patch_multi_tensor_fallbacks() if runtime.foreach_ops else []
+        if runtime.fused_adam:
+            from .compat import use_fused_adamw
+
+            if use_fused_adamw(self.optimizer):
+                self.patched_ops.append("torch.optim.AdamW fused")
         gbs = layout.global_batch_size
         decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
         wsd_iters = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
@@ -174,7 +179,7 @@ class Trainer:
         # --- checkpoints: start the writer, resume --------------------------------------------
         self.state = TrainState()
         self.checkpointer = Checkpointer(cfg, self.env, self.model, self.optimizer, self.scheduler,
-                                         keep=runtime.checkpoint_keep)
+                                         keep=runtime.checkpoint_keep, fused_adam=runtime.fused_adam)
         try:
             self._init_after_checkpointer(cfg, runtime, gbs)
         except BaseException:
@@ -362,7 +367,7 @@ class Trainer:
                      self.num_params_rank / 1e6, self.vocab_size, self.padded_vocab,
                      self.checkpointer.async_strategy or "off")
             if self.patched_ops:
-                log.info("multi-tensor fallbacks replaced by foreach kernels: %s", ", ".join(self.patched_ops))
+                log.info("optimizer kernels (compat.py): %s", ", ".join(self.patched_ops))
             ignored = ignored_flags(self.cfg)
             if ignored:
                 log.info("accepted for Megatron-LM compatibility, not used by this trainer: %s "
