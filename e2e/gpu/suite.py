@@ -189,9 +189,21 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999). A port the kernel hands out for port 0 is
+    an ephemeral one, and between this check and the trainer's bind an outgoing connection (NCCL,
+    gloo, the object store's client) can take it: the metrics port was "already in use" once (2 x H200,
+    2026-11-26)."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 class Run:
@@ -1729,13 +1741,14 @@ def main() -> int:
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
-                  "tensorboard": 95, "deterministic": 300, "objbench": 200,
+                  "tensorboard": 95, "deterministic": 110, "objbench": 200,
                   "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
                   "hf_pods": 200, "hf_store": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
         scale = {"layouts": n_layouts, "bench": n_bench, "reshard": 2, "threeway": len(args.threeway.split(",")),
+                 "deterministic": len(ctx["layouts"]) if ctx["layouts"] else 3,  # tpN, ppN, dpN
                  "resume": len(ctx["resume_on"]) if ctx["resume_on"] else n_layouts}.get(name, 1)
         need = per_layout.get(name, 60) * scale
         if time.monotonic() + need > DEADLINE[0]:
