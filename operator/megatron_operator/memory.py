@@ -47,7 +47,9 @@ UNFUSED_BACKWARD_BYTES = 6
 # entropy (measured: 6.0-6.1 bytes per logit on two model shapes).
 LOGITS_BYTES = 6
 # torch.optim.AdamW (Megatron's fallback without Transformer Engine or apex) allocates a full-size
-# fp32 temporary per optimizer-shard parameter during its step; the fused Adam of TE/apex does not.
+# fp32 temporary per optimizer-shard parameter during its foreach step; the fused Adam of TE/apex does
+# not, nor does torch's fused AdamW, which the trainer uses since 2026-11-26. Kept until the records
+# that set it (m03, m04) are re-measured with the fused kernel: until then it errs on the safe side.
 TORCH_ADAM_STEP_BYTES = 4
 
 
