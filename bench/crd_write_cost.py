@@ -15,8 +15,9 @@ subresource with one changed field each time, through the operator's own client 
 (a merge patch of a mutable spec field, ``suspend``).
 
 Variants: ``shipped`` (crds/ as in the working tree), ``no-cel`` (the same schema without any
-``x-kubernetes-validations``), and any ``NAME=PATH`` of another CRD file (e.g. the one of an earlier
-commit, ``git show REV:crds/megatron-operator.io_megatronjobs.yaml > /tmp/old.yaml``).
+``x-kubernetes-validations``), any ``NAME=PATH`` of another CRD file, and ``NAME=git:REV``: the CRD
+of an earlier commit (``crds/megatron-operator.io_megatronjobs.yaml`` at REV, read with git show).
+Give variants more than once to alternate them (``main=git:REV shipped main=git:REV shipped``).
 
     .venv/bin/python bench/crd_write_cost.py --variants shipped no-cel old=/tmp/old.yaml \\
         --out bench/results/crd_write_cost.json
@@ -87,7 +88,11 @@ def variant_crd(name: str, spec: str | None) -> dict:
         strip(out["spec"]["versions"])
         return out
     if spec is None:
-        raise SystemExit(f"variant {name!r}: give it as NAME=PATH of a CRD file")
+        raise SystemExit(f"variant {name!r}: give it as NAME=PATH of a CRD file or NAME=git:REV")
+    if spec.startswith("git:"):
+        rel = CRD_FILE.resolve().relative_to(ROOT)
+        return yaml.safe_load(subprocess.run(["git", "-C", str(ROOT), "show", f"{spec[4:]}:{rel}"],
+                                             capture_output=True, text=True, check=True).stdout)
     return yaml.safe_load(Path(spec).read_text())
 
 
@@ -171,7 +176,7 @@ def git_commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["shipped", "no-cel"],
-                    help="shipped, no-cel, or NAME=PATH of a CRD file")
+                    help="shipped, no-cel, NAME=PATH of a CRD file, or NAME=git:REV (the CRD at commit REV)")
     ap.add_argument("--requests", type=int, default=200, help="sequential requests of each kind")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
