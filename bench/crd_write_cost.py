@@ -53,9 +53,9 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 CEL_METRIC = "apiserver_cel_evaluation_duration_seconds"
 
 
-def control_plane_cpu() -> float:
-    """CPU seconds so far of kube-apiserver and etcd together."""
-    cpu = component_cpu()
+def control_plane_cpu(run_dir: Path) -> float:
+    """CPU seconds so far of kube-apiserver and etcd together (of the cluster in ``run_dir`` only)."""
+    cpu = component_cpu(run_dir)
     return cpu.get("kube-apiserver", 0.0) + cpu.get("etcd", 0.0)
 
 
@@ -110,20 +110,20 @@ def install(cluster: Cluster, crd: dict) -> None:
     time.sleep(3)  # the API server rebuilds the CR handler (and compiles the rules) on its next request
 
 
-def idle_rate(seconds: float = 5.0) -> float:
-    c0, t0 = control_plane_cpu(), time.monotonic()
+def idle_rate(run_dir: Path, seconds: float = 5.0) -> float:
+    c0, t0 = control_plane_cpu(run_dir), time.monotonic()
     time.sleep(seconds)
-    return (control_plane_cpu() - c0) / (time.monotonic() - t0)
+    return (control_plane_cpu(run_dir) - c0) / (time.monotonic() - t0)
 
 
 def measure(cluster: Cluster, label: str, n: int, send) -> dict:
-    rate = idle_rate()
+    rate = idle_rate(cluster.run_dir)
     cel0 = cel_seconds(cluster)
-    c0, t0 = control_plane_cpu(), time.monotonic()
+    c0, t0 = control_plane_cpu(cluster.run_dir), time.monotonic()
     for i in range(n):
         send(i)
     wall = time.monotonic() - t0
-    cpu = control_plane_cpu() - c0 - rate * wall
+    cpu = control_plane_cpu(cluster.run_dir) - c0 - rate * wall
     cel1 = cel_seconds(cluster)
     return {"request": label, "requests": n, "cpu_ms_per_request": round(1000 * cpu / n, 2),
             "cel_ms_per_request": round(1000 * (cel1[0] - cel0[0]) / n, 3),
