@@ -15,8 +15,9 @@ subresource with one changed field each time, through the operator's own client 
 (a merge patch of a mutable spec field, ``suspend``).
 
 Variants: ``shipped`` (crds/ as in the working tree), ``no-cel`` (the same schema without any
-``x-kubernetes-validations``), and any ``NAME=PATH`` of another CRD file (e.g. the one of an earlier
-commit, ``git show REV:crds/megatron-operator.io_megatronjobs.yaml > /tmp/old.yaml``).
+``x-kubernetes-validations``), any ``NAME=PATH`` of another CRD file, and ``NAME=git:REV``: the CRD
+of an earlier commit (``crds/megatron-operator.io_megatronjobs.yaml`` at REV, read with git show).
+Give variants more than once to alternate them (``main=git:REV shipped main=git:REV shipped``).
 
     .venv/bin/python bench/crd_write_cost.py --variants shipped no-cel old=/tmp/old.yaml \\
         --out bench/results/crd_write_cost.json
@@ -52,9 +53,9 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 CEL_METRIC = "apiserver_cel_evaluation_duration_seconds"
 
 
-def control_plane_cpu() -> float:
-    """CPU seconds so far of kube-apiserver and etcd together."""
-    cpu = component_cpu()
+def control_plane_cpu(run_dir: Path) -> float:
+    """CPU seconds so far of kube-apiserver and etcd together (of the cluster in ``run_dir`` only)."""
+    cpu = component_cpu(run_dir)
     return cpu.get("kube-apiserver", 0.0) + cpu.get("etcd", 0.0)
 
 
@@ -87,7 +88,11 @@ def variant_crd(name: str, spec: str | None) -> dict:
         strip(out["spec"]["versions"])
         return out
     if spec is None:
-        raise SystemExit(f"variant {name!r}: give it as NAME=PATH of a CRD file")
+        raise SystemExit(f"variant {name!r}: give it as NAME=PATH of a CRD file or NAME=git:REV")
+    if spec.startswith("git:"):
+        rel = CRD_FILE.resolve().relative_to(ROOT)
+        return yaml.safe_load(subprocess.run(["git", "-C", str(ROOT), "show", f"{spec[4:]}:{rel}"],
+                                             capture_output=True, text=True, check=True).stdout)
     return yaml.safe_load(Path(spec).read_text())
 
 
@@ -105,20 +110,20 @@ def install(cluster: Cluster, crd: dict) -> None:
     time.sleep(3)  # the API server rebuilds the CR handler (and compiles the rules) on its next request
 
 
-def idle_rate(seconds: float = 5.0) -> float:
-    c0, t0 = control_plane_cpu(), time.monotonic()
+def idle_rate(run_dir: Path, seconds: float = 5.0) -> float:
+    c0, t0 = control_plane_cpu(run_dir), time.monotonic()
     time.sleep(seconds)
-    return (control_plane_cpu() - c0) / (time.monotonic() - t0)
+    return (control_plane_cpu(run_dir) - c0) / (time.monotonic() - t0)
 
 
 def measure(cluster: Cluster, label: str, n: int, send) -> dict:
-    rate = idle_rate()
+    rate = idle_rate(cluster.run_dir)
     cel0 = cel_seconds(cluster)
-    c0, t0 = control_plane_cpu(), time.monotonic()
+    c0, t0 = control_plane_cpu(cluster.run_dir), time.monotonic()
     for i in range(n):
         send(i)
     wall = time.monotonic() - t0
-    cpu = control_plane_cpu() - c0 - rate * wall
+    cpu = control_plane_cpu(cluster.run_dir) - c0 - rate * wall
     cel1 = cel_seconds(cluster)
     return {"request": label, "requests": n, "cpu_ms_per_request": round(1000 * cpu / n, 2),
             "cel_ms_per_request": round(1000 * (cel1[0] - cel0[0]) / n, 3),
@@ -171,7 +176,7 @@ def git_commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["shipped", "no-cel"],
-                    help="shipped, no-cel, or NAME=PATH of a CRD file")
+                    help="shipped, no-cel, NAME=PATH of a CRD file, or NAME=git:REV (the CRD at commit REV)")
     ap.add_argument("--requests", type=int, default=200, help="sequential requests of each kind")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()

@@ -106,6 +106,45 @@ def test_immutable_fields_and_suspend(cluster, crd, namespace):
     assert "spec.checkpoint is immutable" in e.value.body
 
 
+def test_create_only_rules_at_create_and_on_updates(cluster, crd, namespace):
+    """The layout rules are create-only (optionalOldSelf, crd.create_only): the API server refuses a bad
+    spec at create with the models' message, evaluates them on no update (a status write, suspend),
+    and an update of an immutable field is still refused, by the immutability rule."""
+    from megatron_operator.kube import Kube
+
+    api = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    bad = {c[0]: c for c in CASES}["bad-global-batch"][1]
+    with pytest.raises(SpecError) as exc:
+        parse_job(bad)
+    (problem,) = exc.value.problems
+    assert problem.message.startswith("spec.training.globalBatchSize: 100 is not divisible by")
+    bad = copy.deepcopy(bad)
+    bad["metadata"].pop("namespace", None)
+    with pytest.raises(kubernetes.client.ApiException) as e:
+        api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, bad)
+    assert e.value.status == 422 and problem.message in json.loads(e.value.body)["message"], e.value.body
+
+    doc = copy.deepcopy(CASES[0][1])
+    doc["metadata"] = {"name": "create-only"}
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    # the operator's status write, a merge patch and a full update that change only suspend
+    Kube(cluster.api_client()).apply_status(namespace, "create-only", {"phase": "Pending", "message": "x"})
+    api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "create-only", {"spec": {"suspend": True}})
+    obj = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "create-only")
+    obj["spec"]["suspend"] = False
+    obj["spec"]["activeDeadlineSeconds"] = 3600
+    obj = api.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "create-only", obj)
+    assert obj["spec"]["suspend"] is False and obj["status"]["phase"] == "Pending"
+    # an immutable field changed to a value that breaks a layout rule: refused as immutable, and the
+    # layout rule is not evaluated on the update
+    with pytest.raises(kubernetes.client.ApiException) as e:
+        api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "create-only",
+                                           {"spec": {"training": {"globalBatchSize": 100}}})
+    message = json.loads(e.value.body)["message"]
+    assert e.value.status == 422 and "spec.training is immutable" in message, message
+    assert "is not divisible" not in message, message
+
+
 HF_CASES = {c[0]: c for c in CASES if c[0].startswith(("hf-", "bad-hf-"))}
 
 

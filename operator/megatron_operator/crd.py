@@ -12,6 +12,7 @@ passed through. Cross-field rules come from ``rules.py`` as CEL ``x-kubernetes-v
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 from pydantic import BaseModel
 
 from . import rules
+from .expr import All, Expr, Field, Filter, Var
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, MegatronJobSpec, MegatronJobStatus, model_in
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -125,7 +127,10 @@ def _convert(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
         elif isinstance(addl, dict):
             out["additionalProperties"] = _convert(addl, path + ("*",))
             if key_schema:  # no structural equivalent of propertyNames: check the keys with CEL
-                out["x-kubernetes-validations"] = _key_rules(key_schema, where)
+                key_rules = _key_rules(key_schema, where)
+                if path[:1] == ("spec",) and len(path) > 1 and path[1] not in MUTABLE_SPEC_FIELDS:
+                    key_rules = [create_only(r) for r in key_rules]  # inside an immutable field
+                out["x-kubernetes-validations"] = key_rules
         elif addl is False or addl is None:
             out["properties"] = {}
         else:
@@ -212,9 +217,70 @@ def immutability_rules(spec_schema: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+def spec_fields_read(*exprs: Expr) -> set[str] | None:
+    """The top-level spec fields that the expressions read through ``self``, or None when that cannot
+    be proven (a ``Field`` on another root than ``self`` or a comprehension variable in scope, a free
+    ``Var``, a node that is not a dataclass of known parts).
+
+    A comprehension's variable (``All``/``Filter``) ranges over a list or map that is itself read
+    through ``self``, so what it reaches is inside that field."""
+    out: set[str] = set()
+
+    def walk(node: Any, bound: frozenset[str]) -> bool:
+        if isinstance(node, (str, int, float, bool)) or node is None:
+            return True
+        if isinstance(node, tuple):
+            return all(walk(v, bound) for v in node)
+        if not isinstance(node, Expr) or not dataclasses.is_dataclass(node):
+            return False
+        if isinstance(node, Field):
+            if node.root == "self":
+                out.add(node.path.split(".")[0])
+                return True
+            return node.root in bound
+        if isinstance(node, Var):
+            return node.name in bound
+        if isinstance(node, (All, Filter)):
+            return walk(node.items, bound) and walk(node.pred, bound | {node.var})
+        return all(walk(getattr(node, f.name), bound) for f in dataclasses.fields(node))
+
+    return out if all(walk(e, frozenset()) for e in exprs) else None
+
+
+def is_create_only(rule: rules.Rule, immutable: set[str]) -> bool:
+    """True when the rule (its condition AND its message) reads only spec fields that the immutability
+    rules keep equal on every update: then it holds on an update exactly when it held at create."""
+    read = spec_fields_read(rule.condition(), rule.message)
+    return read is not None and read <= immutable
+
+
+def create_only(cel_rule: dict[str, Any]) -> dict[str, Any]:
+    """The same rule, evaluated only where there is no old object (create).
+
+    With ``optionalOldSelf: true`` the API server binds ``oldSelf`` as an optional: empty on create,
+    set on an update where the node has an old value (apiextensions-apiserver
+    pkg/apiserver/schema/cel/validation.go). Such a rule is evaluated at create only while the
+    CRDValidationRatcheting feature gate is on (beta and on by default in Kubernetes 1.30-1.32, GA
+    and locked on from 1.33); docs/install.md says what happens where it is off."""
+    if "oldSelf" in cel_rule["rule"]:
+        raise CrdConversionError(f"already a transition rule: {cel_rule['rule'][:80]}")
+    return {**cel_rule, "rule": f"oldSelf.hasValue() || ({cel_rule['rule']})", "optionalOldSelf": True}
+
+
+def immutable_spec_fields(spec: dict[str, Any]) -> set[str]:
+    """The top-level spec fields that an immutability rule keeps equal on every update."""
+    return {r["fieldPath"].removeprefix(".") for r in immutability_rules(spec)}
+
+
 def spec_schema() -> dict[str, Any]:
+    """spec, with its rules. A rule that reads only immutable fields is a create-only rule: on an
+    update (the operator's status writes included: a status update validates the whole object with
+    every rule) the immutability rules already guarantee that those fields are the ones that passed at
+    create, so it is not evaluated again (issue 30: most of a status write's CEL time)."""
     schema = _schema_for(MegatronJobSpec, ("spec",))
-    schema["x-kubernetes-validations"] = [r.to_cel() for r in rules.SPEC_RULES] + immutability_rules(schema)
+    immutable = immutable_spec_fields(schema)
+    spec_rules = [create_only(r.to_cel()) if is_create_only(r, immutable) else r.to_cel() for r in rules.SPEC_RULES]
+    schema["x-kubernetes-validations"] = spec_rules + immutability_rules(schema)
     return schema
 
 

@@ -64,15 +64,23 @@ def _format(template: Any, args: Any) -> Any:
     return celpy.celtypes.StringType("".join(out))
 
 
+def _has_value(optional: Any) -> Any:
+    """CEL's ``optional.hasValue()``; an optional is passed here as a list of zero or one values."""
+    return celpy.celtypes.BoolType(len(optional) > 0)
+
+
 def _program(expr: str) -> Any:
     if expr not in _CACHE:
-        _CACHE[expr] = _ENV.program(_ENV.compile(expr), functions={"format": _format})
+        _CACHE[expr] = _ENV.program(_ENV.compile(expr), functions={"format": _format, "hasValue": _has_value})
     return _CACHE[expr]
 
 
-def evaluate(expr: str, self_value: Any, old_value: Any = None) -> Any:
+def evaluate(expr: str, self_value: Any, old_value: Any = None, optional_old_self: bool = False) -> Any:
+    """``optional_old_self``: the rule's optionalOldSelf, so oldSelf is an optional (empty on create)."""
     activation = {"self": celpy.json_to_cel(self_value)}
-    if old_value is not None:
+    if optional_old_self:
+        activation["oldSelf"] = celpy.celtypes.ListType([] if old_value is None else [celpy.json_to_cel(old_value)])
+    elif old_value is not None:
         activation["oldSelf"] = celpy.json_to_cel(old_value)
     result = _program(expr).evaluate(activation)
     if isinstance(result, celpy.CELEvalError):
@@ -81,13 +89,15 @@ def evaluate(expr: str, self_value: Any, old_value: Any = None) -> Any:
 
 
 def cel_errors(schema: dict[str, Any], obj: Any, path: str = "", old: Any = None) -> list[str]:
-    """Messages of every failed rule (transition rules only when ``old`` is given)."""
+    """Messages of every failed rule (transition rules only when ``old`` is given; rules with
+    optionalOldSelf also without, as the API server does with CRDValidationRatcheting on)."""
     errors: list[str] = []
     for rule in schema.get("x-kubernetes-validations", []):
         uses_old = "oldSelf" in rule["rule"]
-        if uses_old and old is None:
+        optional = rule.get("optionalOldSelf", False)
+        if uses_old and old is None and not optional:
             continue
-        ok = evaluate(rule["rule"], obj, old if uses_old else None)
+        ok = evaluate(rule["rule"], obj, old if uses_old else None, optional)
         if not bool(ok):
             if "messageExpression" in rule:
                 msg = str(evaluate(rule["messageExpression"], obj))

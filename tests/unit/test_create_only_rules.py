@@ -1,0 +1,114 @@
+"""Create-only CEL rules (issue 30): a spec rule that reads only immutable fields is evaluated at
+create and skipped on updates (status writes included), where the immutability rules already keep
+those fields as they were when the rule passed."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+from celeval import apply_defaults, cel_errors
+from factory import make_job
+from megatron_operator import crd
+from megatron_operator.expr import All, Field, Has, Lit, Var, cond, fmt
+from megatron_operator.rules import SPEC_RULES, Rule
+from spec_table import CASES
+
+ROOT = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+SPEC = ROOT["properties"]["spec"]
+IMMUTABLE = crd.immutable_spec_fields(SPEC)
+PREFIX = "oldSelf.hasValue() || ("
+
+
+def test_immutable_fields_are_every_spec_field_but_the_mutable_ones():
+    assert IMMUTABLE == set(SPEC["properties"]) - set(crd.MUTABLE_SPEC_FIELDS)
+    assert set(crd.MUTABLE_SPEC_FIELDS) <= set(SPEC["properties"])
+
+
+def test_fields_read_follow_self_and_comprehension_variables():
+    rule = All(Field("env"), "e", Has(Field("value", "e")) | Field("numNodes").eq(1))
+    assert crd.spec_fields_read(rule) == {"env", "numNodes"}
+    assert crd.spec_fields_read(Field("model.numLayers"), Lit("x")) == {"model"}
+    assert crd.spec_fields_read(fmt("a ", Field("suspend"))) == {"suspend"}
+    # not provable: a root that is neither self nor a bound variable, a free variable
+    assert crd.spec_fields_read(Field("numNodes", "oldSelf")) is None
+    assert crd.spec_fields_read(Field("value", "e")) is None
+    assert crd.spec_fields_read(Var("k")) is None
+
+
+def test_a_rule_that_reads_a_mutable_field_in_its_condition_or_message_is_evaluated_always():
+    plain = Rule("t", "numNodes", Field("numNodes") > 0, Lit("m"))
+    assert crd.is_create_only(plain, IMMUTABLE)
+    in_check = Rule("t", "numNodes", cond(Field("suspend"), True, Field("numNodes") > 0), Lit("m"))
+    in_when = Rule("t", "numNodes", Field("numNodes") > 0, Lit("m"), when=Has(Field("activeDeadlineSeconds")))
+    in_message = Rule("t", "numNodes", Field("numNodes") > 0, fmt("m ", Field("activeDeadlineSeconds").str()))
+    unknown_root = Rule("t", "numNodes", Field("numNodes", "oldSelf") > 0, Lit("m"))
+    for r in (in_check, in_when, in_message, unknown_root):
+        assert not crd.is_create_only(r, IMMUTABLE)
+        assert "optionalOldSelf" not in r.to_cel()
+
+
+def _without_string_literals(cel: str) -> str:
+    return re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', '""', cel)
+
+
+def test_generated_create_only_rules_read_only_immutable_fields():
+    """An independent check on the CEL text the API server gets: every `self.x` of a create-only
+    rule (condition and message) names an immutable field; the others keep their form."""
+    create_only = 0
+    for v in SPEC["x-kubernetes-validations"]:
+        if v.get("optionalOldSelf"):
+            create_only += 1
+            assert v["rule"].startswith(PREFIX) and v["rule"].endswith(")")
+            text = _without_string_literals(v["rule"].removeprefix(PREFIX) + " " + v.get("messageExpression", ""))
+            assert "oldSelf" not in text
+            roots = re.findall(r"\bself\b(\.[A-Za-z_]\w*)?", text)
+            assert roots and all(r and r[1:] in IMMUTABLE for r in roots), v["rule"][:120]
+        else:
+            assert "immutable" in v.get("message", ""), v["rule"][:120]  # only the transition rules
+    assert create_only == len(SPEC_RULES)  # today every layout rule reads only immutable fields
+
+
+def test_key_rules_inside_immutable_fields_are_create_only():
+    found = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for v in node.get("x-kubernetes-validations", []):
+                found.append((path, v))
+            for k, sub in node.items():
+                if k != "x-kubernetes-validations":
+                    walk(sub, path + (k,))
+    walk(SPEC["properties"], ())
+    assert found
+    for path, v in found:
+        assert path[0] in IMMUTABLE and v.get("optionalOldSelf") is True and v["rule"].startswith(PREFIX), path
+
+
+def test_the_name_rule_on_the_object_is_evaluated_always():
+    assert ROOT["x-kubernetes-validations"] == [crd.rules.NAME_RULE]
+
+
+def test_create_only_refuses_a_rule_that_is_already_a_transition_rule():
+    with pytest.raises(crd.CrdConversionError):
+        crd.create_only({"rule": "self.x == oldSelf.x"})
+
+
+@pytest.mark.parametrize("case_id,doc,rule", [c for c in CASES if c[2]], ids=[c[0] for c in CASES if c[2]])
+def test_at_create_refused_and_on_update_not_evaluated(case_id, doc, rule):
+    """At create the rule refuses the spec (test_spec_rules checks the message); on an update of the
+    same spec (a status write; suspend) it is not evaluated, as on the API server."""
+    spec = apply_defaults(ROOT, copy.deepcopy(doc))["spec"]
+    assert cel_errors(SPEC, spec)
+    assert cel_errors(SPEC, spec, old=spec) == []
+    suspended = {**spec, "suspend": not spec.get("suspend", False)}
+    assert cel_errors(SPEC, suspended, old=spec) == []
+
+
+def test_an_update_of_a_valid_job_changing_suspend_passes_and_an_immutable_change_is_refused():
+    spec = apply_defaults(ROOT, make_job())["spec"]
+    assert cel_errors(SPEC, spec) == []
+    assert cel_errors(SPEC, {**spec, "suspend": True, "activeDeadlineSeconds": 60}, old=spec) == []
+    errors = cel_errors(SPEC, {**spec, "numNodes": spec["numNodes"] * 3}, old=spec)
+    assert errors and all("immutable" in e for e in errors)
