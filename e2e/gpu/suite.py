@@ -1450,6 +1450,7 @@ THREEWAY_VARIANTS = {
     "nofusion": ({}, ["--no-gradient-accumulation-fusion"]),  # weight gradients in bf16, then an fp32 add
     "nccl32": ({"NCCL_MIN_NCHANNELS": "32"}, []),  # more NCCL channels for the TP all-reduces
     "torchadam": ({"MEGATRON_TRAINER_FUSED_ADAM": "0"}, []),  # torch AdamW's foreach kernels, not its fused one
+    "ropecompile": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, []),  # Megatron's unfused RoPE through torch.compile
 }
 
 
@@ -1693,7 +1694,8 @@ def main() -> int:
                     help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}; LAYOUT:MODEL "
                     "gives a layout its own model")
     ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway, of THREEWAY_VARIANTS "
-                    "(eager: no CUDA graph; nofusion: no weight-gradient accumulation fusion; nccl32; torchadam)")
+                    "(eager: no CUDA graph; nofusion: no weight-gradient accumulation fusion; nccl32; torchadam; ropecompile: "
+                    "RoPE compiled)")
     ap.add_argument("--threeway-profile", default="", help="variants of ours in threeway (default, eager, overlap) to "
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),

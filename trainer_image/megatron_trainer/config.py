@@ -455,6 +455,8 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_FOREACH_OPS: 0 keeps Megatron's multi-tensor fallbacks (for A/B runs)."""
     fused_adam: bool = True
     """MEGATRON_TRAINER_FUSED_ADAM: 0 keeps torch AdamW's foreach kernels instead of its fused one (A/B runs)."""
+    compile_rope: bool = False
+    """MEGATRON_TRAINER_COMPILE_ROPE: 1 compiles Megatron's unfused RoPE with torch.compile (opt-in, not yet measured)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
 
@@ -832,6 +834,7 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
+        compile_rope=env.get("MEGATRON_TRAINER_COMPILE_ROPE", "0").strip() == "1",
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
     )
 

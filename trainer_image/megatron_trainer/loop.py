@@ -152,6 +152,15 @@ class Trainer:
 
             if use_fused_adamw(self.optimizer):
                 self.patched_ops.append("torch.optim.AdamW fused")
+        if runtime.compile_rope:
+            if self.path.transformer_impl == "local" and m.position_embedding_type == "rope" \
+                    and not cfg.data.sft_packing:
+                from .compat import compile_unfused_rope
+
+                compile_unfused_rope()
+                self.patched_ops.append("RoPE compiled (torch.compile)")
+            else:
+                log.info("MEGATRON_TRAINER_COMPILE_ROPE=1 ignored: only for RoPE on the local path without packed SFT")
         gbs = layout.global_batch_size
         decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
         wsd_iters = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
