@@ -1468,18 +1468,19 @@ def run_ours_threeway(ctx, name: str, model: str, gpus: int, tp: int, pp: int, g
                                         extra=extra), env=env, gpus=all_gpus(gpus))
     rc = ours.wait(bounded(300))
     ours.close()
-    ms = ours.iteration_ms()
-    steady = [ms[i] for i in sorted(ms) if 4 <= i <= 20]
+    text = ours.text()  # the log, read once
+    iters = [(int(x.group(1)), float(x.group(2)), float(x.group(3)), float(x.group(5))) for x in ITER_RE.finditer(text)]
+    steady = [ms for i, ms, _, _ in iters if 4 <= i <= 20]
     it_ms = statistics.median(steady) if steady else None
-    peaks = [float(x.group(5)) for x in ITER_RE.finditer(ours.text())]
-    graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", ours.text())
-    fusion = re.search(r"wgrad accumulation fusion=([^,\n]+)", ours.text())
+    losses = {i: loss for i, _, loss, _ in iters}
+    graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", text)
+    fusion = re.search(r"wgrad accumulation fusion=([^,\n]+)", text)
     res = {"rc": rc, "model": model, "global_batch": gbs, "iter_ms": it_ms, "flags": extra, "env": variant_env or {},
            "wgrad_fusion": fusion.group(1).strip() if fusion else None,
-           "losses_1_5": [ours.losses().get(i) for i in range(1, 6)],
-           "peak_alloc_gib_logging_rank": max(peaks) if peaks else None,
+           "losses_1_5": [losses.get(i) for i in range(1, 6)],
+           "peak_alloc_gib_logging_rank": max((peak for *_, peak in iters), default=None),
            "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}
-    if rc != 0 and "out of memory" in ours.text().lower():
+    if rc != 0 and "out of memory" in text.lower():
         res["out_of_memory"] = True
     if it_ms:
         res.update(throughput_fields(model, gbs, it_ms, gpus))
