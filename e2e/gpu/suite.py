@@ -1451,6 +1451,8 @@ THREEWAY_VARIANTS = {
     "nccl32": ({"NCCL_MIN_NCHANNELS": "32"}, []),  # more NCCL channels for the TP all-reduces
     "torchadam": ({"MEGATRON_TRAINER_FUSED_ADAM": "0"}, []),  # torch AdamW's foreach kernels, not its fused one
     "ropecompile": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, []),  # Megatron's unfused RoPE through torch.compile
+    "sp": ({}, ["--sequence-parallel"]),  # sequence parallelism on the local path (TP > 1)
+    "sp_ropecompile": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, ["--sequence-parallel"]),
 }
 
 
