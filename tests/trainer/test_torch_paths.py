@@ -396,3 +396,71 @@ def test_compiled_rope_matches_megatron_unfused_rope():
             assert torch.allclose(y.grad, x.grad, atol=1e-6)
     finally:
         rope_utils._apply_rotary_pos_emb_bshd = eager
+
+
+def test_compiled_rms_norms_match_eager_and_keep_names():
+    """compat.compile_rms_norms: every torch RMSNorm in the chunks runs through one compiled
+    F.rms_norm with the same values and gradients (CPU inductor here; the GPU suite's `normcompile`
+    variant measures it); parameter names and the state dict are unchanged, other modules are left
+    alone, and a second call switches nothing."""
+    from megatron_trainer.compat import compile_rms_norms
+
+    torch.manual_seed(0)
+    chunk = torch.nn.Sequential(torch.nn.RMSNorm(32, eps=1e-5), torch.nn.Linear(32, 32), torch.nn.RMSNorm(32, eps=1e-6),
+                                torch.nn.LayerNorm(32))
+    for norm in (chunk[0], chunk[2]):
+        torch.nn.init.normal_(norm.weight)
+    eager = [torch.nn.RMSNorm(32, eps=m.eps) for m in (chunk[0], chunk[2])]
+    for e, m in zip(eager, (chunk[0], chunk[2]), strict=True):
+        e.load_state_dict(m.state_dict())
+    names = list(chunk.state_dict())
+    assert compile_rms_norms([chunk]) == 2
+    assert compile_rms_norms([chunk]) == 0
+    assert list(chunk.state_dict()) == names and "forward" not in vars(chunk[3])
+    for e, m in zip(eager, (chunk[0], chunk[2]), strict=True):
+        x = torch.randn(8, 2, 32, requires_grad=True)
+        y = x.detach().clone().requires_grad_(True)
+        want, got = e(x), m(y)
+        assert torch.allclose(got, want, atol=1e-5)
+        g = torch.randn_like(want)
+        want.backward(g)
+        got.backward(g)
+        assert torch.allclose(y.grad, x.grad, atol=1e-5)
+        assert torch.allclose(m.weight.grad, e.weight.grad, atol=1e-4)
+
+
+def test_native_fused_cross_entropy_matches_megatron_unfused(tmp_path):
+    """MEGATRON_TRAINER_CE_FUSION=1 switches the loss to Megatron's native fused vocab-parallel cross
+    entropy (bf16 only: its backward casts the logits' gradient to bf16). Same per-token loss and
+    logits gradient as the unfused one, on bf16 logits (CPU, one gloo rank, in a child process)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ce.py"
+    script.write_text("""
+import os, socket, torch
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state, tensor_parallel
+parallel_state.initialize_model_parallel(1, 1)
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+group = parallel_state.get_tensor_model_parallel_group()
+torch.manual_seed(0)
+logits = (3 * torch.randn(16, 2, 96)).to(torch.bfloat16)
+target = torch.randint(0, 96, (16, 2))
+a = logits.clone().requires_grad_(True)
+b = logits.clone().requires_grad_(True)
+want = tensor_parallel.vocab_parallel_cross_entropy(a, target, tp_group=group)
+got = fused_vocab_parallel_cross_entropy(b, target, group)
+g = torch.rand_like(want)
+want.backward(g)
+got.backward(g)
+assert got.shape == want.shape, (got.shape, want.shape)
+assert torch.allclose(got.float(), want.float(), atol=1e-4), (got - want).abs().max()
+assert torch.allclose(b.grad.float(), a.grad.float(), atol=1e-2, rtol=1e-2), (b.grad.float() - a.grad.float()).abs().max()
+print("ok")
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

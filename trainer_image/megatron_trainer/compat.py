@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -248,3 +250,29 @@ def compile_unfused_rope() -> bool:
     compiled._megatron_trainer_compiled = True
     rope_utils._apply_rotary_pos_emb_bshd = compiled
     return True
+
+
+def compile_rms_norms(modules) -> int:
+    """Run every torch.nn.RMSNorm in `modules` (the model chunks) through one torch.compile'd
+    `F.rms_norm`. Without Transformer Engine the norms are torch's RMSNorm (megatron_trainer.norm);
+    compiled, the forward and backward of each norm are one or two fused kernels. The module and its
+    parameter names stay as they are (checkpoints are unchanged): only the instance's `forward` is
+    replaced. Returns the number of norms switched (0 on a second call)."""
+    global _COMPILED_RMS_NORM
+    if _COMPILED_RMS_NORM is None:
+        _COMPILED_RMS_NORM = torch.compile(torch.nn.functional.rms_norm, dynamic=False)
+    switched = 0
+    for chunk in modules:
+        for module in chunk.modules():
+            if isinstance(module, torch.nn.RMSNorm) and not getattr(module, "_megatron_trainer_compiled", False):
+                module.forward = functools.partial(_rms_norm_forward, module)
+                module._megatron_trainer_compiled = True
+                switched += 1
+    return switched
+
+
+_COMPILED_RMS_NORM = None
+
+
+def _rms_norm_forward(module: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return _COMPILED_RMS_NORM(x, module.normalized_shape, module.weight, module.eps)

@@ -457,6 +457,10 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_FUSED_ADAM: 0 keeps torch AdamW's foreach kernels instead of its fused one (A/B runs)."""
     compile_rope: bool = False
     """MEGATRON_TRAINER_COMPILE_ROPE: 1 compiles Megatron's unfused RoPE with torch.compile (opt-in, not yet measured)."""
+    compile_norm: bool = False
+    """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
+    ce_fusion: bool = False
+    """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
 
@@ -835,6 +839,8 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
         compile_rope=env.get("MEGATRON_TRAINER_COMPILE_ROPE", "0").strip() == "1",
+        compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
+        ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
     )
 

@@ -161,6 +161,20 @@ class Trainer:
                 self.patched_ops.append("RoPE compiled (torch.compile)")
             else:
                 log.info("MEGATRON_TRAINER_COMPILE_ROPE=1 ignored: only for RoPE on the local path without packed SFT")
+        if runtime.compile_norm:
+            if self.path.transformer_impl == "local" and m.normalization == "RMSNorm" and not cfg.data.sft:
+                from .compat import compile_rms_norms
+
+                self.patched_ops.append(f"RMSNorm compiled (torch.compile, {compile_rms_norms(self.model)} norms)")
+            else:
+                log.info("MEGATRON_TRAINER_COMPILE_NORM=1 ignored: only for RMSNorm on the local path, pretraining")
+        if runtime.ce_fusion:
+            if t.bf16 and self.is_last_stage:
+                # read when the loss is computed, so setting it on the built model's config is enough
+                self.tconfig.cross_entropy_loss_fusion, self.tconfig.cross_entropy_fusion_impl = True, "native"
+                self.patched_ops.append("cross entropy fused (Megatron's native)")
+            elif not t.bf16:
+                log.info("MEGATRON_TRAINER_CE_FUSION=1 ignored: Megatron's native fused cross entropy is bf16 only")
         gbs = layout.global_batch_size
         decay_iters = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
         wsd_iters = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)

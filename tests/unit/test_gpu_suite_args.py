@@ -1,0 +1,63 @@
+"""The GPU suite measures and checks "the command line the operator renders by default" with its own
+builder (e2e/gpu/suite.py, trainer_args), so that the suite needs no cluster. Here that builder is
+compared with the operator's real rendering: every flag that changes what runs (layout, kernels,
+fusions, CUDA graph, sequence parallelism, optimizer) must be the same; only the run's own choices
+(learning-rate schedule, length, logging, sequence length) may differ."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from factory import make_job
+from megatron_operator.render import megatron_args
+from megatron_operator.validation import parse_job
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "gpu"))
+import suite as S
+
+# the run's own choices: what the suite sets per scenario, not what the operator decides
+RUN_CHOICES = {"--lr", "--min-lr", "--lr-warmup-iters", "--log-interval", "--seq-length", "--max-position-embeddings",
+               "--train-iters", "--lr-decay-iters", "--eval-iters", "--seed"}
+# values the operator renders explicitly and the trainer defaults to (config.py): same run either way
+TRAINER_DEFAULTS = {"--hidden-dropout": ["0.0"], "--attention-dropout": ["0.0"], "--cuda-graph-impl": ["auto"],
+                    "--norm-epsilon": ["1e-05"]}
+
+
+def flags(argv: list[str]) -> dict[str, list[str]]:
+    out, key = {}, None
+    for a in argv:
+        if a.startswith("--"):
+            key = a
+            out[key] = []
+        elif key is not None:
+            out[key].append(a)
+    return out
+
+
+@pytest.mark.parametrize("tp, pp, gpus", [(2, 1, 2), (1, 2, 2), (1, 1, 2)])
+def test_suite_command_line_is_the_operators_default_rendering(tp, pp, gpus):
+    job = parse_job(make_job(numNodes=1, gpusPerNode=gpus, parallelism={"tensor": tp, "pipeline": pp},
+                             model={"preset": "llama3-8b"},
+                             training={"microBatchSize": 1, "globalBatchSize": 8, "trainIters": 26}))
+    rendered = flags(megatron_args(job))
+    ours = flags(S.trainer_args("llama8b", tp=tp, pp=pp, mbs=1, gbs=8, iters=26))
+    for name, value in TRAINER_DEFAULTS.items():
+        for side in (rendered, ours):
+            if side.get(name) == value:
+                del side[name]
+    differ = {k: (rendered.get(k), ours.get(k)) for k in set(rendered) | set(ours)
+              if k not in RUN_CHOICES and rendered.get(k) != ours.get(k)}
+    assert differ == {}
+    assert ("--sequence-parallel" in ours) == (tp > 1)
+
+
+def test_no_sp_marker_leaves_sequence_parallelism_out_and_never_reaches_the_trainer():
+    argv = S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=[S.NO_SP])
+    assert "--sequence-parallel" not in argv and S.NO_SP not in argv
+    assert S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=["--sequence-parallel"]).count("--sequence-parallel") == 1
+    env, extra = S.variant_for("foreach", 2)  # the perf scenario's variants keep their meaning
+    assert "--sequence-parallel" not in S.trainer_args("gpt1b", tp=2, extra=extra)
+    env, extra = S.variant_for("sp", 2)
+    assert S.trainer_args("gpt1b", tp=2, extra=extra).count("--sequence-parallel") == 1
