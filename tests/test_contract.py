@@ -12,7 +12,7 @@ from megatron_operator.render import launch_command, megatron_args, render, repl
 from megatron_operator.rules import RENDERED_FLAGS, derived_layout, resolved_model
 from megatron_operator.settings import Settings
 from megatron_operator.validation import parse_job
-from megatron_trainer.config import parse_args, runtime_from_env, world_layout
+from megatron_trainer.config import parse_args, resolve_sequence_parallel, runtime_from_env, world_layout
 from megatron_trainer.launch import parse_launch_args, worker_env
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
@@ -29,7 +29,7 @@ EXTRA_CASES = {
                            "model": {"preset": "gpt-7.5b"},
                            "training": {"trainIters": 10, "precision": "fp8", "attentionBackend": "unfused"},
                            "data": {"pvc": "d", "paths": [{"prefix": "x/y"}], "tokenizer": {"type": "Null"}}},
-    "llama-family-fields": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2},
+    "llama-family-fields": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2, "sequenceParallel": True},
                             "model": {"numLayers": 4, "hiddenSize": 1000, "numAttentionHeads": 8,
                                       "numQueryGroups": 2, "kvChannels": 128, "ffnHiddenSize": 2048,
                                       "seqLength": 1024, "vocabSize": 32000, "activation": "swiglu",
@@ -108,7 +108,12 @@ def test_trainer_parses_the_rendered_command_line(job):
                                                           layout["expert"])
     assert p.virtual_pipeline == spec.parallelism.virtual_pipeline
     assert p.expert_tensor == spec.parallelism.expert_tensor
-    assert p.sequence_parallel == layout["sequenceParallel"]
+    # explicit: as given; left to its default (on at TP > 1 with TE), the trainer decides from its image
+    explicit = spec.parallelism.sequence_parallel is True
+    assert (p.sequence_parallel, p.sequence_parallel_auto) == (explicit, layout["sequenceParallel"] and not explicit)
+    for have_te, want in ((True, layout["sequenceParallel"] and not cfg.data.sft_packing),
+                          (False, explicit)):
+        assert resolve_sequence_parallel(cfg, have_te)[0].parallel.sequence_parallel == (want or explicit)
     assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (model["numLayers"], model["hiddenSize"],
                                                                     model["numAttentionHeads"])
     assert m.effective_num_query_groups == model["numQueryGroups"]

@@ -159,7 +159,7 @@ def model_args(name: str) -> list[str]:
             "--position-embedding-type", "learned_absolute", "--untie-embeddings-and-output-weights", *llama_flags(m)]
 
 
-# Suite-only marker in a variant's flags: leave out the --sequence-parallel the operator renders at TP > 1.
+# Suite-only marker in a variant's flags: leave out the --sequence-parallel-auto the operator renders at TP > 1.
 NO_SP = "--no-sequence-parallel"
 
 
@@ -168,9 +168,9 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
                  async_save=True) -> list[str]:
     """A command line shaped like the operator's rendering (docs/trainer-contract.md; the flags that
     change what runs are checked against render.megatron_args in tests/unit/test_gpu_suite_args.py).
-    The operator renders --sequence-parallel at TP > 1 by default (spec.parallelism.sequenceParallel
-    unset, transformerImpl transformer_engine; the trainer keeps it on the local path), so this does
-    too, unless `extra` holds NO_SP."""
+    The operator renders --sequence-parallel-auto at TP > 1 by default (spec.parallelism.sequenceParallel
+    unset, transformerImpl transformer_engine: on where the trainer runs TE, off on the local path), so
+    this does too, unless `extra` holds NO_SP or --sequence-parallel (forced on)."""
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--context-parallel-size", "1", "--expert-model-parallel-size", "1", *model_args(model),
             "--transformer-impl", "transformer_engine", "--attention-backend", attn,
@@ -182,7 +182,7 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
     if dist_opt:
         args.append("--use-distributed-optimizer")
     if tp > 1 and NO_SP not in extra and "--sequence-parallel" not in extra:
-        args.append("--sequence-parallel")
+        args.append("--sequence-parallel-auto")
     extra = [a for a in extra if a != NO_SP]
     if data is None:
         args += ["--mock-data", "--tokenizer-type", "NullTokenizer"]
@@ -1457,18 +1457,17 @@ def threeway_gbs(model: str, gpus: int, tp: int, pp: int) -> int:
 
 
 # Extra variants of ours in threeway (--threeway-variants): name -> (environment, flags).
-FUSED_ENV = {"MEGATRON_TRAINER_COMPILE_ROPE": "1", "MEGATRON_TRAINER_COMPILE_NORM": "1", "MEGATRON_TRAINER_CE_FUSION": "1"}
+FUSED_ENV = {"MEGATRON_TRAINER_COMPILE_NORM": "1", "MEGATRON_TRAINER_CE_FUSION": "1"}
 THREEWAY_VARIANTS = {
     "eager": ({}, ["--cuda-graph-impl", "none"]),  # the same run without the full-iteration CUDA graph
     "nofusion": ({}, ["--no-gradient-accumulation-fusion"]),  # weight gradients in bf16, then an fp32 add
     "nccl32": ({"NCCL_MIN_NCHANNELS": "32"}, []),  # more NCCL channels for the TP all-reduces
     "torchadam": ({"MEGATRON_TRAINER_FUSED_ADAM": "0"}, []),  # torch AdamW's foreach kernels, not its fused one
-    "ropecompile": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, []),  # Megatron's unfused RoPE through torch.compile
-    "nosp": ({}, [NO_SP]),  # without the sequence parallelism the operator renders at TP > 1
+    "sp": ({}, ["--sequence-parallel"]),  # sequence parallelism forced on (the local path's default is off)
+    "norope": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0"}, []),  # Megatron's unfused RoPE, eager
     "normcompile": ({"MEGATRON_TRAINER_COMPILE_NORM": "1"}, []),  # RMSNorm through torch.compile
     "cefusion": ({"MEGATRON_TRAINER_CE_FUSION": "1"}, []),  # Megatron's native fused cross entropy
-    "fused": (FUSED_ENV, []),  # all three torch-side fusions
-    "fused_nosp": (FUSED_ENV, [NO_SP]),
+    "fused": (FUSED_ENV, []),  # the compiled norm and the fused cross entropy on top of the defaults
 }
 
 

@@ -132,7 +132,9 @@ def estimate(job: MegatronJob) -> Estimate:
     tp, pp, cp, dp = lay["tensor"], lay["pipeline"], lay["context"], lay["data"]
     ep, etp = lay["expert"], lay["expertTensor"]
     vpp = job.spec.parallelism.virtual_pipeline or 1
-    sp = lay["sequenceParallel"]
+    # Sequence parallelism left to its default is decided by the trainer (on with Transformer Engine, off
+    # on the local path, --sequence-parallel-auto): counted off, the larger of the two.
+    sp = lay["sequenceParallel"] and job.spec.parallelism.sequence_parallel is True
     h, a, L = m["hiddenSize"], m["numAttentionHeads"], m["numLayers"]
     g, ffn = m["numQueryGroups"], m["ffnHiddenSize"]
     s_full, b = m["seqLength"], tr.micro_batch_size

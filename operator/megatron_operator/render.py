@@ -139,8 +139,10 @@ def megatron_args(job: MegatronJob) -> list[str]:
     flag("expert-model-parallel-size", par.expert)
     if par.expert_tensor is not None:
         flag("expert-tensor-parallel-size", par.expert_tensor)
-    if layout["sequenceParallel"]:
+    if par.sequence_parallel:
         flag("sequence-parallel")
+    elif layout["sequenceParallel"]:  # the default at TP > 1: the trainer turns it on where TE runs
+        flag("sequence-parallel-auto")
     # model
     flag("num-layers", model["numLayers"])
     flag("hidden-size", model["hiddenSize"])

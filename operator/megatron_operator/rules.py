@@ -66,9 +66,10 @@ world = nodes * gpn
 model_parallel = tp * pp * cp
 dp = world // model_parallel
 uses_te = f("training.transformerImpl").eq("transformer_engine")
-# Default: on with TP > 1 and Transformer Engine. The trainer's local path supports it too (its own
-# torch norm; Megatron's WrappedTorchNorm refuses it) but measured no speed-up there, so it stays
-# opt-in on the local path (docs/benchmarks.md).
+# Default: on with TP > 1 and Transformer Engine. Unset, it renders --sequence-parallel-auto and the
+# trainer, which knows whether its image has TE, keeps it on the TE path only: the local path supports
+# it (its own torch norm; Megatron's WrappedTorchNorm refuses it) but measured slower there (Llama-3-8B
+# TP=2, docs/benchmarks.md), so it stays opt-in on the local path.
 sequence_parallel = opt("parallelism.sequenceParallel", (tp > 1) & uses_te)
 mbs = f("training.microBatchSize")
 precision = f("training.precision")
@@ -140,6 +141,7 @@ microbatches = gbs // (mbs * dp)
 RENDERED_FLAGS: tuple[str, ...] = (
     "tensor-model-parallel-size", "pipeline-model-parallel-size", "num-virtual-stages-per-pipeline-rank",
     "context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size", "sequence-parallel",
+    "sequence-parallel-auto",
     "num-layers", "hidden-size", "num-attention-heads", "group-query-attention", "num-query-groups",
     "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
     "moe-router-topk", "swiglu", "normalization", "position-embedding-type", "rotary-base",

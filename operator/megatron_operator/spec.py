@@ -116,8 +116,9 @@ class Parallelism(ApiModel):
                                          "rank (interleaved schedule, --num-virtual-stages-per-pipeline-rank). "
                                          "Omit for the plain 1F1B schedule. Needs pipeline > 1.")
     sequence_parallel: bool | None = Field(None, description="Megatron sequence parallelism (--sequence-parallel). "
-                                           "Default: on when tensor > 1 and Transformer Engine is used; with "
-                                           "transformerImpl local it is supported but off unless set.")
+                                           "Default: on when tensor > 1 and the trainer runs on Transformer "
+                                           "Engine (decided by the trainer, which knows its image); off on the "
+                                           "local path (no TE), where it is supported but slower. true forces it.")
 
 
 # --------------------------------------------------------------------------------------------

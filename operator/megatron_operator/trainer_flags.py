@@ -134,6 +134,7 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "reset-attention-mask",
     "reset-position-ids",
     "sequence-parallel",
+    "sequence-parallel-auto",
     "sft-packing",
     "swiglu",
     "untie-embeddings-and-output-weights",

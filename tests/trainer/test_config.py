@@ -12,6 +12,7 @@ from megatron_trainer.config import (
     parse_args,
     parse_blend,
     resolve_cuda_graph,
+    resolve_sequence_parallel,
     runtime_from_env,
     world_layout,
 )
@@ -225,6 +226,31 @@ def test_cuda_graph_auto(mock_argv, extra, have_te, impl, reason):
     cfg, why = resolve_cuda_graph(parse_args(base + extra), have_te)
     assert cfg.training.cuda_graph_impl == impl
     assert reason in why
+
+
+@pytest.mark.parametrize("extra,have_te,on,reason", [
+    (["--sequence-parallel-auto"], False, False, "local path"),  # TE asked for, not importable: falls back
+    (["--sequence-parallel-auto"], True, True, "Transformer Engine path"),
+    (["--sequence-parallel-auto", "--sft-packing"], True, False, "local path"),  # packed SFT stays local
+    (["--sequence-parallel-auto", "--sequence-parallel"], False, True, None),  # forced on
+    (["--sequence-parallel"], False, True, None),
+    ([], True, False, None),
+])
+def test_sequence_parallel_auto(mock_argv, extra, have_te, on, reason):
+    """`--sequence-parallel-auto` (the operator's default at TP > 1): on where the run takes the TE path,
+    off on the local path; --sequence-parallel forces it; the reason is logged."""
+    argv = without(mock_argv, "--transformer-impl") + ["--transformer-impl", "transformer_engine"]
+    argv[argv.index("--tensor-model-parallel-size") + 1] = "2"
+    if "--sft-packing" in extra:
+        argv = without([a for a in argv if a != "--mock-data"], "--tokenizer-type") + SFT_ARGV
+    cfg, why = resolve_sequence_parallel(parse_args(argv + extra), have_te)
+    assert (cfg.parallel.sequence_parallel, cfg.parallel.sequence_parallel_auto) == (on, False)
+    assert why is None if reason is None else reason in why
+
+
+def test_sequence_parallel_auto_at_tp1_is_off(mock_argv):
+    cfg, why = resolve_sequence_parallel(parse_args(mock_argv + ["--sequence-parallel-auto"]), True)
+    assert (cfg.parallel.sequence_parallel, why) == (False, "TP = 1")
 
 
 def test_cuda_graph_auto_not_for_sft(mock_argv):

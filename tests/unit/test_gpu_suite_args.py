@@ -50,14 +50,15 @@ def test_suite_command_line_is_the_operators_default_rendering(tp, pp, gpus):
     differ = {k: (rendered.get(k), ours.get(k)) for k in set(rendered) | set(ours)
               if k not in RUN_CHOICES and rendered.get(k) != ours.get(k)}
     assert differ == {}
-    assert ("--sequence-parallel" in ours) == (tp > 1)
+    assert ("--sequence-parallel-auto" in ours) == (tp > 1) and "--sequence-parallel" not in ours
 
 
 def test_no_sp_marker_leaves_sequence_parallelism_out_and_never_reaches_the_trainer():
     argv = S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=[S.NO_SP])
-    assert "--sequence-parallel" not in argv and S.NO_SP not in argv
-    assert S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=["--sequence-parallel"]).count("--sequence-parallel") == 1
+    assert not [a for a in argv if a.startswith("--sequence-parallel")] and S.NO_SP not in argv
+    argv = S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=["--sequence-parallel"])
+    assert [a for a in argv if a.startswith("--sequence-parallel")] == ["--sequence-parallel"]
     env, extra = S.variant_for("foreach", 2)  # the perf scenario's variants keep their meaning
-    assert "--sequence-parallel" not in S.trainer_args("gpt1b", tp=2, extra=extra)
+    assert not [a for a in S.trainer_args("gpt1b", tp=2, extra=extra) if a.startswith("--sequence-parallel")]
     env, extra = S.variant_for("sp", 2)
     assert S.trainer_args("gpt1b", tp=2, extra=extra).count("--sequence-parallel") == 1

@@ -206,7 +206,7 @@ def test_checkpoint_path_override_and_sync_save():
 
 def test_megatron_lm_flag_names():
     args = megatron_args(parse_job(make_job(parallelism={"tensor": 2, "pipeline": 2, "virtualPipeline": 2,
-                                                         "context": 1, "expert": 2},
+                                                         "context": 1, "expert": 2, "sequenceParallel": True},
                                             model={"preset": "llama3-8b", "numExperts": 4},
                                             training={"trainIters": 10, "globalBatchSize": 8, "recompute": "full"})))
     expected = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -222,6 +222,19 @@ def test_megatron_lm_flag_names():
         assert flag in args, flag
     assert args[args.index("--num-layers") + 1] == "32"
     assert args[args.index("--rotary-base") + 1] == "500000"
+
+
+@pytest.mark.parametrize("parallelism, impl, flags", [
+    ({"tensor": 2}, "transformer_engine", ["--sequence-parallel-auto"]),  # the trainer decides from its image
+    ({"tensor": 2, "sequenceParallel": True}, "transformer_engine", ["--sequence-parallel"]),
+    ({"tensor": 2, "sequenceParallel": True}, "local", ["--sequence-parallel"]),
+    ({"tensor": 2, "sequenceParallel": False}, "transformer_engine", []),
+    ({"tensor": 2}, "local", []),
+    ({"tensor": 1}, "transformer_engine", []),
+])
+def test_sequence_parallel_rendering(parallelism, impl, flags):
+    args = megatron_args(parse_job(make_job(parallelism=parallelism, training__transformerImpl=impl)))
+    assert [a for a in args if a.startswith("--sequence-parallel")] == flags
 
 
 def test_expert_run_has_no_experts_flag_when_dense():

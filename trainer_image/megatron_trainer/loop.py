@@ -160,7 +160,7 @@ class Trainer:
                 compile_unfused_rope()
                 self.patched_ops.append("RoPE compiled (torch.compile)")
             else:
-                log.info("MEGATRON_TRAINER_COMPILE_ROPE=1 ignored: only for RoPE on the local path without packed SFT")
+                log.info("RoPE not compiled: only for RoPE on the local path without packed SFT")
         if runtime.compile_norm:
             if self.path.transformer_impl == "local" and m.normalization == "RMSNorm" and not cfg.data.sft:
                 from .compat import compile_rms_norms

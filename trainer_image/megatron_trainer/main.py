@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Sequence
 
 from . import attemptlog
-from .config import parse_args, resolve_cuda_graph, runtime_from_env
+from .config import parse_args, resolve_cuda_graph, resolve_sequence_parallel, runtime_from_env
 from .exitcodes import ExitCode, Fatal, Lifecycle, classify, fatal_message, write_termination_message
 
 
@@ -51,6 +51,7 @@ def main(argv: Sequence[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     from .model import te_available
 
+    cfg, sp_reason = resolve_sequence_parallel(cfg, te_available())
     cfg, graph_reason = resolve_cuda_graph(cfg, te_available())  # before CUDA and the process group start
     if cfg.checkpoint.hf_export_only:  # weights only, from any layout; no data
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
@@ -68,6 +69,9 @@ def main(argv: Sequence[str]) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if rank == 0:
         logging.getLogger("megatron_trainer").info("CUDA graph: %s (%s)", cfg.training.cuda_graph_impl, graph_reason)
+        if sp_reason:
+            logging.getLogger("megatron_trainer").info("sequence parallelism (auto): %s (%s)",
+                                                       "on" if cfg.parallel.sequence_parallel else "off", sp_reason)
 
     from .distributed import destroy_distributed, reap_children
     from .loop import Trainer, dump_summary
