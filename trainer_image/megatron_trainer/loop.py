@@ -152,15 +152,14 @@ class Trainer:
 
             if use_fused_adamw(self.optimizer):
                 self.patched_ops.append("torch.optim.AdamW fused")
-        if runtime.compile_rope:
-            if self.path.transformer_impl == "local" and m.position_embedding_type == "rope" \
-                    and not cfg.data.sft_packing:
+        if runtime.compile_rope and m.position_embedding_type == "rope":
+            if self.path.transformer_impl == "local" and not cfg.data.sft_packing:
                 from .compat import compile_unfused_rope
 
                 compile_unfused_rope()
                 self.patched_ops.append("RoPE compiled (torch.compile)")
-            else:
-                log.info("RoPE not compiled: only for RoPE on the local path without packed SFT")
+            elif self.path.transformer_impl == "local":  # the TE path has its own fused RoPE
+                log.info("RoPE not compiled: packed SFT applies it per sequence, whose lengths vary")
         if runtime.compile_norm:
             if self.path.transformer_impl == "local" and m.normalization == "RMSNorm" and not cfg.data.sft:
                 from .compat import compile_rms_norms
