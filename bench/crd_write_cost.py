@@ -11,8 +11,9 @@ around them:
   spent on each object, all rules together), per request.
 
 Kinds of request: ``create`` (POST megatronjobs), ``status`` (server-side apply of the status
-subresource with one changed field each time, through the operator's own client call) and ``spec``
-(a merge patch of a mutable spec field, ``suspend``).
+subresource with one changed field each time, through the operator's own client call),
+``status-merge`` (the same write as a JSON merge patch) and ``spec`` (a merge patch of a mutable spec
+field, ``suspend``).
 
 Variants: ``shipped`` (crds/ as in the working tree), ``no-cel`` (the same schema without any
 ``x-kubernetes-validations``), any ``NAME=PATH`` of another CRD file, and ``NAME=git:REV``: the CRD
@@ -151,6 +152,11 @@ def run_variant(cluster: Cluster, name: str, crd: dict, n: int) -> list[dict]:
         def status(i: int) -> None:  # the operator's own call
             kube.apply_status(ns, target, {"phase": "Running", "message": f"write {i}", "observedGeneration": 1})
 
+        def status_merge(i: int) -> None:  # the same status write as a JSON merge patch instead of an apply
+            kube._call("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{target}/status",
+                       body={"status": {"phase": "Running", "message": f"merge {i}", "observedGeneration": 1}},
+                       content_type="application/merge-patch+json", query=[("fieldManager", "crd-write-cost")])
+
         def spec(i: int) -> None:
             custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, target,
                                                   {"spec": {"suspend": bool(i % 2)}})
@@ -158,7 +164,7 @@ def run_variant(cluster: Cluster, name: str, crd: dict, n: int) -> list[dict]:
         for i in range(10):
             status(i)
         rows = [measure(cluster, "create", n, create), measure(cluster, "status", n, status),
-                measure(cluster, "spec", n, spec)]
+                measure(cluster, "status-merge", n, status_merge), measure(cluster, "spec", n, spec)]
         for r in rows:
             r["variant"] = name
             print(json.dumps(r), flush=True)
