@@ -1519,6 +1519,29 @@ KERNEL_CATEGORIES = (
 )
 
 
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted (start, end) intervals merged where they overlap."""
+    out: list[tuple[float, float]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def covered(a: float, b: float, union: list[tuple[float, float]]) -> float:
+    """How much of [a, b) the merged intervals `union` cover."""
+    import bisect
+
+    i = max(0, bisect.bisect_right(union, (a, float("inf"))) - 1)
+    got = 0.0
+    while i < len(union) and union[i][0] < b:
+        got += max(0.0, min(b, union[i][1]) - max(a, union[i][0]))
+        i += 1
+    return got
+
+
 def profile_breakdown(directory: Path, big_trace_bytes: int = 6 << 20) -> dict:
     """Per rank, from torch.profiler's Chrome trace of one iteration: GPU kernel time by category, the
     iteration's span on the GPU (first kernel start to last kernel end), the time some kernel was running
@@ -1545,18 +1568,18 @@ def profile_breakdown(directory: Path, big_trace_bytes: int = 6 << 20) -> dict:
             by_cat[cat] = by_cat.get(cat, 0.0) + e["dur"]
             top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + e["dur"]
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
-        busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
-        for s, e in spans[1:]:
-            if s > cur_e:
-                busy, cur_s, cur_e = busy + (cur_e - cur_s), s, e
-            else:
-                cur_e = max(cur_e, e)
-        busy += cur_e - cur_s
+        busy = sum(b - a for a, b in merged(spans))
         span = spans[-1][1] - spans[0][0]
         total = sum(by_cat.values())
+        nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in str(e.get("name", "")).lower()]
+        compute = merged(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels
+                                if "nccl" not in str(e.get("name", "")).lower()))
         out[trace.name.split(".")[0]] = {
             "kernels": len(kernels), "gpu_span_ms": round(span / 1000, 2), "gpu_busy_ms": round(busy / 1000, 2),
             "gpu_idle_pct_of_span": round(100 * (1 - busy / span), 2) if span else None,
+            # communication no compute kernel runs beside (what overlap could still win), and compute alone
+            "nccl_exposed_ms": round(sum(b - a - covered(a, b, compute) for a, b in nccl) / 1000, 2),
+            "compute_busy_ms": round(sum(b - a for a, b in compute) / 1000, 2),
             "kernel_ms_by_category": {k: round(v / 1000, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
             "kernel_pct_by_category": {k: round(100 * v / total, 1) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": {k: round(v / 1000, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]}}

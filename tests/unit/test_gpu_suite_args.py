@@ -62,3 +62,24 @@ def test_no_sp_marker_leaves_sequence_parallelism_out_and_never_reaches_the_trai
     assert not [a for a in S.trainer_args("gpt1b", tp=2, extra=extra) if a.startswith("--sequence-parallel")]
     env, extra = S.variant_for("sp", 2)
     assert S.trainer_args("gpt1b", tp=2, extra=extra).count("--sequence-parallel") == 1
+
+
+def test_profile_breakdown_counts_exposed_communication(tmp_path):
+    """The threeway profile's breakdown: NCCL time that no compute kernel runs beside is "exposed";
+    compute busy is the union of the other kernels (streams overlap)."""
+    import gzip
+    import json
+
+    events = [  # microseconds: two GEMMs on two streams overlap; an all-gather half under the second GEMM
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 50, "dur": 100},
+        {"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 100, "dur": 100},
+        {"cat": "kernel", "name": "ncclDevKernel_ReduceScatter", "ts": 300, "dur": 40},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},
+    ]
+    with gzip.open(tmp_path / "rank0.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = S.profile_breakdown(tmp_path)["rank0"]
+    assert got["compute_busy_ms"] == 0.15 and got["nccl_exposed_ms"] == 0.09
+    assert (got["gpu_span_ms"], got["gpu_busy_ms"]) == (0.34, 0.24)
+    assert S.covered(0, 10, S.merged([(2, 4), (3, 6), (8, 20)])) == 6
