@@ -134,7 +134,7 @@ def estimate(job: MegatronJob) -> Estimate:
     vpp = job.spec.parallelism.virtual_pipeline or 1
     # Sequence parallelism left to its default is decided by the trainer (on with Transformer Engine, off
     # on the local path, --sequence-parallel-auto): counted off, the larger of the two.
-    sp = lay["sequenceParallel"] and job.spec.parallelism.sequence_parallel is True
+    sp = job.spec.parallelism.sequence_parallel is True  # admission refuses it without TP > 1
     h, a, L = m["hiddenSize"], m["numAttentionHeads"], m["numLayers"]
     g, ffn = m["numQueryGroups"], m["ffnHiddenSize"]
     s_full, b = m["seqLength"], tr.micro_batch_size

@@ -531,6 +531,12 @@ def validate(cfg: TrainerConfig) -> None:
         check(cfg)
 
 
+def takes_te_path(cfg: TrainerConfig, have_te: bool) -> bool:
+    """The run builds its model on Transformer Engine: asked for and importable, and not packed SFT (whose
+    attention mask TE's attention would ignore; model.choose_path keeps it on the local path)."""
+    return cfg.training.transformer_impl == "transformer_engine" and have_te and not cfg.data.sft_packing
+
+
 def resolve_sequence_parallel(cfg: TrainerConfig, have_te: bool) -> tuple[TrainerConfig, str | None]:
     """`--sequence-parallel-auto` made concrete: on where the run takes the Transformer Engine path at
     TP > 1 (TE's norms and its TP communication overlap; Megatron's guidance), off on the local path:
@@ -538,12 +544,12 @@ def resolve_sequence_parallel(cfg: TrainerConfig, have_te: bool) -> tuple[Traine
     all-gathers and reduce-scatters take longer than the all-reduces they replace, and nothing overlaps
     them without TE), for 2 GiB less memory. Returns the config (sequence_parallel set, auto cleared)
     and the reason for the start-up log; None when nothing was left to decide."""
-    p, t = cfg.parallel, cfg.training
+    p = cfg.parallel
     if not p.sequence_parallel_auto or p.sequence_parallel:
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, sequence_parallel_auto=False)), None
     if p.tensor == 1:
         on, why = False, "TP = 1"
-    elif t.transformer_impl == "transformer_engine" and have_te and not cfg.data.sft_packing:
+    elif takes_te_path(cfg, have_te):
         on, why = True, "Transformer Engine path, TP > 1"
     else:
         on, why = False, "local path (no Transformer Engine): measured slower there; --sequence-parallel forces it"
@@ -564,8 +570,7 @@ def resolve_cuda_graph(cfg: TrainerConfig, have_te: bool) -> tuple[TrainerConfig
         (cfg.model.num_experts is not None, "MoE routing sizes change every step"),
         (t.overlap_param_gather, "--overlap-param-gather waits inside the graph for a gather started outside it"),
         (t.fp8_format is not None, "FP8 runs on Transformer Engine, where the graph is not verified"),
-        (t.transformer_impl == "transformer_engine" and have_te and not cfg.data.sft_packing,
-         "the Transformer Engine path is not verified under the graph"),
+        (takes_te_path(cfg, have_te), "the Transformer Engine path is not verified under the graph"),
         (cfg.data.sft, "fine-tuning data (SFT) is not verified under the graph"),
         (t.train_iters <= t.cuda_graph_warmup_steps, "the run ends before the graph would be captured"),
     ) if cond]

@@ -51,8 +51,9 @@ def main(argv: Sequence[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     from .model import te_available
 
-    cfg, sp_reason = resolve_sequence_parallel(cfg, te_available())
-    cfg, graph_reason = resolve_cuda_graph(cfg, te_available())  # before CUDA and the process group start
+    have_te = te_available()
+    cfg, sp_reason = resolve_sequence_parallel(cfg, have_te)
+    cfg, graph_reason = resolve_cuda_graph(cfg, have_te)  # before CUDA and the process group start
     if cfg.checkpoint.hf_export_only:  # weights only, from any layout; no data
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
             cfg.checkpoint, no_load_optim=True, no_load_rng=True))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import TrainerConfig
+from .config import TrainerConfig, takes_te_path
 from .exitcodes import ExitCode, Fatal
 from .flops import padded_vocab_size
 
@@ -44,7 +44,7 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
     needs_te = [why for cond, why in ((p.context > 1, "--context-parallel-size > 1"),
                                       (t.fp8_format is not None, "--fp8-format")) if cond]
     packed = cfg.data.sft_packing
-    if t.transformer_impl == "transformer_engine" and have_te and not packed:
+    if takes_te_path(cfg, have_te):
         return ModelPath("transformer_engine", f"TE DotProductAttention ({t.attention_backend})")
     if t.transformer_impl == "transformer_engine" and have_te and packed:
         # TE's attention runs with a causal mask type and ignores an explicit mask, so packed samples would
