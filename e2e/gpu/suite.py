@@ -1734,9 +1734,8 @@ def main() -> int:
     ap.add_argument("--threeway", default="tp2",
                     help=f"layouts of the threeway scenario, comma-separated, of {sorted(THREEWAY)}; LAYOUT:MODEL "
                     "gives a layout its own model")
-    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway, of THREEWAY_VARIANTS "
-                    "(eager: no CUDA graph; nofusion: no weight-gradient accumulation fusion; nccl32; torchadam; ropecompile: "
-                    "RoPE compiled)")
+    ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway, comma-separated, of "
+                    f"{sorted(THREEWAY_VARIANTS)} (what each changes: THREEWAY_VARIANTS in e2e/gpu/suite.py)")
     ap.add_argument("--threeway-profile", default="", help="variants of ours in threeway (default, eager, overlap) to "
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
