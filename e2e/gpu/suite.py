@@ -43,6 +43,8 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
              rendered pods verbatim (SIGTERM, resume, export)
   objbench   issue 33: the same model saving every 10 iterations to local disk and to the object store
              (--object-store): blocked time per async save, time to publish, bytes/s
+  collectives  issue 29: the TP=2 collectives of Llama-3-8B timed alone (e2e/gpu/collectives.py), with
+             NCCL's protocol choice (its log kept) and with each NCCL_PROTO forced
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -1308,6 +1310,34 @@ def scenario_detcost(ctx) -> dict:
     return cost
 
 
+NCCL_PROTOS = ("", "Simple", "LL128", "LL")  # "": NCCL's own choice
+COLLECTIVES_RE = re.compile(r"^COLLECTIVES (\{.*\})$", re.M)
+NCCL_CHOICE_RE = re.compile(r"NCCL INFO .*(?:\bAlgo\b|\bproto|P2P|NVLS|NVL|via |Ring|Tree|Channel 00).*", re.I)
+
+
+def scenario_collectives(ctx) -> dict:
+    """issue 29: the TP=2 collectives of Llama-3-8B (32 MiB of bf16 per micro-batch) alone, with NCCL's
+    own protocol choice and with each protocol forced (NCCL_PROTO); NCCL's log of its choice is kept."""
+    gpus = min(ctx["gpus"], 2)
+    out: dict = {"ranks": gpus}
+    failures: list[str] = []
+    for proto in NCCL_PROTOS:
+        env = {"NCCL_PROTO": proto} if proto else {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,GRAPH,TUNING"}
+        name = f"collectives_{proto or 'default'}"
+        run = Run(name, gpus, [], env=env, gpus=all_gpus(gpus), module=False,
+                  script=str(REPO / "e2e" / "gpu" / "collectives.py"))
+        rc = run.wait(120)
+        run.close()
+        text = run.text()
+        m = COLLECTIVES_RE.search(text)
+        out[proto or "default"] = json.loads(m.group(1)) if m else {"rc": rc}
+        check(m is not None, f"{name}: rc={rc}, no result line", failures)
+        if not proto:
+            out["nccl_log"] = [line.strip()[:240] for line in NCCL_CHOICE_RE.findall(text)][:40]
+    out.update(ok=not failures, failures=failures)
+    return out
+
+
 # issue 17's three-way benchmark, one layout per device call: (GPUs, TP, PP); DP is what is left.
 THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2)}
 MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
@@ -1468,6 +1498,8 @@ THREEWAY_VARIANTS = {
     "normcompile": ({"MEGATRON_TRAINER_COMPILE_NORM": "1"}, []),  # RMSNorm through torch.compile
     "cefusion": ({"MEGATRON_TRAINER_CE_FUSION": "1"}, []),  # Megatron's native fused cross entropy
     "fused": (FUSED_ENV, []),  # the compiled norm and the fused cross entropy on top of the defaults
+    "ncclsimple": ({"NCCL_PROTO": "Simple"}, []),  # NCCL's Simple protocol forced for every collective
+    "nccll128": ({"NCCL_PROTO": "LL128"}, []),  # NCCL's LL128 protocol forced
 }
 
 
@@ -1688,7 +1720,8 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "resume": scenario_resume, "sigterm": scenario_sigterm, "reshard": scenario_reshard,
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
-             "deterministic": scenario_deterministic, "detcost": scenario_detcost, "objbench": scenario_objbench, "threeway": scenario_threeway}
+             "deterministic": scenario_deterministic, "detcost": scenario_detcost, "objbench": scenario_objbench, "threeway": scenario_threeway,
+             "collectives": scenario_collectives}
 try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
     from hf import (
         scenario_hf_bench,
@@ -1784,7 +1817,7 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 110, "objbench": 200,
-                  "detcost": 60, "threeway": 170, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
+                  "detcost": 60, "threeway": 170, "collectives": 90, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
                   "hf_pods": 200, "hf_store": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
