@@ -1500,6 +1500,8 @@ THREEWAY_VARIANTS = {
     "fused": (FUSED_ENV, []),  # the compiled norm and the fused cross entropy on top of the defaults
     "ncclsimple": ({"NCCL_PROTO": "Simple"}, []),  # NCCL's Simple protocol forced for every collective
     "nccll128": ({"NCCL_PROTO": "LL128"}, []),  # NCCL's LL128 protocol forced
+    "tpoverlap1": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "1"}, []),  # Megatron's forward all-reduce, not overlapped
+    "tpoverlap4": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4"}, []),  # the row-parallel forward in 4 pieces
 }
 
 

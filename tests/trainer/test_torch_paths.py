@@ -269,14 +269,20 @@ tc.use_cpu_initialization = True
 m = GPTModel(config=tc, transformer_layer_spec=M.block_spec(M.layer_spec(cfg, path), tc, path, None),
              vocab_size=1024, max_sequence_length=128)
 norms = [n for n, p in m.named_parameters() if "norm" in n]
+path.tp_overlap_chunks = 2  # tp_overlap's layers in the spec (TP = 1 here: they run Megatron's forward)
+m2 = GPTModel(config=tc, transformer_layer_spec=M.block_spec(M.layer_spec(cfg, path), tc, path, None),
+              vocab_size=1024, max_sequence_length=128)
+layer = m2.decoder.layers[0]
 print(json.dumps({{"layers": len(m.decoder.layers), "final": type(m.decoder.final_layernorm).__name__,
                   "marked": all(hasattr(p, "sequence_parallel") for n, p in m.named_parameters() if "norm" in n),
-                  "norms": len(norms)}}))
+                  "norms": len(norms), "same_names": [n for n, _ in m.named_parameters()] == [n for n, _ in m2.named_parameters()],
+                  "rows": [type(layer.self_attention.linear_proj).__name__, type(layer.mlp.linear_fc2).__name__]}}))
 """)
     proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"layers": 2, "final": "LayerNorm", "marked": True, "norms": 2 * (2 * 2) + 2}
+    assert got == {"layers": 2, "final": "LayerNorm", "marked": True, "norms": 2 * (2 * 2) + 2, "same_names": True,
+                   "rows": ["OverlappedRowParallelLinear2", "OverlappedRowParallelLinear2"]}
 
 
 def test_rng_tracker_states_round_trip_between_tensor_and_generator_forms():
@@ -464,3 +470,109 @@ print("ok")
 """)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_overlapped_row_parallel_linear_matches_megatron_at_tp2(tmp_path):
+    """tp_overlap.OverlappedRowParallelLinear against Megatron's RowParallelLinear at TP=2 (two gloo
+    ranks on CPU, child processes): the same output, input gradient and weight gradient, with and
+    without weight-gradient accumulation into main_grad, for 2 and 3 pieces. A sequence the pieces do
+    not divide takes Megatron's forward; so does sequence parallelism (not run: Megatron's
+    reduce-scatter needs CUDA)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "tp2.py"
+    script.write_text(f"""
+import os, sys, json, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
+rank = int(sys.argv[1])
+torch.distributed.init_process_group("gloo", rank=rank, world_size=2, init_method="file://{tmp_path / 'rdzv'}")
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import layers
+from megatron.core.transformer.transformer_config import TransformerConfig
+parallel_state.initialize_model_parallel(2, 1)
+from megatron_trainer.tp_overlap import overlapped_row_parallel_linear
+
+class AccumulateIntoMainGrad:  # stands in for apex's fused_weight_gradient_mlp_cuda on CPU
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        main_grad.add_(grad_output.t().matmul(total_input))
+layers.fused_weight_gradient_mlp_cuda = AccumulateIntoMainGrad
+
+def config(fusion, sp=False):
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                             use_cpu_initialization=True, params_dtype=torch.float64,
+                             gradient_accumulation_fusion=fusion, sequence_parallel=sp)
+
+out = {{}}
+for chunks in (2, 3):
+    sp_mod = overlapped_row_parallel_linear(chunks)(16, 8, config=config(False, True), init_method=torch.nn.init.normal_,
+                                                    bias=True, input_is_parallel=True, skip_bias_add=False)
+    out[f"{{chunks}}/sp"] = sp_mod.overlaps(torch.zeros(12, 3, 8))
+    for fusion in (False, True):
+        for seq in (12, 13):
+            results = []
+            for cls in (layers.RowParallelLinear, overlapped_row_parallel_linear(chunks)):
+                torch.manual_seed(0)
+                mod = cls(16, 8, config=config(fusion), init_method=torch.nn.init.normal_, bias=True,
+                          input_is_parallel=True, skip_bias_add=False)
+                if fusion:
+                    mod.weight.main_grad = torch.zeros_like(mod.weight, dtype=torch.float32)  # Megatron: fp32 only
+                torch.manual_seed(1 + rank)  # each rank its own input shard
+                x = torch.randn(seq, 3, 8, dtype=torch.float64, requires_grad=True)
+                y, _ = mod(x)
+                torch.manual_seed(7)
+                y.backward(torch.randn(seq, 3, 8, dtype=torch.float64))
+                wgrad = mod.weight.main_grad if fusion else mod.weight.grad
+                results.append((y.detach(), x.grad, wgrad.clone(), getattr(mod, "overlaps", lambda _: None)(x)))
+            (y0, gx0, gw0, _), (y1, gx1, gw1, used) = results
+            out[f"{{chunks}}/{{fusion}}/{{seq}}"] = {{
+                "overlapped": used, "out": torch.allclose(y0, y1, atol=1e-12),
+                "dx": torch.allclose(gx0, gx1, atol=1e-12), "dw": torch.allclose(gw0, gw1, atol=1e-12),
+                "dw_nonzero": bool(gw1.abs().sum() > 0)}}
+print("RESULT " + json.dumps(out))
+""")
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(script), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    for stdout, _ in outs:
+        got = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+        assert got.pop("2/sp") is False and got.pop("3/sp") is False
+        assert len(got) == 8
+        for key, r in got.items():
+            seq = key.split("/")[2]
+            assert r["overlapped"] is (seq == "12"), (key, r)
+            assert r["out"] and r["dx"] and r["dw"] and r["dw_nonzero"], (key, r)
+
+
+def test_tp_overlap_applies_on_the_local_path_at_tp_above_1_without_sp(mock_argv):
+    """model.tp_overlap_chunks: the requested pieces on the local path at TP > 1, dense, no sequence
+    parallelism; 1 elsewhere. The layer spec then swaps both row-parallel layers; the start-up line says so."""
+    import functools
+
+    from conftest import without
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron_trainer import model as M
+    from megatron_trainer.config import parse_args
+    from megatron_trainer.tp_overlap import OverlappedRowParallelLinear
+
+    tp2 = without(mock_argv, "--tensor-model-parallel-size") + ["--tensor-model-parallel-size", "2"]
+    cfg = parse_args(tp2)
+    path = M.choose_path(cfg, have_te=False)
+    assert M.tp_overlap_chunks(cfg, path, 2) == 2
+    assert M.tp_overlap_chunks(cfg, path, 0) == 1
+    assert M.tp_overlap_chunks(parse_args(mock_argv), path, 2) == 1  # TP = 1
+    assert M.tp_overlap_chunks(parse_args(tp2 + ["--sequence-parallel"]), path, 2) == 1
+    assert M.tp_overlap_chunks(cfg, M.ModelPath("transformer_engine", "TE"), 2) == 1
+    spec = M.layer_spec(cfg, path)
+    assert spec.submodules.self_attention.submodules.linear_proj is RowParallelLinear  # path says 1 piece
+    path.tp_overlap_chunks = 2
+    spec = M.layer_spec(cfg, path)
+    mlp = spec.submodules.mlp
+    fc2 = (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).linear_fc2
+    for row in (spec.submodules.self_attention.submodules.linear_proj, fc2):
+        assert issubclass(row, OverlappedRowParallelLinear) and row.chunks == 2
+    assert "TP forward all-reduce overlapped in 2 pieces" in path.describe()

@@ -26,6 +26,7 @@ from .model import (
     choose_path,
     count_parameters,
     te_available,
+    tp_overlap_chunks,
     transformer_config,
     wire_model_hooks,
 )
@@ -125,6 +126,7 @@ class Trainer:
 
             self.path.wgrad_fusion = "off: --no-gradient-accumulation-fusion" \
                 if t.no_gradient_accumulation_fusion else patch_wgrad_accumulation_fusion()
+        self.path.tp_overlap_chunks = tp_overlap_chunks(cfg, self.path, runtime.tp_overlap_chunks)
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod

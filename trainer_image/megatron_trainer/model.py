@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -24,10 +26,27 @@ class ModelPath:
     # weight-gradient accumulation fusion on the local path: "torch" (compat.TorchWgradAccumulation),
     # "apex", or "off: <reason>"; set by the trainer before the model is built (the TE path has its own)
     wgrad_fusion: str = "off: not checked"
+    # pieces of a row-parallel layer's forward GEMM whose all-reduces overlap the next piece's GEMM
+    # (tp_overlap.py); 1 = Megatron's forward. Set by the trainer before the model is built.
+    tp_overlap_chunks: int = 1
 
     def describe(self) -> str:
         text = f"transformer_impl={self.transformer_impl}, attention={self.attention}"
-        return text + (f", wgrad accumulation fusion={self.wgrad_fusion}" if self.transformer_impl == "local" else "")
+        if self.transformer_impl != "local":
+            return text
+        text += f", wgrad accumulation fusion={self.wgrad_fusion}"
+        if self.tp_overlap_chunks > 1:
+            text += f", TP forward all-reduce overlapped in {self.tp_overlap_chunks} pieces"
+        return text
+
+
+def tp_overlap_chunks(cfg: TrainerConfig, path: ModelPath, requested: int) -> int:
+    """Pieces for tp_overlap.OverlappedRowParallelLinear: `requested` (MEGATRON_TRAINER_TP_OVERLAP_CHUNKS)
+    on the local path at TP > 1 without sequence parallelism, for dense models; else 1 (Megatron's)."""
+    p = cfg.parallel
+    if path.transformer_impl != "local" or p.tensor == 1 or p.sequence_parallel or cfg.model.num_experts:
+        return 1
+    return max(1, requested)
 
 
 def te_available() -> bool:
@@ -146,6 +165,17 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
 
         backend = "math" if t.deterministic_mode else t.attention_backend  # no fused kernels: determinism.py
         spec.submodules.self_attention.submodules.core_attention = make_sdpa_attention(backend)
+    if path.tp_overlap_chunks > 1:
+        from .tp_overlap import overlapped_row_parallel_linear
+
+        row = overlapped_row_parallel_linear(path.tp_overlap_chunks)
+        spec.submodules.self_attention.submodules.linear_proj = row
+        mlp = spec.submodules.mlp  # megatron-core 0.19: a partial of MLP.as_mlp_submodule(submodules=...)
+        if isinstance(mlp, functools.partial):
+            subs = dataclasses.replace(mlp.keywords["submodules"], linear_fc2=row)
+            spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+        else:
+            mlp.submodules.linear_fc2 = row
     return spec
 
 

@@ -1,0 +1,97 @@
+"""The forward all-reduce of a row-parallel linear layer, overlapped with its own GEMM (local path).
+
+Without Transformer Engine, Megatron's `RowParallelLinear` (attention's output projection and the
+MLP's second layer) runs its GEMM, then all-reduces the whole output across the tensor-parallel group
+while nothing else runs: at TP=2 on the Llama-3-8B that is 512 all-reduces of 32 MiB per step, 81-104
+ms of exposed NCCL time out of about 1600 ms (docs/benchmarks.md, issue 29). In the backward pass
+Megatron already overlaps its all-reduce with the weight-gradient GEMM.
+
+`OverlappedRowParallelLinear` splits the forward GEMM along the sequence into `chunks` pieces and
+starts each piece's all-reduce as soon as the piece is computed, so the all-reduce of one piece runs
+while the next piece's GEMM does (CUDA_DEVICE_MAX_CONNECTIONS=1 keeps the launch order, as for
+Megatron's own backward overlap); only the last piece's all-reduce is exposed. The backward pass is
+Megatron's own (`LinearWithGradAccumulationAndAsyncCommunication.backward`, weight-gradient
+accumulation fusion included): the all-reduce's gradient is the identity, so the output gradient is
+what Megatron's backward expects. Parameters, their names and checkpoints are unchanged.
+
+Used where it applies: tensor parallelism > 1, no sequence parallelism (with it the layer
+reduce-scatters instead), a trainable weight, no CPU offloading, and a sequence length divisible by
+`chunks`. Anything else takes Megatron's forward unchanged. MEGATRON_TRAINER_TP_OVERLAP_CHUNKS
+(default 2) sets `chunks`; 1 turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import (
+    LinearWithGradAccumulationAndAsyncCommunication,
+    RowParallelLinear,
+    custom_fwd,
+)
+
+DEFAULT_CHUNKS = 2
+
+
+class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
+    """Forward: out = all_reduce(input @ weight.T), one piece of the sequence at a time; backward:
+    Megatron's (the same ctx fields as its forward sets)."""
+
+    @staticmethod
+    @custom_fwd
+    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size, chunks):
+        # The fields Megatron's backward reads (megatron-core 0.19.2's forward sets the same ones).
+        ctx.save_for_backward(input, weight)
+        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.wgrad_deferral_limit = wgrad_deferral_limit
+        ctx.grad_output_buffer = grad_output_buffer
+        ctx.tp_group = tp_group
+        ctx.gtp_remat_size = gtp_remat_size
+        out = torch.empty(*input.shape[:-1], weight.shape[0], dtype=input.dtype, device=input.device)
+        pending = []
+        for piece_in, piece_out in zip(input.chunk(chunks, dim=0), out.chunk(chunks, dim=0), strict=True):
+            torch.matmul(piece_in, weight.t(), out=piece_out)
+            pending.append(dist.all_reduce(piece_out, group=tp_group, async_op=True))
+        for work in pending:
+            work.wait()
+        if bias is not None:
+            out = out + bias
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
+        return (*grads, None)  # no gradient for `chunks`
+
+
+class OverlappedRowParallelLinear(RowParallelLinear):
+    """Megatron's RowParallelLinear with the forward all-reduce overlapped piece by piece (module doc)."""
+
+    chunks: int = DEFAULT_CHUNKS
+
+    def overlaps(self, input_: torch.Tensor) -> bool:
+        return (self.chunks > 1 and self.tp_group is not None and self.tp_group.size() > 1
+                and self.input_is_parallel and not self.sequence_parallel and not self.explicit_expert_comm
+                and self.weight.requires_grad and getattr(self, "gtp_remat_size", 1) == 1
+                and self.config._cpu_offloading_context is None and input_.shape[0] % self.chunks == 0)
+
+    def forward(self, input_: torch.Tensor):
+        if not self.overlaps(input_):
+            return super().forward(input_)
+        output_ = _ChunkedMatmulAllReduce.apply(input_, self.weight, None, self.gradient_accumulation_fusion, False,
+                                                False, None, 0, self.tp_group, 1, self.chunks)
+        if not self.skip_bias_add:
+            return (output_ + self.bias) if self.bias is not None else output_, None
+        return output_, self.bias
+
+
+def overlapped_row_parallel_linear(chunks: int) -> type[OverlappedRowParallelLinear]:
+    """A subclass with `chunks` fixed (a layer spec takes a class, not an instance)."""
+    if chunks < 1:
+        raise ValueError(f"tensor-parallel overlap chunks must be >= 1, got {chunks}")
+    return type(f"OverlappedRowParallelLinear{chunks}", (OverlappedRowParallelLinear,), {"chunks": chunks})
