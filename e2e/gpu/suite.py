@@ -1500,8 +1500,8 @@ THREEWAY_VARIANTS = {
     "fused": (FUSED_ENV, []),  # the compiled norm and the fused cross entropy on top of the defaults
     "ncclsimple": ({"NCCL_PROTO": "Simple"}, []),  # NCCL's Simple protocol forced for every collective
     "nccll128": ({"NCCL_PROTO": "LL128"}, []),  # NCCL's LL128 protocol forced
-    "tpoverlap1": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "1"}, []),  # Megatron's forward all-reduce, not overlapped
-    "tpoverlap4": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4"}, []),  # the row-parallel forward in 4 pieces
+    "tpoverlap2": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "2"}, []),  # row-parallel forward in 2 overlapped pieces
+    "tpoverlap4": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4"}, []),  # the same in 4 pieces
 }
 
 
@@ -1548,9 +1548,18 @@ KERNEL_CATEGORIES = (
     ("optimizer", ("multi_tensor", "foreach", "adam")),
     ("norm", ("rms", "norm")),
     ("softmax_loss", ("softmax", "cross_entropy", "nll", "logsumexp")),
+    # torch.compile's kernels (compiled RoPE, SwiGLU): their names list the fused ops ("cat", "_to_copy"),
+    # which would otherwise count them as copies
+    ("compiled", ("triton_",)),
     ("copy", ("memcpy", "memset", "copy", "cat_", "catarray")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "index", "scatter", "gather")),
 )
+
+
+def kernel_category(name: str) -> str:
+    """The first KERNEL_CATEGORIES entry whose pattern is in the kernel's name, else "other"."""
+    low = name.lower()
+    return next((c for c, pats in KERNEL_CATEGORIES if any(p in low for p in pats)), "other")
 
 
 def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -1597,8 +1606,7 @@ def profile_breakdown(directory: Path, big_trace_bytes: int = 6 << 20) -> dict:
         by_cat: dict[str, float] = {}
         top: dict[str, float] = {}
         for e in kernels:
-            name = str(e.get("name", "")).lower()
-            cat = next((c for c, pats in KERNEL_CATEGORIES if any(p in name for p in pats)), "other")
+            cat = kernel_category(str(e.get("name", "")))
             by_cat[cat] = by_cat.get(cat, 0.0) + e["dur"]
             top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + e["dur"]
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)

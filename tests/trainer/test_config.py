@@ -158,8 +158,8 @@ def test_runtime_from_env():
     assert (knobs.shutdown_grace_s, knobs.foreach_ops, knobs.profile) == (90.0, False, "5:6:/tmp/p")
     with pytest.raises(ValueError, match="MEGATRON_CHECKPOINT_KEEP"):
         runtime_from_env({"MEGATRON_CHECKPOINT_KEEP": "two"})
-    assert defaults.tp_overlap_chunks == 2
-    assert runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "1"}).tp_overlap_chunks == 1
+    assert defaults.tp_overlap_chunks == 1  # opt-in
+    assert runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4"}).tp_overlap_chunks == 4
     with pytest.raises(ValueError, match="MEGATRON_TRAINER_TP_OVERLAP_CHUNKS"):
         runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "two"})
 

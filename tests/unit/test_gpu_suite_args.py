@@ -83,3 +83,12 @@ def test_profile_breakdown_counts_exposed_communication(tmp_path):
     assert got["compute_busy_ms"] == 0.15 and got["nccl_exposed_ms"] == 0.09
     assert (got["gpu_span_ms"], got["gpu_busy_ms"]) == (0.34, 0.24)
     assert S.covered(0, 10, S.merged([(2, 4), (3, 6), (8, 20)])) == 6
+
+
+def test_profile_categories_keep_compiled_kernels_out_of_copies():
+    """torch.compile's kernel names list the ops they fuse ("cat", "_to_copy"): they are "compiled", not
+    copies; a real copy stays a copy."""
+    cat = {name: S.kernel_category(name) for name in ("triton_poi_fused_add_cat_mul_rsub_sigmoid_silu_split_0",
+                        "triton_poi_fused__to_copy_add_cat_cos_mul_neg_sin_split_0",
+                        "void at::native::CatArrayBatchedCopy_vectorized", "Memcpy HtoD (Pinned -> Device)")}
+    assert list(cat.values()) == ["compiled", "compiled", "copy", "copy"]

@@ -464,9 +464,10 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_COMPILE_ROPE: 0 keeps Megatron's unfused RoPE eager (default: compiled with torch.compile)."""
     compile_norm: bool = False
     """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
-    tp_overlap_chunks: int = 2
-    """MEGATRON_TRAINER_TP_OVERLAP_CHUNKS: pieces of a row-parallel layer's forward GEMM whose all-reduces
-    overlap the next piece (local path, TP > 1, no sequence parallelism; tp_overlap.py); 1 turns it off."""
+    tp_overlap_chunks: int = 1
+    """MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=N (N > 1): a row-parallel layer's forward GEMM in N pieces whose
+    all-reduces overlap the next piece (local path, TP > 1, no sequence parallelism; tp_overlap.py).
+    Opt-in, for A/B runs: it measured no gain on the 8B at TP=2 (docs/benchmarks.md)."""
     ce_fusion: bool = False
     """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
@@ -874,7 +875,7 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         compile_rope=env.get("MEGATRON_TRAINER_COMPILE_ROPE", "1").strip() != "0",
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
-        tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 2, int),
+        tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
     )
 

@@ -16,8 +16,11 @@ what Megatron's backward expects. Parameters, their names and checkpoints are un
 
 Used where it applies: tensor parallelism > 1, no sequence parallelism (with it the layer
 reduce-scatters instead), a trainable weight, no CPU offloading, and a sequence length divisible by
-`chunks`. Anything else takes Megatron's forward unchanged. MEGATRON_TRAINER_TP_OVERLAP_CHUNKS
-(default 2) sets `chunks`; 1 turns it off.
+`chunks`. Anything else takes Megatron's forward unchanged. Opt-in: MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=N
+(N > 1) sets `chunks`. On the Llama-3-8B at TP=2 on 2 x H200 it measured no gain (1614.3 ms with 2
+pieces, 1615.8 with 4, 1608.0 without, one call) and the profile's exposed NCCL time stayed at 85 ms:
+the next piece's GEMM is a persistent cuBLAS kernel sized for every SM, so the all-reduce either waits
+for it or takes SMs it expects (docs/benchmarks.md). Kept for A/B runs, e.g. with an SM carve-out.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from megatron.core.tensor_parallel.layers import (
     custom_fwd,
 )
 
-DEFAULT_CHUNKS = 2
+DEFAULT_CHUNKS = 2  # the class default; the trainer sets its own from the environment
 
 
 class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
