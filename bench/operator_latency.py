@@ -209,7 +209,7 @@ class Ours:
         if self.profile_dir is not None:  # py-spy (pip install py-spy) attached for this burst
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             self.spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
-                                         "--threads", "--format", "speedscope", "--rate", "50",
+                                         "--threads", "--gil", "--format", "speedscope", "--rate", "100",
                                          "-o", str(self.profile_dir / f"ours-{label}.speedscope.json")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return pid
@@ -573,7 +573,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, nargs="+", default=[100, 500])
     ap.add_argument("--systems", nargs="+", default=["floor", "ours", "peer"], choices=["floor", "ours", "peer"])
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for each burst")
-    ap.add_argument("--profile", default=None, help="record py-spy profiles of the operator into this directory")
+    ap.add_argument("--profile", default=None, help="record py-spy profiles of the operator into this directory (py-spy --gil: samples the GIL holder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--crd", default=None,
                     help="a what-if run with another CRD: 'no-cel' (crds/ without its CEL rules) or a CRD file "
