@@ -18,9 +18,10 @@ Used where it applies: tensor parallelism > 1, no sequence parallelism (with it 
 reduce-scatters instead), a trainable weight, no CPU offloading, and a sequence length divisible by
 `chunks`. Anything else takes Megatron's forward unchanged. Opt-in: MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=N
 (N > 1) sets `chunks`. On the Llama-3-8B at TP=2 on 2 x H200 it measured no gain (1614.3 ms with 2
-pieces, 1615.8 with 4, 1608.0 without, one call) and the profile's exposed NCCL time stayed at 85 ms:
-the next piece's GEMM is a persistent cuBLAS kernel sized for every SM, so the all-reduce either waits
-for it or takes SMs it expects (docs/benchmarks.md). Kept for A/B runs, e.g. with an SM carve-out.
+pieces, 1615.8 with 4, 1608.0 without, one call). The profile's exposed NCCL time stayed at 85 ms while
+both NCCL and GEMM kernel time rose: the pieces did overlap, but slowed each other. That fits cuBLAS's
+GEMMs here being persistent kernels sized for every SM (docs/benchmarks.md). Kept for A/B runs, e.g.
+with an SM carve-out for the communication.
 """
 
 from __future__ import annotations
