@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -21,20 +22,21 @@ SEQ, HIDDEN = 4096, 4096  # one micro-batch's activations: [s, b=1, h]
 WARMUP, TIMED = 10, 50
 
 
-def timed(fn) -> float:
-    """Median milliseconds of one call over TIMED calls, after WARMUP."""
-    for _ in range(WARMUP):
+def cuda_median_ms(fn, warmup: int = WARMUP, timed: int = TIMED) -> float:
+    """Median milliseconds of one call of `fn` on the GPU (CUDA events) over `timed` calls, after
+    `warmup`; the suite's attention benchmark uses it too."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(TIMED):
+    for _ in range(timed):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -47,9 +49,9 @@ def main() -> None:
     gathered = torch.empty_like(full)
     nbytes = full.numel() * full.element_size()
     ms = {
-        "all_reduce": timed(lambda: dist.all_reduce(full)),
-        "all_gather": timed(lambda: dist.all_gather_into_tensor(gathered, shard)),
-        "reduce_scatter": timed(lambda: dist.reduce_scatter_tensor(shard, full)),
+        "all_reduce": cuda_median_ms(lambda: dist.all_reduce(full)),
+        "all_gather": cuda_median_ms(lambda: dist.all_gather_into_tensor(gathered, shard)),
+        "reduce_scatter": cuda_median_ms(lambda: dist.reduce_scatter_tensor(shard, full)),
     }
     # nccl-tests' bus bandwidth: all-reduce moves 2(n-1)/n of the buffer per rank, the others (n-1)/n.
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}

@@ -440,6 +440,7 @@ def scenario_probe(ctx) -> dict:
 def attention_bench() -> dict:
     import torch
     import torch.nn.functional as F
+    from collectives import cuda_median_ms
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, h, s, d = 4, 16, 2048, 128
@@ -465,18 +466,7 @@ def attention_bench() -> dict:
     for name, fn in (("flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
                      ("efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION)), ("unfused_torch", unfused)):
         try:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(10):
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            out[name] = round(statistics.median(times), 3)
+            out[name] = round(cuda_median_ms(fn, warmup=3, timed=10), 3)
         except Exception as e:
             out[name] = f"unavailable: {type(e).__name__}"
     return out
@@ -1605,17 +1595,18 @@ def profile_breakdown(directory: Path, big_trace_bytes: int = 6 << 20) -> dict:
             continue
         by_cat: dict[str, float] = {}
         top: dict[str, float] = {}
+        nccl: list[tuple[float, float]] = []
+        compute: list[tuple[float, float]] = []
         for e in kernels:
             cat = kernel_category(str(e.get("name", "")))
             by_cat[cat] = by_cat.get(cat, 0.0) + e["dur"]
             top[e.get("name", "")[:90]] = top.get(e.get("name", "")[:90], 0.0) + e["dur"]
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+            (nccl if cat == "nccl" else compute).append((e["ts"], e["ts"] + e["dur"]))
+        spans = sorted(nccl + compute)
         busy = sum(b - a for a, b in merged(spans))
         span = spans[-1][1] - spans[0][0]
         total = sum(by_cat.values())
-        nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in str(e.get("name", "")).lower()]
-        compute = merged(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels
-                                if "nccl" not in str(e.get("name", "")).lower()))
+        compute = merged(sorted(compute))
         out[trace.name.split(".")[0]] = {
             "kernels": len(kernels), "gpu_span_ms": round(span / 1000, 2), "gpu_busy_ms": round(busy / 1000, 2),
             "gpu_idle_pct_of_span": round(100 * (1 - busy / span), 2) if span else None,
