@@ -1333,7 +1333,8 @@ THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 
 MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
 
 
-def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, visible: str) -> dict:
+def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, visible: str,
+                 flags: list[str] | tuple[str, ...] = ()) -> dict:
     """Megatron-LM's own pretrain_gpt.py (../shared/bench/mlm_peer.sh, carried as .run/mlm_peer.sh) on
     the same model, layout and global batch; Megatron-LM's source at core_v0.19.0 in .run/mlm."""
     m = MODELS[model]
@@ -1344,7 +1345,7 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
                ITERS="26", CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()))
     # Extra flags reach pretrain_gpt.py after the script's own (argparse: the last one wins). No RoPE fusion:
     # it needs Transformer Engine, and ours runs RoPE unfused on the local path too.
-    extra = llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" else [])
+    extra = llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" else []) + list(flags)
     # mlm_peer.sh prints only its RESULT line; its full log (mktemp) lands here, for report_memory's peak.
     tmp = WORK / f"{name}_tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1427,6 +1428,15 @@ def threeway_layout(ctx, layout: str) -> dict:
         out.update(model=model, global_batch=gbs, megatron_lm=mlm)
         break
     model, gbs, mlm = out["model"], out["global_batch"], out["megatron_lm"]
+    for name in sorted(ctx.get("threeway_mlm_variants", ())):  # Megatron-LM with extra flags, for A/B runs
+        key = f"megatron_lm_{name}"
+        if time.monotonic() + 150 > DEADLINE[0]:
+            out[key] = {"skipped": "deadline"}
+            continue
+        out[key] = run_mlm_peer(f"threeway_mlm_{name}_{layout}_{model}", gpus, model, tp, pp, gbs, visible,
+                                MLM_VARIANTS[name])
+        if out[key].get("iter_ms"):
+            out[key].update(throughput_fields(model, gbs, out[key]["iter_ms"], gpus))
     m = MODELS[model]
     dp = gpus // (tp * pp)
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
@@ -1492,6 +1502,18 @@ THREEWAY_VARIANTS = {
     "nccll128": ({"NCCL_PROTO": "LL128"}, []),  # NCCL's LL128 protocol forced
     "tpoverlap2": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "2"}, []),  # row-parallel forward in 2 overlapped pieces
     "tpoverlap4": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4"}, []),  # the same in 4 pieces
+    # the same, with the GEMM pieces that run beside an all-reduce leaving 16 SMs to NCCL (of 132 on H100/H200)
+    "tpoverlap2c16": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "2", "MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "16"}, []),
+    "tpoverlap4c16": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4", "MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "16"}, []),
+    # 2 pieces, NCCL held to 8 CTAs (every collective) and 8 SMs left to it
+    "tpoverlap2c8cta8": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "2", "MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "8",
+                          "NCCL_MAX_CTAS": "8"}, []),
+    "unfused": ({}, ["--attention-backend", "unfused"]),  # Megatron's DotProductAttention, as Megatron-LM's local spec
+}
+
+# Megatron-LM's extra runs in threeway (--threeway-mlm-variants): name -> flags for pretrain_gpt.py.
+MLM_VARIANTS = {
+    "softmaxfp32": ["--attention-softmax-in-fp32"],  # its unfused attention's softmax in fp32, as ours computes it
 }
 
 
@@ -1770,6 +1792,8 @@ def main() -> int:
                     "gives a layout its own model")
     ap.add_argument("--threeway-variants", default="", help="extra variants of ours in threeway, comma-separated, of "
                     f"{sorted(THREEWAY_VARIANTS)} (what each changes: THREEWAY_VARIANTS in e2e/gpu/suite.py)")
+    ap.add_argument("--threeway-mlm-variants", default="", help="extra runs of Megatron-LM in threeway, comma-separated, "
+                    f"of {sorted(MLM_VARIANTS)} (MLM_VARIANTS in e2e/gpu/suite.py)")
     ap.add_argument("--threeway-profile", default="", help="variants of ours in threeway (default, eager, overlap) to "
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
@@ -1784,6 +1808,9 @@ def main() -> int:
     unknown = set(filter(None, args.threeway_variants.split(","))) - set(THREEWAY_VARIANTS)
     if unknown:
         ap.error(f"--threeway-variants: unknown {sorted(unknown)}; known: {sorted(THREEWAY_VARIANTS)}")
+    unknown = set(filter(None, args.threeway_mlm_variants.split(","))) - set(MLM_VARIANTS)
+    if unknown:
+        ap.error(f"--threeway-mlm-variants: unknown {sorted(unknown)}; known: {sorted(MLM_VARIANTS)}")
     import torch
 
     started = time.monotonic()
@@ -1804,6 +1831,7 @@ def main() -> int:
            "perf_profile": set(filter(None, args.perf_profile.split(","))), "perf_tp": args.perf_tp,
            "bench_variant": args.bench_variant, "threeway": args.threeway,
            "threeway_variants": set(filter(None, args.threeway_variants.split(","))),
+           "threeway_mlm_variants": set(filter(None, args.threeway_mlm_variants.split(","))),
            "threeway_profile": set(filter(None, args.threeway_profile.split(","))),
            "threeway_fallback": args.threeway_fallback,
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}

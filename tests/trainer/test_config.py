@@ -162,6 +162,10 @@ def test_runtime_from_env():
     assert runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "4"}).tp_overlap_chunks == 4
     with pytest.raises(ValueError, match="MEGATRON_TRAINER_TP_OVERLAP_CHUNKS"):
         runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "two"})
+    assert defaults.tp_overlap_sm_carveout == 0
+    assert runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "16"}).tp_overlap_sm_carveout == 16
+    with pytest.raises(ValueError, match="MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT must be >= 0"):
+        runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "-8"})
 
 
 def test_shutdown_grace_from_the_launcher_else_torchrun():

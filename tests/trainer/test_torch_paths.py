@@ -548,6 +548,29 @@ print("RESULT " + json.dumps(out))
             assert r["out"] and r["dx"] and r["dw"] and r["dw_nonzero"], (key, r)
 
 
+def test_sm_carveout_sets_cublaslt_and_the_sm_target_and_restores_both():
+    """tp_overlap.sm_carveout: inside, cuBLASLt is the preferred library and torch's SM carve-out is set
+    (the carve-out applies to cuBLASLt GEMMs only); after, both are what they were, also after an error;
+    0 changes nothing. The factory refuses a negative carve-out."""
+    import torch
+    from megatron_trainer.tp_overlap import overlapped_row_parallel_linear, sm_carveout
+
+    before = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+    with sm_carveout(0):
+        assert (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()) == before
+    with sm_carveout(16):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        assert torch._C._get_sm_carveout_experimental() == 16
+    assert (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()) == before
+    with pytest.raises(RuntimeError, match="inside"), sm_carveout(8):
+        raise RuntimeError("inside")
+    assert (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()) == before
+    cls = overlapped_row_parallel_linear(2, 16)
+    assert (cls.chunks, cls.sm_carveout) == (2, 16)
+    with pytest.raises(ValueError, match="carve-out must be >= 0"):
+        overlapped_row_parallel_linear(2, -1)
+
+
 def test_tp_overlap_applies_on_the_local_path_at_tp_above_1_without_sp(mock_argv):
     """model.tp_overlap_chunks: the requested pieces on the local path at TP > 1, dense, no sequence
     parallelism; 1 elsewhere. The layer spec then swaps both row-parallel layers; the start-up line says so."""

@@ -468,6 +468,9 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=N (N > 1): a row-parallel layer's forward GEMM in N pieces whose
     all-reduces overlap the next piece (local path, TP > 1, no sequence parallelism; tp_overlap.py).
     Opt-in, for A/B runs: it measured no gain on the 8B at TP=2 (docs/benchmarks.md)."""
+    tp_overlap_sm_carveout: int = 0
+    """MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=N: with the overlap above, the GEMM pieces that run beside an
+    all-reduce leave N SMs free for NCCL (cuBLASLt's SM count target; tp_overlap.py). For A/B runs."""
     ce_fusion: bool = False
     """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
@@ -876,6 +879,7 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
+        tp_overlap_sm_carveout=num("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT", 0, int),
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
     )
 

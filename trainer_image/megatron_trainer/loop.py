@@ -127,9 +127,13 @@ class Trainer:
             self.path.wgrad_fusion = "off: --no-gradient-accumulation-fusion" \
                 if t.no_gradient_accumulation_fusion else patch_wgrad_accumulation_fusion()
         self.path.tp_overlap_chunks = tp_overlap_chunks(cfg, self.path, runtime.tp_overlap_chunks)
+        self.path.tp_overlap_sm_carveout = runtime.tp_overlap_sm_carveout if self.path.tp_overlap_chunks > 1 else 0
         if runtime.tp_overlap_chunks > 1 and self.path.tp_overlap_chunks == 1:
             log.info("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=%d ignored: only for dense models on the local path at "
                      "TP > 1 without sequence parallelism", runtime.tp_overlap_chunks)
+        if runtime.tp_overlap_sm_carveout and self.path.tp_overlap_chunks == 1:
+            log.info("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=%d ignored: it applies to the overlapped pieces only "
+                     "(MEGATRON_TRAINER_TP_OVERLAP_CHUNKS > 1)", runtime.tp_overlap_sm_carveout)
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod

@@ -29,6 +29,7 @@ class ModelPath:
     # pieces of a row-parallel layer's forward GEMM whose all-reduces overlap the next piece's GEMM
     # (tp_overlap.py); 1 = Megatron's forward. Set by the trainer before the model is built.
     tp_overlap_chunks: int = 1
+    tp_overlap_sm_carveout: int = 0  # SMs those pieces' GEMMs leave to NCCL (tp_overlap.py)
 
     def describe(self) -> str:
         text = f"transformer_impl={self.transformer_impl}, attention={self.attention}"
@@ -37,6 +38,8 @@ class ModelPath:
         text += f", wgrad accumulation fusion={self.wgrad_fusion}"
         if self.tp_overlap_chunks > 1:
             text += f", TP forward all-reduce overlapped in {self.tp_overlap_chunks} pieces"
+            if self.tp_overlap_sm_carveout:
+                text += f" ({self.tp_overlap_sm_carveout} SMs left to NCCL)"
         return text
 
 
@@ -168,7 +171,7 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
     if path.tp_overlap_chunks > 1:
         from .tp_overlap import overlapped_row_parallel_linear
 
-        row = overlapped_row_parallel_linear(path.tp_overlap_chunks)
+        row = overlapped_row_parallel_linear(path.tp_overlap_chunks, path.tp_overlap_sm_carveout)
         spec.submodules.self_attention.submodules.linear_proj = row
         mlp = spec.submodules.mlp  # megatron-core 0.19: a partial of MLP.as_mlp_submodule(submodules=...)
         if isinstance(mlp, functools.partial):

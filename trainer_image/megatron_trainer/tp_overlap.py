@@ -20,11 +20,19 @@ reduce-scatters instead), a trainable weight, no CPU offloading, and a sequence 
 (N > 1) sets `chunks`. On the Llama-3-8B at TP=2 on 2 x H200 it measured no gain (1614.3 ms with 2
 pieces, 1615.8 with 4, 1608.0 without, one call). The profile's exposed NCCL time stayed at 85 ms while
 both NCCL and GEMM kernel time rose: the pieces did overlap, but slowed each other. That fits cuBLAS's
-GEMMs here being persistent kernels sized for every SM (docs/benchmarks.md). Kept for A/B runs, e.g.
-with an SM carve-out for the communication.
+GEMMs here being persistent kernels sized for every SM (docs/benchmarks.md). Kept for A/B runs.
+
+`sm_carveout` (MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=N) leaves N streaming multiprocessors free during
+the GEMM of every piece after the first, the pieces that run beside an all-reduce, so that NCCL's
+kernel gets SMs at once instead of waiting for the GEMM's. It uses torch's experimental cuBLASLt SM
+count target (`torch._C._set_sm_carveout_experimental`, with cuBLASLt preferred for those GEMMs only;
+both settings are restored after each GEMM). Transformer Engine's overlap gives its communication a
+fixed number of SMs the same way.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -37,6 +45,23 @@ from megatron.core.tensor_parallel.layers import (
 DEFAULT_CHUNKS = 2  # the class default; the trainer sets its own from the environment
 
 
+@contextlib.contextmanager
+def sm_carveout(sms: int):
+    """cuBLASLt GEMMs inside leave `sms` SMs free (0: no change); the previous settings come back after."""
+    if sms <= 0:
+        yield
+        return
+    previous_lib = torch.backends.cuda.preferred_blas_library()
+    previous = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the carve-out applies to cuBLASLt only
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+        torch.backends.cuda.preferred_blas_library(previous_lib)
+
+
 class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
     """Forward: out = all_reduce(input @ weight.T), one piece of the sequence at a time; backward:
     Megatron's (the same ctx fields as its forward sets)."""
@@ -44,7 +69,7 @@ class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
     @staticmethod
     @custom_fwd
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size, chunks):
+                grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size, chunks, carveout):
         # The fields Megatron's backward reads (megatron-core 0.19.2's forward sets the same ones).
         ctx.save_for_backward(input, weight)
         ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
@@ -59,7 +84,9 @@ class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
         out = torch.empty(*input.shape[:-1], weight.shape[0], dtype=input.dtype, device=input.device)
         pending = []
         for piece_in, piece_out in zip(input.chunk(chunks, dim=0), out.chunk(chunks, dim=0), strict=True):
-            torch.matmul(piece_in, weight.t(), out=piece_out)
+            # every piece after the first runs beside the previous piece's all-reduce
+            with sm_carveout(carveout if pending and input.is_cuda else 0):
+                torch.matmul(piece_in, weight.t(), out=piece_out)
             pending.append(dist.all_reduce(piece_out, group=tp_group, async_op=True))
         for work in pending:
             work.wait()
@@ -70,13 +97,14 @@ class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
     @staticmethod
     def backward(ctx, grad_output):
         grads = LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
-        return (*grads, None)  # no gradient for `chunks`
+        return (*grads, None, None)  # no gradient for `chunks` and `carveout`
 
 
 class OverlappedRowParallelLinear(RowParallelLinear):
     """Megatron's RowParallelLinear with the forward all-reduce overlapped piece by piece (module doc)."""
 
     chunks: int = DEFAULT_CHUNKS
+    sm_carveout: int = 0  # SMs the GEMM pieces beside an all-reduce leave free (module doc)
 
     def overlaps(self, input_: torch.Tensor) -> bool:
         return (self.chunks > 1 and self.tp_group is not None and self.tp_group.size() > 1
@@ -88,14 +116,17 @@ class OverlappedRowParallelLinear(RowParallelLinear):
         if not self.overlaps(input_):
             return super().forward(input_)
         output_ = _ChunkedMatmulAllReduce.apply(input_, self.weight, None, self.gradient_accumulation_fusion, False,
-                                                False, None, 0, self.tp_group, 1, self.chunks)
+                                                False, None, 0, self.tp_group, 1, self.chunks, self.sm_carveout)
         if not self.skip_bias_add:
             return (output_ + self.bias) if self.bias is not None else output_, None
         return output_, self.bias
 
 
-def overlapped_row_parallel_linear(chunks: int) -> type[OverlappedRowParallelLinear]:
-    """A subclass with `chunks` fixed (a layer spec takes a class, not an instance)."""
+def overlapped_row_parallel_linear(chunks: int, sm_carveout: int = 0) -> type[OverlappedRowParallelLinear]:
+    """A subclass with `chunks` and `sm_carveout` fixed (a layer spec takes a class, not an instance)."""
     if chunks < 1:
         raise ValueError(f"tensor-parallel overlap chunks must be >= 1, got {chunks}")
-    return type(f"OverlappedRowParallelLinear{chunks}", (OverlappedRowParallelLinear,), {"chunks": chunks})
+    if sm_carveout < 0:
+        raise ValueError(f"tensor-parallel overlap SM carve-out must be >= 0, got {sm_carveout}")
+    return type(f"OverlappedRowParallelLinear{chunks}c{sm_carveout}", (OverlappedRowParallelLinear,),
+                {"chunks": chunks, "sm_carveout": sm_carveout})
