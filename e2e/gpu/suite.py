@@ -1509,6 +1509,10 @@ THREEWAY_VARIANTS = {
     "tpoverlap2c8cta8": ({"MEGATRON_TRAINER_TP_OVERLAP_CHUNKS": "2", "MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "8",
                           "NCCL_MAX_CTAS": "8"}, []),
     "unfused": ({}, ["--attention-backend", "unfused"]),  # Megatron's DotProductAttention, as Megatron-LM's local spec
+    # ours as close to Megatron-LM's run as its flags go: unfused attention, eager (no CUDA graph), Megatron's
+    # unfused RoPE, torch AdamW's foreach kernels, weight gradients in bf16 then added (for the loss comparison)
+    "mlmlike": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0", "MEGATRON_TRAINER_FUSED_ADAM": "0"},
+                ["--attention-backend", "unfused", "--cuda-graph-impl", "none", "--no-gradient-accumulation-fusion"]),
 }
 
 # Megatron-LM's extra runs in threeway (--threeway-mlm-variants): name -> flags for pretrain_gpt.py.
