@@ -229,11 +229,16 @@ class Ours:
     def metrics(self) -> dict[str, Any]:
         """The operator's own counters (from its /metrics), cumulative for this burst: status writes, and
         every API request it made by verb and resource (``operator_requests``; events: those it handed to
-        kopf to post) with the ones that did not succeed (``operator_failed_requests``, by HTTP status)."""
+        kopf to post) with the ones that did not succeed (``operator_failed_requests``, by HTTP status), and
+        the watch events its handlers received, by resource (``operator_watch_events``)."""
         out: dict[str, Any] = {"operator_requests": {}, "operator_failed_requests": {}}
         for line in self.op.metrics().splitlines():
             if line.startswith("megatron_operator_status_writes_total"):
                 out["operator_status_writes"] = float(line.split()[-1])
+            elif line.startswith("megatron_operator_watch_events_total{"):
+                resource = line[line.index('resource="') + 10:].split('"', 1)[0]
+                events = out.setdefault("operator_watch_events", {})
+                events[resource] = events.get(resource, 0) + int(float(line.rsplit(" ", 1)[1]))
             elif line.startswith("megatron_operator_api_requests_total{"):
                 labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")]
                               .replace('"', "").split(",") if "=" in kv)

@@ -160,16 +160,19 @@ def _queue(memo: kopf.Memo, key: tuple[str, str]) -> None:
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="observe-job")
 async def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.controller.metrics.watch_events.labels(resource="megatronjobs").inc()
     _queue(memo, (namespace, name))  # a deleted job is forgotten by its observation (not in the cache)
 
 
 @kopf.on.event(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels=MANAGED, id="observe-jobset")
 async def jobset_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.controller.metrics.watch_events.labels(resource="jobsets").inc()
     _queue(memo, (namespace, name))
 
 
 @kopf.on.event("v1", "pods", labels={**MANAGED, LABEL_JOB_NAME: kopf.PRESENT}, id="observe-pod")
 async def pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    memo.controller.metrics.watch_events.labels(resource="pods").inc()
     _queue(memo, (namespace, labels[LABEL_JOB_NAME]))
 
 

@@ -30,6 +30,10 @@ class Metrics:
             "API requests the operator made, by verb and resource as the API server names them (events: the "
             "ones it handed to kopf to post), and HTTP status (0: no answer, or an event: kopf posts it)",
             ["verb", "resource", "code"], registry=self.registry)
+        self.watch_events = Counter(
+            "megatron_operator_watch_events_total",
+            "Watch events kopf handed to the operator's event handlers, by resource (megatronjobs, jobsets, pods)",
+            ["resource"], registry=self.registry)
         self.job_phase = Gauge("megatron_operator_job_phase", "1 for the current phase of each MegatronJob",
                                ["namespace", "name", "phase"], registry=self.registry)
         self._phases: dict[tuple[str, str], str] = {}
