@@ -27,7 +27,10 @@ the GEMM of every piece after the first, the pieces that run beside an all-reduc
 kernel gets SMs at once instead of waiting for the GEMM's. It uses torch's experimental cuBLASLt SM
 count target (`torch._C._set_sm_carveout_experimental`, with cuBLASLt preferred for those GEMMs only;
 both settings are restored after each GEMM). Transformer Engine's overlap gives its communication a
-fixed number of SMs the same way.
+fixed number of SMs the same way. Measured on the same 8B (one call): 2 pieces with 16 SMs left, 1618.0
+ms against 1623.4 ms without the overlap, inside the spread; exposed NCCL time stayed at 62-87 ms. At
+TP=2 a half-sequence all-reduce (about 0.1 ms) outlasts the attention projection's GEMM piece (about
+0.05 ms), so little of it can hide.
 """
 
 from __future__ import annotations
