@@ -567,6 +567,8 @@ def test_sm_carveout_sets_cublaslt_and_the_sm_target_and_restores_both():
     assert (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()) == before
     cls = overlapped_row_parallel_linear(2, 16)
     assert (cls.chunks, cls.sm_carveout) == (2, 16)
+    assert cls.__name__ == "OverlappedRowParallelLinear2c16"
+    assert overlapped_row_parallel_linear(2).__name__ == "OverlappedRowParallelLinear2"  # as before the knob
     with pytest.raises(ValueError, match="carve-out must be >= 0"):
         overlapped_row_parallel_linear(2, -1)
 

@@ -131,5 +131,5 @@ def overlapped_row_parallel_linear(chunks: int, sm_carveout: int = 0) -> type[Ov
         raise ValueError(f"tensor-parallel overlap chunks must be >= 1, got {chunks}")
     if sm_carveout < 0:
         raise ValueError(f"tensor-parallel overlap SM carve-out must be >= 0, got {sm_carveout}")
-    return type(f"OverlappedRowParallelLinear{chunks}c{sm_carveout}", (OverlappedRowParallelLinear,),
-                {"chunks": chunks, "sm_carveout": sm_carveout})
+    name = f"OverlappedRowParallelLinear{chunks}" + (f"c{sm_carveout}" if sm_carveout else "")
+    return type(name, (OverlappedRowParallelLinear,), {"chunks": chunks, "sm_carveout": sm_carveout})
