@@ -193,6 +193,13 @@ def diff_requests(before: dict[str, list[float]], after: dict[str, list[float]])
 
 # ---- the controllers under test ------------------------------------------------------------------
 
+def prometheus_labels(line: str) -> dict[str, str]:
+    """The labels of one exposition line, ``name{a="x",b="y"} 3.0`` -> {"a": "x", "b": "y"} (the operator's
+    label values have no commas or quotes)."""
+    return dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].replace('"', "").split(",")
+                if "=" in kv)
+
+
 class Ours:
     name = "ours"
 
@@ -236,12 +243,11 @@ class Ours:
             if line.startswith("megatron_operator_status_writes_total"):
                 out["operator_status_writes"] = float(line.split()[-1])
             elif line.startswith("megatron_operator_watch_events_total{"):
-                resource = line[line.index('resource="') + 10:].split('"', 1)[0]
+                resource = prometheus_labels(line)["resource"]
                 events = out.setdefault("operator_watch_events", {})
                 events[resource] = events.get(resource, 0) + int(float(line.rsplit(" ", 1)[1]))
             elif line.startswith("megatron_operator_api_requests_total{"):
-                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")]
-                              .replace('"', "").split(",") if "=" in kv)
+                labels = prometheus_labels(line)
                 count = int(float(line.rsplit(" ", 1)[1]))
                 key = f"{labels['verb']} {labels['resource']}"
                 out["operator_requests"][key] = out["operator_requests"].get(key, 0) + count
