@@ -571,6 +571,9 @@ def test_sm_carveout_sets_cublaslt_and_the_sm_target_and_restores_both():
     assert overlapped_row_parallel_linear(2).__name__ == "OverlappedRowParallelLinear2"  # as before the knob
     with pytest.raises(ValueError, match="carve-out must be >= 0"):
         overlapped_row_parallel_linear(2, -1)
+    from megatron_trainer.tp_overlap import carveout_problem
+    assert carveout_problem(16, 132) is None and carveout_problem(0, 132) is None and carveout_problem(200, None) is None
+    assert "leaves no SM for the GEMMs: this GPU has 132" in carveout_problem(132, 132)
 
 
 def test_tp_overlap_applies_on_the_local_path_at_tp_above_1_without_sp(mock_argv):

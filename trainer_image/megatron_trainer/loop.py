@@ -128,6 +128,13 @@ class Trainer:
                 if t.no_gradient_accumulation_fusion else patch_wgrad_accumulation_fusion()
         self.path.tp_overlap_chunks = tp_overlap_chunks(cfg, self.path, runtime.tp_overlap_chunks)
         self.path.tp_overlap_sm_carveout = runtime.tp_overlap_sm_carveout if self.path.tp_overlap_chunks > 1 else 0
+        if self.path.tp_overlap_sm_carveout and torch.cuda.is_available():
+            from .tp_overlap import carveout_problem
+
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            problem = carveout_problem(self.path.tp_overlap_sm_carveout, sms)
+            if problem:
+                raise Fatal(ExitCode.BAD_ARGUMENTS, problem)
         if runtime.tp_overlap_chunks > 1 and self.path.tp_overlap_chunks == 1:
             log.info("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=%d ignored: only for dense models on the local path at "
                      "TP > 1 without sequence parallelism", runtime.tp_overlap_chunks)

@@ -65,6 +65,15 @@ def sm_carveout(sms: int):
         torch.backends.cuda.preferred_blas_library(previous_lib)
 
 
+def carveout_problem(sms: int, device_sms: int | None) -> str | None:
+    """Why `sms` cannot be left free on a GPU of `device_sms` SMs (None: it can, or the GPU is unknown);
+    cuBLASLt would be asked for a GEMM on no SM at all otherwise."""
+    if sms and device_sms is not None and sms >= device_sms:
+        return (f"MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT={sms} leaves no SM for the GEMMs: this GPU has "
+                f"{device_sms}; use fewer (e.g. 16)")
+    return None
+
+
 class _ChunkedMatmulAllReduce(LinearWithGradAccumulationAndAsyncCommunication):
     """Forward: out = all_reduce(input @ weight.T), one piece of the sequence at a time; backward:
     Megatron's (the same ctx fields as its forward sets)."""
