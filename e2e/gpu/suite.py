@@ -1328,6 +1328,26 @@ def scenario_collectives(ctx) -> dict:
     return out
 
 
+ROPE_RE = re.compile(r"^ROPE (\{.*\})$", re.M)
+
+
+def scenario_rope(ctx) -> dict:
+    """issue 29: Megatron's unfused RoPE on one GPU, eager against torch.compile (the trainer's default) and
+    against torch.compile with Inductor's emulate_precision_casts (MEGATRON_TRAINER_COMPILE_ROPE=exact): the
+    elements of the output and of the input's gradient that differ from eager, and forward + backward time,
+    for Llama-3-8B's query heads on one of two TP ranks (bench/rope_numerics.py)."""
+    run = Run("rope", 1, ["--device", "cuda", "--shape", "llama8b-tp2"], gpus=all_gpus(1), module=False,
+              script=str(REPO / "bench" / "rope_numerics.py"))
+    rc = run.wait(240)
+    run.close()
+    m = ROPE_RE.search(run.text())
+    out: dict = json.loads(m.group(1)) if m else {"rc": rc}
+    failures: list[str] = []
+    check(m is not None, f"rope: rc={rc}, no result line", failures)
+    out.update(ok=not failures, failures=failures)
+    return out
+
+
 # issue 17's three-way benchmark, one layout per device call: (GPUs, TP, PP); DP is what is left.
 THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2)}
 MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
@@ -1487,6 +1507,15 @@ def threeway_layout(ctx, layout: str) -> dict:
             prefix = "" if key == "ours" else f"{key}_"
             out[f"{prefix}losses_1_5_max_abs_diff_vs_megatron_lm"] = round(
                 max(abs(a - b) for a, b in zip(losses_ours, losses_mlm, strict=True)), 6)
+    for name in ctx.get("threeway_mlm_variants", ()):  # a variant of both loops: ours_X against megatron_lm_X
+        ours_v, mlm_v = out.get(f"ours_{name}", {}), out.get(f"megatron_lm_{name}", {})
+        ratio = ratio_vs_mlm(ours_v.get("iter_ms"), mlm_v)
+        if ratio is not None:
+            out[f"ours_{name}_speedup_vs_megatron_lm_{name}"] = ratio
+        a, b = ours_v.get("losses_1_5") or [], mlm_v.get("losses_1_5") or []
+        if len(a) == 5 and len(b) == 5 and None not in a and None not in b:
+            out[f"ours_{name}_losses_1_5_max_abs_diff_vs_megatron_lm_{name}"] = round(
+                max(abs(x - y) for x, y in zip(a, b, strict=True)), 6)
     if pp == 1 and m.get("arch") != "llama":  # the guides' loop builds a GPT only
         out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
     failures: list[str] = []
@@ -1535,11 +1564,16 @@ THREEWAY_VARIANTS = {
     # only what changes the forward pass as Megatron-LM's does: unfused attention, eager, unfused RoPE (mlmlike ran
     # out of memory on the 8B at TP=2 on H200 in iteration 2: foreach AdamW's and the bf16 weight gradients' buffers)
     "mlmfwd": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0"}, ["--attention-backend", "unfused", "--cuda-graph-impl", "none"]),
+    # the compiled RoPE with Inductor's emulate_precision_casts: eager's bf16 rounding of each intermediate
+    "ropeexact": ({"MEGATRON_TRAINER_COMPILE_ROPE": "exact"}, []),
+    # micro-batches of 2 sequences, the global batch unchanged (half as many fp32 weight-gradient accumulations)
+    "mbs2": ({}, ["--micro-batch-size", "2"]),
 }
 
 # Megatron-LM's extra runs in threeway (--threeway-mlm-variants): name -> flags for pretrain_gpt.py.
 MLM_VARIANTS = {
     "softmaxfp32": ["--attention-softmax-in-fp32"],  # its unfused attention's softmax in fp32, as ours computes it
+    "mbs2": ["--micro-batch-size", "2"],  # as ours' mbs2: ours_mbs2 is also compared with this run
 }
 
 
@@ -1770,7 +1804,7 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
              "deterministic": scenario_deterministic, "detcost": scenario_detcost, "objbench": scenario_objbench, "threeway": scenario_threeway,
-             "collectives": scenario_collectives}
+             "collectives": scenario_collectives, "rope": scenario_rope}
 try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
     from hf import (
         scenario_hf_bench,
@@ -1872,7 +1906,7 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 110, "objbench": 200,
-                  "detcost": 60, "threeway": 170, "collectives": 90, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
+                  "detcost": 60, "threeway": 170, "collectives": 90, "rope": 60, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
                   "hf_pods": 200, "hf_store": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))

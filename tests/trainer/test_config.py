@@ -168,6 +168,16 @@ def test_runtime_from_env():
         runtime_from_env({"MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT": "-8"})
 
 
+def test_rope_modes():
+    assert (runtime_from_env({}).compile_rope, runtime_from_env({}).rope_exact) == (True, False)
+    for raw, want in (("0", (False, False)), ("1", (True, False)), ("exact", (True, True)), (" Exact ", (True, True)),
+                      ("", (True, False))):
+        rt = runtime_from_env({"MEGATRON_TRAINER_COMPILE_ROPE": raw})
+        assert (rt.compile_rope, rt.rope_exact) == want, raw
+    with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_COMPILE_ROPE='yes': expected one of 0, 1, exact"):
+        runtime_from_env({"MEGATRON_TRAINER_COMPILE_ROPE": "yes"})
+
+
 def test_shutdown_grace_from_the_launcher_else_torchrun():
     assert runtime_from_env({}).shutdown_grace_s == 30.0  # torchrun's fixed SIGKILL delay (torch 2.11)
     assert runtime_from_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}).shutdown_grace_s == 45.0

@@ -102,3 +102,26 @@ def test_megatron_lm_iteration_2_line_is_read_as_iteration_2_alone():
     assert S.mlm_losses_per_iteration(logged) == [12.5837, 12.5954, 7.225383, 6.792102, 1.967173]
     assert logged[1] == 12.58955  # the logged list is left as it was
     assert S.mlm_losses_per_iteration([12.5]) == [12.5] and S.mlm_losses_per_iteration([]) == []
+
+
+@pytest.mark.parametrize("name", sorted(S.THREEWAY_VARIANTS))
+def test_every_threeway_variant_is_a_command_line_and_environment_the_trainer_accepts(name):
+    """A variant is only a measurement if the trainer runs it as named: its flags parse with the trainer's own
+    parser (argparse keeps the last of a repeated flag, so mbs2's --micro-batch-size wins) and its environment
+    with the trainer's own reader."""
+    from megatron_trainer.config import parse_args, runtime_from_env
+
+    env, extra = S.THREEWAY_VARIANTS[name]
+    cfg = parse_args(S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, iters=26, extra=extra))
+    runtime = runtime_from_env(env)
+    if name == "mbs2":
+        assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (2, 8)
+    if name == "ropeexact":
+        assert runtime.compile_rope and runtime.rope_exact
+    if name in ("norope", "mlmfwd", "mlmlike"):
+        assert not runtime.compile_rope
+
+
+def test_megatron_lm_variants_of_both_loops_are_variants_of_ours_too():
+    """A Megatron-LM variant that changes the run's shape (mbs2) is compared with ours' variant of the same name."""
+    assert "mbs2" in S.MLM_VARIANTS and S.MLM_VARIANTS["mbs2"] == S.THREEWAY_VARIANTS["mbs2"][1]

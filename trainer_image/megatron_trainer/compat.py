@@ -231,7 +231,7 @@ def use_fused_adamw(optimizer, devices: tuple[str, ...] = ("cuda",)) -> int:
     return switched
 
 
-def compile_unfused_rope() -> bool:
+def compile_unfused_rope(exact: bool = False) -> bool:
     """Compile Megatron-Core's unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`) with torch.compile.
 
     Without Transformer Engine the rotary embedding runs as separate kernels per call: cos and sin of
@@ -241,13 +241,17 @@ def compile_unfused_rope() -> bool:
     -60 ms per step there (docs/benchmarks.md). On by default (MEGATRON_TRAINER_COMPILE_ROPE=0 keeps it
     eager); the trainer applies it only without packed SFT, which applies RoPE per sequence, whose
     varying lengths would recompile.
+    `exact` (MEGATRON_TRAINER_COMPILE_ROPE=exact) compiles with Inductor's `emulate_precision_casts`: each
+    intermediate that eager rounds to bf16 (the two products, the sum) is rounded there too, where the plain
+    compiled kernel keeps them in fp32 and rounds once (bench/rope_numerics.py measures both against eager).
     Returns False if it was compiled already."""
     from megatron.core.models.common.embeddings import rope_utils
 
     current = rope_utils._apply_rotary_pos_emb_bshd
     if getattr(current, "_megatron_trainer_compiled", False):
         return False
-    compiled = torch.compile(current, dynamic=False)
+    options = {"emulate_precision_casts": True} if exact else None
+    compiled = torch.compile(current, dynamic=False, options=options)
     compiled._megatron_trainer_compiled = True
     rope_utils._apply_rotary_pos_emb_bshd = compiled
     return True

@@ -462,6 +462,9 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_FUSED_ADAM: 0 keeps torch AdamW's foreach kernels instead of its fused one (A/B runs)."""
     compile_rope: bool = True
     """MEGATRON_TRAINER_COMPILE_ROPE: 0 keeps Megatron's unfused RoPE eager (default: compiled with torch.compile)."""
+    rope_exact: bool = False
+    """MEGATRON_TRAINER_COMPILE_ROPE=exact: compiled with Inductor's emulate_precision_casts, which rounds each
+    intermediate to bf16 where eager does (compat.compile_unfused_rope)."""
     compile_norm: bool = False
     """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
     tp_overlap_chunks: int = 1
@@ -849,6 +852,17 @@ def _env_bool(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+ROPE_MODES = ("0", "1", "exact")
+
+
+def _rope_mode(env: Mapping[str, str]) -> str:
+    """MEGATRON_TRAINER_COMPILE_ROPE: 0 (eager), 1 (compiled, the default) or exact; ValueError otherwise."""
+    raw = env.get("MEGATRON_TRAINER_COMPILE_ROPE", "").strip().lower() or "1"
+    if raw not in ROPE_MODES:
+        raise ValueError(f"MEGATRON_TRAINER_COMPILE_ROPE={raw!r}: expected one of {', '.join(ROPE_MODES)}")
+    return raw
+
+
 def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
     """The trainer's environment knobs. Raises ValueError on a malformed number."""
 
@@ -875,7 +889,8 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
-        compile_rope=env.get("MEGATRON_TRAINER_COMPILE_ROPE", "1").strip() != "0",
+        compile_rope=_rope_mode(env) != "0",
+        rope_exact=_rope_mode(env) == "exact",
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),

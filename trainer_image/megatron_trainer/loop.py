@@ -172,8 +172,9 @@ class Trainer:
             if self.path.transformer_impl == "local" and not cfg.data.sft_packing:
                 from .compat import compile_unfused_rope
 
-                compile_unfused_rope()
-                self.patched_ops.append("RoPE compiled (torch.compile)")
+                compile_unfused_rope(exact=runtime.rope_exact)
+                self.patched_ops.append("RoPE compiled (torch.compile" + (", eager's bf16 rounding)" if runtime.rope_exact
+                                                                         else ")"))
             elif self.path.transformer_impl == "local":  # the TE path has its own fused RoPE
                 log.info("RoPE not compiled: packed SFT applies it per sequence, whose lengths vary")
         if runtime.compile_norm:
