@@ -1564,8 +1564,10 @@ THREEWAY_VARIANTS = {
     # only what changes the forward pass as Megatron-LM's does: unfused attention, eager, unfused RoPE (mlmlike ran
     # out of memory on the 8B at TP=2 on H200 in iteration 2: foreach AdamW's and the bf16 weight gradients' buffers)
     "mlmfwd": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0"}, ["--attention-backend", "unfused", "--cuda-graph-impl", "none"]),
-    # the compiled RoPE with Inductor's emulate_precision_casts: eager's bf16 rounding of each intermediate
+    # the compiled RoPE with Inductor's emulate_precision_casts: eager's bf16 rounding of each intermediate (the
+    # default since call 18 of 2026-11-26); ropefast: compiled without it (the default before)
     "ropeexact": ({"MEGATRON_TRAINER_COMPILE_ROPE": "exact"}, []),
+    "ropefast": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, []),
     # micro-batches of 2 sequences, the global batch unchanged (half as many fp32 weight-gradient accumulations)
     "mbs2": ({}, ["--micro-batch-size", "2"]),
 }

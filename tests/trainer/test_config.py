@@ -169,9 +169,9 @@ def test_runtime_from_env():
 
 
 def test_rope_modes():
-    assert (runtime_from_env({}).compile_rope, runtime_from_env({}).rope_exact) == (True, False)
+    assert (runtime_from_env({}).compile_rope, runtime_from_env({}).rope_exact) == (True, True)
     for raw, want in (("0", (False, False)), ("1", (True, False)), ("exact", (True, True)), (" Exact ", (True, True)),
-                      ("", (True, False))):
+                      ("", (True, True))):
         rt = runtime_from_env({"MEGATRON_TRAINER_COMPILE_ROPE": raw})
         assert (rt.compile_rope, rt.rope_exact) == want, raw
     with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_COMPILE_ROPE='yes': expected one of 0, 1, exact"):

@@ -118,6 +118,8 @@ def test_every_threeway_variant_is_a_command_line_and_environment_the_trainer_ac
         assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (2, 8)
     if name == "ropeexact":
         assert runtime.compile_rope and runtime.rope_exact
+    if name == "ropefast":
+        assert runtime.compile_rope and not runtime.rope_exact
     if name in ("norope", "mlmfwd", "mlmlike"):
         assert not runtime.compile_rope
 

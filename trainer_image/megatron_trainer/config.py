@@ -461,10 +461,12 @@ class RuntimeConfig:
     fused_adam: bool = True
     """MEGATRON_TRAINER_FUSED_ADAM: 0 keeps torch AdamW's foreach kernels instead of its fused one (A/B runs)."""
     compile_rope: bool = True
-    """MEGATRON_TRAINER_COMPILE_ROPE: 0 keeps Megatron's unfused RoPE eager (default: compiled with torch.compile)."""
-    rope_exact: bool = False
-    """MEGATRON_TRAINER_COMPILE_ROPE=exact: compiled with Inductor's emulate_precision_casts, which rounds each
-    intermediate to bf16 where eager does (compat.compile_unfused_rope)."""
+    """MEGATRON_TRAINER_COMPILE_ROPE: exact (the default) or 1 compile Megatron's unfused RoPE with torch.compile;
+    0 keeps it eager."""
+    rope_exact: bool = True
+    """Compiled with Inductor's emulate_precision_casts, which rounds each intermediate to bf16 where eager does:
+    bit-identical to the eager RoPE on H200 (compat.compile_unfused_rope). MEGATRON_TRAINER_COMPILE_ROPE=1 compiles
+    without it (fp32 intermediates, rounded once; for A/B runs)."""
     compile_norm: bool = False
     """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
     tp_overlap_chunks: int = 1
@@ -856,8 +858,9 @@ ROPE_MODES = ("0", "1", "exact")
 
 
 def _rope_mode(env: Mapping[str, str]) -> str:
-    """MEGATRON_TRAINER_COMPILE_ROPE: 0 (eager), 1 (compiled, the default) or exact; ValueError otherwise."""
-    raw = env.get("MEGATRON_TRAINER_COMPILE_ROPE", "").strip().lower() or "1"
+    """MEGATRON_TRAINER_COMPILE_ROPE: 0 (eager), 1 (compiled, intermediates in fp32) or exact (compiled, eager's
+    rounding; the default); ValueError otherwise."""
+    raw = env.get("MEGATRON_TRAINER_COMPILE_ROPE", "").strip().lower() or "exact"
     if raw not in ROPE_MODES:
         raise ValueError(f"MEGATRON_TRAINER_COMPILE_ROPE={raw!r}: expected one of {', '.join(ROPE_MODES)}")
     return raw
