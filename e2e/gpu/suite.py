@@ -45,6 +45,9 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
              (--object-store): blocked time per async save, time to publish, bytes/s
   collectives  issue 29: the TP=2 collectives of Llama-3-8B timed alone (e2e/gpu/collectives.py), with
              NCCL's protocol choice (its log kept) and with each NCCL_PROTO forced
+  rope       issue 29: Megatron's unfused RoPE on one GPU, eager against torch.compile with and without
+             Inductor's emulate_precision_casts: differing elements (output, input gradient) and time
+             (bench/rope_numerics.py; needs only megatron-core)
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
