@@ -1864,7 +1864,8 @@ def main() -> int:
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
                     help="threeway's model where Megatron-LM runs out of memory on --bench-model")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
-    ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this")
+    ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
+                    "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
     ap.add_argument("--object-store", action="store_true",
                     help="checkpoints to versitygw on loopback through multi-storage-client (issue 33)")
