@@ -1,8 +1,8 @@
 """How far torch.compile's RoPE is from Megatron-Core's eager one, bit for bit, and how fast each is (issue 29).
 
 Runs megatron.core's unfused `_apply_rotary_pos_emb_bshd` (RoPE base 500000, bf16 input, seed 0) three ways:
-eager, compiled as the trainer compiles it by default (`MEGATRON_TRAINER_COMPILE_ROPE=1`), and compiled with
-Inductor's `emulate_precision_casts` (`=exact`). For each compiled way it counts the elements of the output,
+eager, compiled plainly (`MEGATRON_TRAINER_COMPILE_ROPE=1`), and compiled with Inductor's
+`emulate_precision_casts` (`=exact`, the trainer's default). For each compiled way it counts the elements of the output,
 and of the input's gradient (backward of a random upstream gradient), that differ from eager; on CUDA it
 also times forward + backward (median of 50 calls after 10). Prints one line `ROPE {json}`.
 

@@ -1335,8 +1335,8 @@ ROPE_RE = re.compile(r"^ROPE (\{.*\})$", re.M)
 
 
 def scenario_rope(ctx) -> dict:
-    """issue 29: Megatron's unfused RoPE on one GPU, eager against torch.compile (the trainer's default) and
-    against torch.compile with Inductor's emulate_precision_casts (MEGATRON_TRAINER_COMPILE_ROPE=exact): the
+    """issue 29: Megatron's unfused RoPE on one GPU, eager against torch.compile (MEGATRON_TRAINER_COMPILE_ROPE=1)
+    and against torch.compile with Inductor's emulate_precision_casts (=exact, the trainer's default): the
     elements of the output and of the input's gradient that differ from eager, and forward + backward time,
     for Llama-3-8B's query heads on one of two TP ranks (bench/rope_numerics.py)."""
     run = Run("rope", 1, ["--device", "cuda", "--shape", "llama8b-tp2"], gpus=all_gpus(1), module=False,
@@ -1568,7 +1568,7 @@ THREEWAY_VARIANTS = {
     # out of memory on the 8B at TP=2 on H200 in iteration 2: foreach AdamW's and the bf16 weight gradients' buffers)
     "mlmfwd": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0"}, ["--attention-backend", "unfused", "--cuda-graph-impl", "none"]),
     # the compiled RoPE with Inductor's emulate_precision_casts: eager's bf16 rounding of each intermediate (the
-    # default since call 18 of 2026-11-26); ropefast: compiled without it (the default before)
+    # default from c3c0f8c); ropefast: compiled without it (the default before)
     "ropeexact": ({"MEGATRON_TRAINER_COMPILE_ROPE": "exact"}, []),
     "ropefast": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, []),
     # micro-batches of 2 sequences, the global batch unchanged (half as many fp32 weight-gradient accumulations)
