@@ -203,16 +203,25 @@ def prometheus_labels(line: str) -> dict[str, str]:
 class Ours:
     name = "ours"
 
-    def __init__(self, cluster: Cluster, profile_dir: Path | None):
+    def __init__(self, cluster: Cluster, profile_dir: Path | None, watch_floor: bool = False):
         self.cluster = cluster
         self.profile_dir = profile_dir
         self.op: OperatorProcess | None = None
         self.spy: subprocess.Popen | None = None
+        self.watch_floor = watch_floor
+        self.floor_proc: subprocess.Popen | None = None
+        self.floor_out = cluster.run_dir / "watch_floor.json"
 
     def start(self, label: str) -> int:
         self.op = OperatorProcess(self.cluster, free_port(), {})
         self.op.start()
         pid = self.op.proc.pid
+        if self.watch_floor:  # bench/watch_floor.py: the same three watches without kopf, beside the operator
+            self.floor_proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "watch_floor.py"), "--kubeconfig",
+                 str(self.cluster.kubeconfig), "--out", str(self.floor_out)],
+                stdout=subprocess.DEVNULL, stderr=open(self.cluster.logs_dir / "watch_floor.log", "a"))
+            self.floor_reading()  # its watches are open before the burst starts
         if self.profile_dir is not None:  # py-spy (pip install py-spy) attached for this burst
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             self.spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
@@ -221,7 +230,27 @@ class Ours:
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return pid
 
+    def floor_reading(self, timeout_s: float = 30.0) -> dict[str, Any] | None:
+        """bench/watch_floor.py's events received and CPU seconds so far (None without --watch-floor)."""
+        if self.floor_proc is None:
+            return None
+        self.floor_out.unlink(missing_ok=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.floor_proc.poll() is not None:
+                raise AssertionError(f"watch_floor.py exited (rc={self.floor_proc.returncode}); "
+                                     f"log: {self.cluster.logs_dir / 'watch_floor.log'}")
+            self.floor_proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.2)
+            if self.floor_out.exists():
+                return json.loads(self.floor_out.read_text())
+        raise AssertionError(f"watch_floor.py wrote no reading in {timeout_s} s")
+
     def stop(self) -> None:
+        if self.floor_proc is not None:
+            self.floor_proc.terminate()
+            self.floor_proc.wait(timeout=30)
+            self.floor_proc = None
         if self.spy is not None:
             self.spy.send_signal(signal.SIGINT)
             self.spy.wait(timeout=120)
@@ -461,6 +490,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
     load_before = loadavg()
     requests0, cpu0 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     stats0 = proc_stats(pid) if pid else None
+    floor0 = system.floor_reading() if system.name == "ours" else None
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(create, names))
@@ -486,6 +516,7 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
             break
         last = now_writes
     stats2 = proc_stats(pid) if pid else None
+    floor2 = system.floor_reading() if floor0 is not None else None
     requests2, cpu2 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     settled_s = time.monotonic() - t0
     stop.set()
@@ -521,6 +552,10 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         "component_cpu_settled_s": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in sorted(cpu2.items())},
         "apiserver_requests_settled": diff_requests(requests0, requests2),
     }
+    if floor2 is not None:  # --watch-floor: the same watches without kopf, over the settled window
+        result["watch_floor"] = {"cpu_settled_s": round(floor2["cpu_s"] - floor0["cpu_s"], 2),
+                                 "events_settled": {k: v - floor0["events"].get(k, 0)
+                                                    for k, v in floor2["events"].items()}}
     if system.name == "ours":
         result.update({"status_seen": len(to_status), "status_running": len(to_status_running),
                        "to_status_p50_s": q(to_status, 0.5), "to_status_p99_s": q(to_status, 0.99),
@@ -584,6 +619,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, nargs="+", default=[100, 500])
     ap.add_argument("--systems", nargs="+", default=["floor", "ours", "peer"], choices=["floor", "ours", "peer"])
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for each burst")
+    ap.add_argument("--watch-floor", action="store_true",
+                    help="run bench/watch_floor.py (the operator's three watches without kopf) beside the operator "
+                         "and record its CPU and events (watch_floor in the result)")
     ap.add_argument("--profile", default=None, help="record py-spy profiles of the operator into this directory (py-spy --gil: samples the GIL holder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--crd", default=None,
@@ -605,7 +643,7 @@ def main() -> int:
         if s == "floor":
             systems.append(Floor(cluster))
         elif s == "ours":
-            systems.append(Ours(cluster, Path(args.profile) if args.profile else None))
+            systems.append(Ours(cluster, Path(args.profile) if args.profile else None, args.watch_floor))
         elif Peer.available():
             systems.append(Peer(cluster, local.run_dir() / "kubeflow-trainer"))
         else:

@@ -124,6 +124,30 @@ def ledger_table(runs: list[dict[str, Any]], n: int) -> list[str]:
     return lines
 
 
+def watch_cost_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """CPU per watch event: the operator's (its settled CPU over the events its handlers received) and, where the
+    run had --watch-floor, bench/watch_floor.py's (the same three watches without kopf, same burst)."""
+    lines = []
+    for run in runs:
+        for r in run["results"]:
+            if r["system"] != "ours" or not r.get("operator_watch_events"):
+                continue
+            events = sum(r["operator_watch_events"].values())
+            line = (f"| {r['jobs']} | {events / r['jobs']:.1f} | "
+                    f"{1000 * controller_cpu_s(r) / events:.2f} |")
+            floor = r.get("watch_floor")
+            if floor and sum(floor["events_settled"].values()):
+                floor_events = sum(floor["events_settled"].values())
+                line += f" {floor_events / r['jobs']:.1f} | {1000 * floor['cpu_settled_s'] / floor_events:.2f} |"
+            else:
+                line += " - | - |"
+            lines.append(line)
+    if not lines:
+        return []
+    return ["| jobs | operator: watch events per job | operator: CPU ms per event | watch floor: events per job | "
+            "watch floor: CPU ms per event |", "|---|---|---|---|---|", *lines, ""]
+
+
 def report(runs: list[dict[str, Any]]) -> str:
     sizes = sorted({r["jobs"] for run in runs for r in run["results"]})
     out = ["runs: " + ", ".join(f"{run['meta']['date']} at {run['meta']['commit']}" for run in runs), ""]
@@ -141,6 +165,7 @@ def report(runs: list[dict[str, Any]]) -> str:
         out.append("")
         out.extend(ledger_table(runs, n))
         out.append("")
+    out.extend(watch_cost_lines(runs))
     return "\n".join(out)
 
 

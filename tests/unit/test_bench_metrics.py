@@ -23,3 +23,20 @@ def test_labels_of_the_operators_counters():
               if line.startswith("megatron_operator_watch_events_total{")]
     assert requests == [{"verb": "POST", "resource": "jobsets", "code": "201"}]
     assert events == [({"resource": "pods"}, "3.0")]
+
+
+def test_watch_floor_indexes_by_job_as_the_operator_does():
+    """bench/watch_floor.py keys its indexes as the operator's index functions do (handlers.py): a job and its
+    JobSet by their name, a pod by its job-name label; metadata without managedFields."""
+    import watch_floor as W
+    from megatron_operator.names import LABEL_JOB_NAME, MANAGED_SELECTOR
+    from megatron_operator.status import PodView
+
+    meta = {"name": "j-0", "namespace": "ns", "managedFields": [{"manager": "x"}], "labels": {LABEL_JOB_NAME: "j"}}
+    key, entry = W.index_entry("megatronjobs", {"metadata": meta, "spec": {"a": 1}, "status": {"phase": "Running"}})
+    assert key == ("ns", "j-0") and "managedFields" not in entry["metadata"] and entry["status"]["phase"] == "Running"
+    key, entry = W.index_entry("jobsets", {"metadata": meta, "status": {}})
+    assert key == ("ns", "j-0") and "managedFields" not in entry["metadata"]
+    key, view = W.index_entry("pods", {"metadata": meta, "status": {"phase": "Pending"}})
+    assert key == ("ns", "j") and isinstance(view, PodView)
+    assert W.WATCHES["pods"][1] == W.WATCHES["jobsets"][1] == MANAGED_SELECTOR and W.WATCHES["megatronjobs"][1] is None
