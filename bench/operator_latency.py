@@ -217,11 +217,12 @@ class Ours:
         self.op.start()
         pid = self.op.proc.pid
         if self.watch_floor:  # bench/watch_floor.py: the same three watches without kopf, beside the operator
+            self.floor_out.unlink(missing_ok=True)
             self.floor_proc = subprocess.Popen(
                 [sys.executable, str(ROOT / "bench" / "watch_floor.py"), "--kubeconfig",
                  str(self.cluster.kubeconfig), "--out", str(self.floor_out)],
                 stdout=subprocess.DEVNULL, stderr=open(self.cluster.logs_dir / "watch_floor.log", "a"))
-            self.floor_reading()  # its watches are open before the burst starts
+            self.floor_reading(signal_it=False)  # its start-up reading: SIGUSR1 is handled from now on
         if self.profile_dir is not None:  # py-spy (pip install py-spy) attached for this burst
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             self.spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
@@ -230,18 +231,19 @@ class Ours:
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return pid
 
-    def floor_reading(self, timeout_s: float = 30.0) -> dict[str, Any] | None:
+    def floor_reading(self, timeout_s: float = 30.0, signal_it: bool = True) -> dict[str, Any] | None:
         """bench/watch_floor.py's events received and CPU seconds so far (None without --watch-floor)."""
         if self.floor_proc is None:
             return None
-        self.floor_out.unlink(missing_ok=True)
+        if signal_it:
+            self.floor_out.unlink(missing_ok=True)
+            self.floor_proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.floor_proc.poll() is not None:
                 raise AssertionError(f"watch_floor.py exited (rc={self.floor_proc.returncode}); "
                                      f"log: {self.cluster.logs_dir / 'watch_floor.log'}")
-            self.floor_proc.send_signal(signal.SIGUSR1)
-            time.sleep(0.2)
+            time.sleep(0.1)
             if self.floor_out.exists():
                 return json.loads(self.floor_out.read_text())
         raise AssertionError(f"watch_floor.py wrote no reading in {timeout_s} s")

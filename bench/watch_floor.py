@@ -10,7 +10,8 @@ handlers, no status writes.
 
 `bench/operator_latency.py --watch-floor` runs it beside the operator during the `ours` bursts. Each SIGUSR1
 makes it write `{"events": {resource: n}, "cpu_s": s}` to --out (events received and its own CPU so far), so
-the benchmark reads both at the start and the end of its window. SIGTERM ends it.
+the benchmark reads both at the start and the end of its window; it writes one reading at start-up, once it
+handles SIGUSR1. SIGTERM ends it.
 
     python bench/watch_floor.py --kubeconfig <run dir>/kubeconfig --out <file>
 """
@@ -128,6 +129,7 @@ def main() -> int:
     loop.add_signal_handler(signal.SIGUSR1, report)
     task = loop.create_task(floor.run())
     loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    report()  # the first reading says that SIGUSR1 is handled from now on
     try:
         loop.run_until_complete(task)
     except asyncio.CancelledError:
