@@ -218,10 +218,11 @@ class Ours:
         pid = self.op.proc.pid
         if self.watch_floor:  # bench/watch_floor.py: the same three watches without kopf, beside the operator
             self.floor_out.unlink(missing_ok=True)
-            self.floor_proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "bench" / "watch_floor.py"), "--kubeconfig",
-                 str(self.cluster.kubeconfig), "--out", str(self.floor_out)],
-                stdout=subprocess.DEVNULL, stderr=open(self.cluster.logs_dir / "watch_floor.log", "a"))
+            with open(self.cluster.logs_dir / "watch_floor.log", "a") as log:  # the child keeps its own copy
+                self.floor_proc = subprocess.Popen(
+                    [sys.executable, str(ROOT / "bench" / "watch_floor.py"), "--kubeconfig",
+                     str(self.cluster.kubeconfig), "--out", str(self.floor_out)],
+                    stdout=subprocess.DEVNULL, stderr=log)
             self.floor_reading(signal_it=False)  # its start-up reading: SIGUSR1 is handled from now on
         if self.profile_dir is not None:  # py-spy (pip install py-spy) attached for this burst
             self.profile_dir.mkdir(parents=True, exist_ok=True)
