@@ -40,3 +40,18 @@ def test_watch_floor_indexes_by_job_as_the_operator_does():
     key, view = W.index_entry("pods", {"metadata": meta, "status": {"phase": "Pending"}})
     assert key == ("ns", "j") and isinstance(view, PodView)
     assert W.WATCHES["pods"][1] == W.WATCHES["jobsets"][1] == MANAGED_SELECTOR and W.WATCHES["megatronjobs"][1] is None
+
+
+def test_request_ledger_reports_cpu_per_watch_event_for_the_operator_and_the_watch_floor():
+    """bench/request_ledger.py: the operator's settled CPU over the watch events its handlers received, and the
+    watch floor's over the events it received, per burst; a run without --watch-floor gets dashes."""
+    import request_ledger as L
+
+    ours = {"system": "ours", "jobs": 100, "controller_cpu_s": 2.8, "controller_cpu_settled_s": 3.2,
+            "operator_watch_events": {"megatronjobs": 200, "jobsets": 300, "pods": 300},
+            "watch_floor": {"cpu_settled_s": 0.44, "events_settled": {"megatronjobs": 200, "jobsets": 300, "pods": 300}}}
+    plain = {**{k: v for k, v in ours.items() if k != "watch_floor"}, "jobs": 500}
+    lines = L.watch_cost_lines([{"results": [ours, {"system": "peer", "jobs": 100}]}, {"results": [plain]}])
+    assert lines[2] == "| 100 | 8.0 | 4.00 | 8.0 | 0.55 |"
+    assert lines[3] == "| 500 | 1.6 | 4.00 | - | - |"
+    assert L.watch_cost_lines([{"results": [{"system": "peer", "jobs": 100}]}]) == []
