@@ -136,8 +136,8 @@ def watch_cost_lines(runs: list[dict[str, Any]]) -> list[str]:
             line = (f"| {r['jobs']} | {events / r['jobs']:.1f} | "
                     f"{1000 * controller_cpu_s(r) / events:.2f} |")
             floor = r.get("watch_floor")
-            if floor and sum(floor["events_settled"].values()):
-                floor_events = sum(floor["events_settled"].values())
+            floor_events = sum(floor["events_settled"].values()) if floor else 0
+            if floor_events:
                 line += f" {floor_events / r['jobs']:.1f} | {1000 * floor['cpu_settled_s'] / floor_events:.2f} |"
             else:
                 line += " - | - |"

@@ -1499,26 +1499,14 @@ def threeway_layout(ctx, layout: str) -> dict:
         out["ours_on_" + big] = run_ours_threeway(ctx, f"threeway_ours_{layout}_{big}", big, gpus, tp, pp,
                                                   threeway_gbs(big, gpus, tp, pp), [], "default")
     ours_ms, rc = out["ours"]["iter_ms"], out["ours"]["rc"]
-    losses_mlm = mlm.get("losses_1_5") or []
     for key in ["ours", "ours_overlap"] + [f"ours_{v}" for v in THREEWAY_VARIANTS]:  # each run of ours vs Megatron-LM
-        run = out.get(key, {})
-        ratio = ratio_vs_mlm(run.get("iter_ms"), mlm)
-        if ratio is not None:
-            out[f"{key}_speedup_vs_megatron_lm"] = ratio
-        losses_ours = run.get("losses_1_5") or []
-        if len(losses_mlm) == 5 and len(losses_ours) == 5 and None not in losses_ours:
-            prefix = "" if key == "ours" else f"{key}_"
-            out[f"{prefix}losses_1_5_max_abs_diff_vs_megatron_lm"] = round(
-                max(abs(a - b) for a, b in zip(losses_ours, losses_mlm, strict=True)), 6)
+        prefix = "" if key == "ours" else f"{key}_"
+        compare_with_mlm(out, out.get(key, {}), mlm, f"{key}_speedup_vs_megatron_lm",
+                         f"{prefix}losses_1_5_max_abs_diff_vs_megatron_lm")
     for name in ctx.get("threeway_mlm_variants", ()):  # a variant of both loops: ours_X against megatron_lm_X
-        ours_v, mlm_v = out.get(f"ours_{name}", {}), out.get(f"megatron_lm_{name}", {})
-        ratio = ratio_vs_mlm(ours_v.get("iter_ms"), mlm_v)
-        if ratio is not None:
-            out[f"ours_{name}_speedup_vs_megatron_lm_{name}"] = ratio
-        a, b = ours_v.get("losses_1_5") or [], mlm_v.get("losses_1_5") or []
-        if len(a) == 5 and len(b) == 5 and None not in a and None not in b:
-            out[f"ours_{name}_losses_1_5_max_abs_diff_vs_megatron_lm_{name}"] = round(
-                max(abs(x - y) for x, y in zip(a, b, strict=True)), 6)
+        compare_with_mlm(out, out.get(f"ours_{name}", {}), out.get(f"megatron_lm_{name}", {}),
+                         f"ours_{name}_speedup_vs_megatron_lm_{name}",
+                         f"ours_{name}_losses_1_5_max_abs_diff_vs_megatron_lm_{name}")
     if pp == 1 and m.get("arch") != "llama":  # the guides' loop builds a GPT only
         out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
     failures: list[str] = []
@@ -1529,6 +1517,17 @@ def threeway_layout(ctx, layout: str) -> dict:
         out["ours_speedup_vs_guides_loop"] = round(peer["iter_ms"] / ours_ms, 3)
     out["ok"], out["failures"] = not failures, failures
     return out
+
+
+def compare_with_mlm(out: dict, ours: dict, mlm: dict, speedup_key: str, losses_key: str) -> None:
+    """One run of ours against one of Megatron-LM's: its speed-up (`speedup_key`) and the largest difference of
+    losses 1-5 (`losses_key`), each set in `out` only where both runs have the figures."""
+    ratio = ratio_vs_mlm(ours.get("iter_ms"), mlm)
+    if ratio is not None:
+        out[speedup_key] = ratio
+    a, b = ours.get("losses_1_5") or [], mlm.get("losses_1_5") or []
+    if len(a) == 5 and len(b) == 5 and None not in a and None not in b:
+        out[losses_key] = round(max(abs(x - y) for x, y in zip(a, b, strict=True)), 6)
 
 
 def threeway_gbs(model: str, gpus: int, tp: int, pp: int) -> int:

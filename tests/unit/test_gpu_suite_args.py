@@ -127,3 +127,21 @@ def test_every_threeway_variant_is_a_command_line_and_environment_the_trainer_ac
 def test_megatron_lm_variants_of_both_loops_are_variants_of_ours_too():
     """A Megatron-LM variant that changes the run's shape (mbs2) is compared with ours' variant of the same name."""
     assert "mbs2" in S.MLM_VARIANTS and S.MLM_VARIANTS["mbs2"] == S.THREEWAY_VARIANTS["mbs2"][1]
+
+
+def test_compare_with_mlm_reproduces_the_recorded_figures_of_call_20():
+    """suite.compare_with_mlm, on call 20's recorded runs (bench/results/llama_gpu_runs_2026-11-26.json), gives the
+    speed-ups and loss differences the suite recorded then; a run without figures sets nothing."""
+    import json
+
+    results = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
+                          "llama_gpu_runs_2026-11-26.json").read_text())
+    tp2 = next(c for c in results["calls"] if c["call"] == 20)["results"]["threeway"]["tp2"]
+    out: dict = {}
+    S.compare_with_mlm(out, tp2["ours_mbs2"], tp2["megatron_lm_mbs2"], "speedup", "losses")
+    assert out == {"speedup": tp2["ours_mbs2_speedup_vs_megatron_lm_mbs2"],
+                   "losses": tp2["ours_mbs2_losses_1_5_max_abs_diff_vs_megatron_lm_mbs2"]}
+    S.compare_with_mlm(out := {}, tp2["ours"], tp2["megatron_lm"], "speedup", "losses")
+    assert out == {"speedup": tp2["ours_speedup_vs_megatron_lm"], "losses": tp2["losses_1_5_max_abs_diff_vs_megatron_lm"]}
+    S.compare_with_mlm(out := {}, {"rc": 1}, tp2["megatron_lm"], "speedup", "losses")
+    assert out == {}

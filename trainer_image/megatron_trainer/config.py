@@ -460,13 +460,19 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_FOREACH_OPS: 0 keeps Megatron's multi-tensor fallbacks (for A/B runs)."""
     fused_adam: bool = True
     """MEGATRON_TRAINER_FUSED_ADAM: 0 keeps torch AdamW's foreach kernels instead of its fused one (A/B runs)."""
-    compile_rope: bool = True
-    """MEGATRON_TRAINER_COMPILE_ROPE: exact (the default) or 1 compile Megatron's unfused RoPE with torch.compile;
-    0 keeps it eager."""
-    rope_exact: bool = True
-    """Compiled with Inductor's emulate_precision_casts, which rounds each intermediate to bf16 where eager does:
-    bit-identical to the eager RoPE on H200 (compat.compile_unfused_rope). MEGATRON_TRAINER_COMPILE_ROPE=1 compiles
-    without it (fp32 intermediates, rounded once; for A/B runs)."""
+    rope_mode: str = "exact"
+    """MEGATRON_TRAINER_COMPILE_ROPE (ROPE_MODES): exact (the default) compiles Megatron's unfused RoPE with
+    Inductor's emulate_precision_casts, which rounds each intermediate to bf16 where eager does (bit-identical to
+    the eager RoPE on H200; compat.compile_unfused_rope); 1 compiles without it (fp32 intermediates, rounded once;
+    for A/B runs); 0 keeps it eager."""
+    @property
+    def compile_rope(self) -> bool:
+        return self.rope_mode != "0"
+
+    @property
+    def rope_exact(self) -> bool:
+        return self.rope_mode == "exact"
+
     compile_norm: bool = False
     """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
     tp_overlap_chunks: int = 1
@@ -892,8 +898,7 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
-        compile_rope=_rope_mode(env) != "0",
-        rope_exact=_rope_mode(env) == "exact",
+        rope_mode=_rope_mode(env),
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
