@@ -100,6 +100,9 @@ MODELS = {
     "gpt7b": dict(layers=32, hidden=4096, heads=32, ffn=16384, seq=2048, vocab=32768, mbs=1),
     # Llama architecture (issue 29): RMSNorm, SwiGLU, RoPE (base 500k), GQA (8 KV groups), no biases, untied
     # embeddings; sizes of Llama-3.2-1B / -3B / Llama-3-8B (the operator's llama3-8b preset), random weights.
+    # The small model's size with the Llama architecture: RoPE (compiled, rounded as eager), RMSNorm, SwiGLU and
+    # GQA in runs short enough for the deterministic/resume scenarios at every layout in one device call.
+    "llama_small": dict(layers=8, hidden=512, heads=8, groups=4, ffn=1408, seq=512, vocab=8192, mbs=4, arch="llama"),
     "llama1b": dict(layers=16, hidden=2048, heads=32, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
     "llama3b": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
     "llama3b_s2k": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=2048, vocab=128256, mbs=1, accum=4,

@@ -145,3 +145,24 @@ def test_compare_with_mlm_reproduces_the_recorded_figures_of_call_20():
     assert out == {"speedup": tp2["ours_speedup_vs_megatron_lm"], "losses": tp2["losses_1_5_max_abs_diff_vs_megatron_lm"]}
     S.compare_with_mlm(out := {}, {"rc": 1}, tp2["megatron_lm"], "speedup", "losses")
     assert out == {}
+
+
+@pytest.mark.parametrize("model", sorted(S.MODELS))
+@pytest.mark.parametrize("layout", [name for name, _, _ in S.layouts_for(2)])
+def test_every_suite_model_is_a_command_line_the_trainer_accepts_at_every_2_gpu_layout(model, layout):
+    """A scenario given --model runs the model at tp2, pp2 and dp2 with reference_run's batch: the trainer must
+    take that command line (its parser and its checks of heads, query groups and batch against the layout),
+    and a Llama model must reach the trainer with its architecture (RoPE, GQA, SwiGLU, RMSNorm)."""
+    from megatron_trainer.config import parse_args, world_layout
+
+    tp, pp = {name: (t, p) for name, t, p in S.layouts_for(2)}[layout]
+    m = S.MODELS[model]
+    dp = 2 // (tp * pp)
+    cfg = parse_args(S.trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=m["mbs"] * dp * (2 * pp if pp > 1 else 1)))
+    assert world_layout(cfg, 2).data_parallel == dp
+    if m.get("arch") == "llama":
+        mc = cfg.model
+        assert (mc.position_embedding_type, mc.effective_num_query_groups, mc.swiglu, mc.normalization) == \
+            ("rope", m["groups"], True, "RMSNorm")
+    else:
+        assert cfg.model.position_embedding_type == "learned_absolute"
