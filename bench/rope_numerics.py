@@ -4,10 +4,10 @@ Runs megatron.core's unfused `_apply_rotary_pos_emb_bshd` (RoPE base 500000, bf1
 eager, compiled plainly (`MEGATRON_TRAINER_COMPILE_ROPE=1`), and compiled with Inductor's
 `emulate_precision_casts` (`=exact`, the trainer's default). For each compiled way it counts the elements of the output,
 and of the input's gradient (backward of a random upstream gradient), that differ from eager; on CUDA it
-also times forward + backward (median of 50 calls after 10). Prints one line `ROPE {json}`.
+also times forward + backward (median of 50 calls after 10). Prints one line `ROPE {json}` per shape.
 
     <torch venv>/bin/python bench/rope_numerics.py                      # CPU, [256, 1, 4, 128]
-    python bench/rope_numerics.py --device cuda --shape llama8b-tp2     # the GPU suite's `rope` scenario
+    python bench/rope_numerics.py --device cuda --shape llama8b-tp2 llama3b-q llama3b-kv   # the suite's `rope`
 
 The CPU needs the torch venv (`make torch-tests` builds one) and a C++ compiler for Inductor's CPU backend.
 """
@@ -21,8 +21,10 @@ import statistics
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-# [sequence, micro batch, heads, head dim]; llama8b-tp2: Llama-3-8B's query heads on one of two TP ranks
-SHAPES = {"small": (256, 1, 4, 128), "llama8b-tp2": (4096, 1, 16, 128)}
+# [sequence, micro batch, heads, head dim]; llama8b-tp2: Llama-3-8B's query heads on one of two TP ranks;
+# llama3b-q / -kv: the 3B's 24 query heads and 8 key heads without TP (its DP=2 and PP=2 runs)
+SHAPES = {"small": (256, 1, 4, 128), "llama8b-tp2": (4096, 1, 16, 128), "llama3b-q": (4096, 1, 24, 128),
+          "llama3b-kv": (4096, 1, 8, 128)}
 MODES = {"compiled": {}, "exact": {"emulate_precision_casts": True}}
 
 
@@ -81,11 +83,12 @@ def measure(device: str, shape: tuple[int, ...]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["small"])
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device")
-    print("ROPE " + json.dumps(measure(args.device, SHAPES[args.shape])), flush=True)
+    for name in args.shape:
+        print("ROPE " + json.dumps({"name": name, **measure(args.device, SHAPES[name])}), flush=True)
 
 
 if __name__ == "__main__":
