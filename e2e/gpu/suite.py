@@ -1582,6 +1582,9 @@ THREEWAY_VARIANTS = {
     "ropefast": ({"MEGATRON_TRAINER_COMPILE_ROPE": "1"}, []),
     # micro-batches of 2 sequences, the global batch unchanged (half as many fp32 weight-gradient accumulations)
     "mbs2": ({}, ["--micro-batch-size", "2"]),
+    # the same command line once more in the same call: how far ours moves against itself (run-to-run spread)
+    "again": ({}, []),
+    "unfusedagain": ({}, ["--attention-backend", "unfused"]),
 }
 
 # Megatron-LM's extra runs in threeway (--threeway-mlm-variants): name -> flags for pretrain_gpt.py.
