@@ -1923,7 +1923,7 @@ def main() -> int:
     # Rough seconds a scenario needs (per layout); one that would not finish before the deadline is skipped.
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
-                  "tensorboard": 95, "deterministic": 110, "objbench": 200,
+                  "tensorboard": 95, "deterministic": 150, "objbench": 200,
                   "detcost": 60, "threeway": 170, "collectives": 90, "rope": 60, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
                   "hf_pods": 200, "hf_store": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
