@@ -548,7 +548,8 @@ def parse_layout(name: str, gpus: int) -> tuple[int, int, int | None]:
     return tp, pp, vpp
 
 
-def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: int | None = None) -> dict:
+def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: int | None = None,
+                  env: dict | None = None) -> dict:
     """A 40-iteration run with async checkpoints every 10: the uninterrupted reference."""
     gpus = ctx["gpus"]
     dp = gpus // (tp * pp)
@@ -560,7 +561,7 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: in
     args = trainer_args(model, tp=tp, pp=pp, mbs=mbs, gbs=mbs * dp * (2 * pp if pp > 1 else 1), iters=40,
                         save=save, save_interval=10, data=data, extra=extra,
                         lr="1e-3" if model == "small" else "3e-4")
-    env = {"MEGATRON_CHECKPOINT_KEEP": "3", "MEGATRON_METRICS_PORT": str(free_port())}
+    env = {"MEGATRON_CHECKPOINT_KEEP": "3", "MEGATRON_METRICS_PORT": str(free_port()), **(env or {})}
     run = Run(f"ref_{name}", gpus, args, env=env)
     scraped = {}
 
@@ -1195,20 +1196,22 @@ def summary_losses(log: Path) -> dict[int, float]:
 def scenario_deterministic(ctx) -> dict:
     """issue 17: --deterministic-mode at TP, PP and DP (async checkpoints every 10): kill -9 a rank at
     iteration 25, restart -> resumes from the newest complete checkpoint -> every later loss is
-    bit-identical (==) to the uninterrupted run's."""
+    bit-identical (==) to the uninterrupted run's. --deterministic-attention flash runs every run of it with
+    MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash."""
     gpus = ctx["gpus"]
-    out: dict = {}
+    det_env = ctx.get("det_env", {})
+    out: dict = {"env": det_env}
     layouts = [(n, tp, pp) for n, tp, pp in layouts_for(gpus) if n in (f"tp{gpus}", f"pp{gpus}", f"dp{gpus}")
                and (ctx["layouts"] is None or n in ctx["layouts"])]
     for name, tp, pp in layouts:
         ref_name = f"det_{name}"
-        out[name] = r = reference_run(ctx, ref_name, tp, pp, extra=["--deterministic-mode"])
+        out[name] = r = reference_run(ctx, ref_name, tp, pp, extra=["--deterministic-mode"], env=det_env)
         ref = ctx["refs"][ref_name]
         exact_ref = summary_losses(LOGS / f"ref_{ref_name}.log")
         save = ckpt_loc(str(WORK / "ckpt" / f"detkill_{name}"))
         shutil.rmtree(save, ignore_errors=True)
         args = [save if a == ref["save"] else a for a in ref["args"]]
-        run = Run(f"detkill_{name}", gpus, args)
+        run = Run(f"detkill_{name}", gpus, args, env=det_env)
         hit = run.wait_for(re.compile(r"iteration\s+25/"), 240)
         killed = run.kill_rank(gpus - 1)
         time.sleep(3)
@@ -1217,7 +1220,7 @@ def scenario_deterministic(ctx) -> dict:
         run.close()
         complete = [it for it, ok in ckpt_state(save)["checkpoints"].items() if ok]
         expected = max(complete) if complete else None  # 20, or 10 if the save of 20 was still in flight
-        again = Run(f"detkill_{name}_restart", gpus, args)
+        again = Run(f"detkill_{name}_restart", gpus, args, env=det_env)
         rc = again.wait(300)
         again.close()
         resumed = RESUMED_RE.search(again.text())
@@ -1242,6 +1245,11 @@ def scenario_deterministic(ctx) -> dict:
                   "adam_step_after_load": adam_step.group(1) if adam_step else None})
     out["ok"] = all(out[n]["ok"] for n, _, _ in layouts) and bool(layouts)
     return out
+
+
+# detcost's runs: name -> (flags, environment)
+DETCOST_VARIANTS = {"default": ([], {}), "deterministic": (["--deterministic-mode"], {}),
+                    "deterministic_flash": (["--deterministic-mode"], {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "flash"})}
 
 
 def scenario_objbench(ctx) -> dict:
@@ -1284,25 +1292,30 @@ def scenario_objbench(ctx) -> dict:
 
 
 def scenario_detcost(ctx) -> dict:
-    """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic,
-    12 iterations each, median iteration time of 4-12, same call."""
+    """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic (SDPA's math
+    attention) vs deterministic with the flash kernel's deterministic backward, 12 iterations each, median
+    iteration time of 4-12, same call."""
     gpus = ctx["gpus"]
     model, tp = ctx.get("bench_model", "gpt1b"), gpus
     mb = MODELS[model]["mbs"]
     cost: dict = {"model": model, "layout": f"TP{tp}"}
-    for variant, extra in (("default", []), ("deterministic", ["--deterministic-mode"])):
+    for variant, (extra, env) in DETCOST_VARIANTS.items():
         run = Run(f"detcost_{variant}", gpus, trainer_args(model, tp=tp, mbs=mb, gbs=mb, iters=12, lr="3e-4",
                                                            warmup=2, extra=extra),
-                  env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})
+                  env={**env, **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})})
         rc = run.wait(300)
         run.close()
         ms = run.iteration_ms()
         steady = [ms[i] for i in sorted(ms) if 4 <= i <= 12]
+        attention = re.search(r"attention=(SDPA \([^)]*\)|[^,]+)", run.text())
         cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
-                         "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)]}
-    d, n = cost["deterministic"]["median_iter_ms"], cost["default"]["median_iter_ms"]
-    cost["slowdown"] = round(d / n, 3) if d and n else None
-    cost["ok"] = cost["slowdown"] is not None
+                         "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)],
+                         "attention": attention.group(1) if attention else None}
+    n = cost["default"]["median_iter_ms"]
+    for variant, key in (("deterministic", "slowdown"), ("deterministic_flash", "slowdown_flash")):
+        d = cost[variant]["median_iter_ms"]
+        cost[key] = round(d / n, 3) if d and n else None
+    cost["ok"] = cost["slowdown"] is not None and cost["slowdown_flash"] is not None
     return cost
 
 
@@ -1879,6 +1892,8 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
                     "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
+    ap.add_argument("--deterministic-attention", choices=("math", "flash"), default="math",
+                    help="MEGATRON_TRAINER_DETERMINISTIC_ATTENTION for every run of the deterministic scenario")
     ap.add_argument("--object-store", action="store_true",
                     help="checkpoints to versitygw on loopback through multi-storage-client (issue 33)")
     ap.add_argument("--objbench-model", default="gpt1b", choices=sorted(MODELS), help="model of objbench")
@@ -1915,6 +1930,7 @@ def main() -> int:
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
+    ctx["det_env"] = {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "flash"} if args.deterministic_attention == "flash" else {}
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results

@@ -178,6 +178,14 @@ def test_rope_modes():
         runtime_from_env({"MEGATRON_TRAINER_COMPILE_ROPE": "yes"})
 
 
+def test_deterministic_attention_modes():
+    assert runtime_from_env({}).deterministic_attention == "math"
+    for raw, want in (("math", "math"), ("flash", "flash"), (" Flash ", "flash"), ("", "math")):
+        assert runtime_from_env({"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": raw}).deterministic_attention == want, raw
+    with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION='cudnn': expected one of math, flash"):
+        runtime_from_env({"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "cudnn"})
+
+
 def test_shutdown_grace_from_the_launcher_else_torchrun():
     assert runtime_from_env({}).shutdown_grace_s == 30.0  # torchrun's fixed SIGKILL delay (torch 2.11)
     assert runtime_from_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}).shutdown_grace_s == 45.0

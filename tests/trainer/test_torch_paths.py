@@ -42,6 +42,94 @@ def test_sdpa_attention_matches_reference(heads, groups):
     assert torch.allclose(mod(q, k, v, mask.view(1, 1, s, s), attn_mask_type=AttnMaskType.causal), ref, atol=1e-12)
 
 
+def _sdpa_node(t):
+    """The SDPA node behind the attention module's output (which is a view of it)."""
+    todo, seen = [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "ScaledDotProduct" in type(node).__name__:
+            return node
+        todo.extend(n for n, _ in node.next_functions)
+    raise AssertionError("no SDPA node in the graph")
+
+
+def test_flashdet_attention_runs_its_backward_under_strict_determinism_and_restores_the_setting():
+    """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash: the fused kernel's backward must see
+    use_deterministic_algorithms(True, warn_only=False) (torch reads it when the backward runs), and the run's
+    own warn-only setting must be back for every later node. The gradients are those of the math backend."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_trainer.attention import SDPA_BACKENDS, make_sdpa_attention
+
+    heads, groups, s, b, d = 4, 2, 12, 2, 16
+    cfg = TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads, num_query_groups=groups)
+
+    def build(backend):
+        return make_sdpa_attention(backend)(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                            attention_type="self", attention_dropout=0.0, pg_collection=_TP1())
+
+    strict, math_mod = build("flashdet"), build("math")
+    assert strict.strict and not math_mod.strict and strict.backends == SDPA_BACKENDS["flashdet"]
+    torch.manual_seed(0)
+    inputs = [torch.randn(s, b, n, d) for n in (heads, groups, groups)]
+    upstream = torch.randn(s, b, heads * d)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)  # what --deterministic-mode sets for the run
+    try:
+        seen: dict[str, tuple[bool, bool]] = {}
+
+        def flags():
+            return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+        def record(name):
+            def hook(*_):
+                seen[name] = flags()  # returns None: the gradients stay as they are
+            return hook
+
+        q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+        out = strict(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+        _sdpa_node(out).register_prehook(record("sdpa backward"))  # registered after ours: runs after it
+        q.register_hook(record("after it"))
+        out.backward(upstream)
+        assert seen == {"sdpa backward": (True, False), "after it": (True, True)}
+        assert flags() == (True, True)
+
+        q2, k2, v2 = (t.clone().requires_grad_(True) for t in inputs)
+        ref = math_mod(q2, k2, v2, None, attn_mask_type=AttnMaskType.causal)
+        ref.backward(upstream)
+        assert torch.allclose(out, ref, atol=1e-5)
+        for got, want in ((q, q2), (k, k2), (v, v2)):
+            assert torch.allclose(got.grad, want.grad, atol=1e-5)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_mode_picks_the_math_or_the_flashdet_attention(mock_argv):
+    from megatron_trainer import model as M
+    from megatron_trainer.attention import SDPA_BACKENDS
+    from megatron_trainer.config import parse_args
+
+    cfg = parse_args(mock_argv + ["--deterministic-mode"])
+    path = M.choose_path(cfg, have_te=False)
+    assert [M.deterministic_attention(cfg, path, r) for r in ("math", "flash")] == ["math", "flash"]
+    unfused = parse_args(mock_argv + ["--deterministic-mode", "--attention-backend", "unfused"])
+    assert M.deterministic_attention(unfused, M.choose_path(unfused, have_te=False), "flash") == "math"
+    assert M.deterministic_attention(cfg, M.ModelPath("transformer_engine", "TE"), "flash") == "math"
+    assert M.deterministic_attention(parse_args(mock_argv), path, "flash") == "math"  # no --deterministic-mode
+    for mode, backend in (("math", "math"), ("flash", "flashdet")):
+        path.deterministic_attention = mode
+        core = M.layer_spec(cfg, path).submodules.self_attention.submodules.core_attention
+        assert core.backends == SDPA_BACKENDS[backend] and core.strict == (mode == "flash"), mode
+    plain = parse_args(mock_argv)
+    path = M.choose_path(plain, have_te=False)
+    path.deterministic_attention = "flash"  # only read under --deterministic-mode
+    core = M.layer_spec(plain, path).submodules.self_attention.submodules.core_attention
+    assert core.backends == SDPA_BACKENDS[plain.training.attention_backend] and not core.strict
+
+
 def _distopt_with_one_param(step_before_load: int):
     """A stand-in DistributedOptimizer (the real class's methods bound to a namespace) over one
     parameter, its torch AdamW state materialized as the trainer does before a load."""
@@ -283,6 +371,86 @@ print(json.dumps({{"layers": len(m.decoder.layers), "final": type(m.decoder.fina
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"layers": 2, "final": "LayerNorm", "marked": True, "norms": 2 * (2 * 2) + 2, "same_names": True,
                    "rows": ["OverlappedRowParallelLinear2", "OverlappedRowParallelLinear2"]}
+
+
+def test_gpt_model_with_flashdet_attention_runs_every_attention_backward_strict(mock_argv, tmp_path):
+    """--deterministic-mode with MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash in a whole GPTModel (CPU, one gloo
+    rank, in a child process): one forward and backward with the run's warn-only setting; every layer's attention
+    is one fused SDPA node whose backward runs strict, and the warn-only setting is in force at the end. The loss
+    and the gradients are the math attention's (the same weights, loaded into a second model)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "flashdet.py"
+    script.write_text(f"""
+import os, sys, json, socket, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state, tensor_parallel
+parallel_state.initialize_model_parallel(1, 1)
+tensor_parallel.model_parallel_cuda_manual_seed(0) if torch.cuda.is_available() else None
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron_trainer import model as M
+from megatron_trainer.config import parse_args
+cfg = parse_args({mock_argv!r} + ["--deterministic-mode", "--attention-backend", "flash"])
+from megatron_trainer import attention as A
+torch.use_deterministic_algorithms(True, warn_only=True)
+calls = []
+def flags():
+    return [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()]
+real = A.strict_backward
+def observed(out):  # after the trainer's hooks: sees what the attention kernel's backward sees
+    real(out)
+    out.grad_fn.register_prehook(lambda grads: calls.append(flags()) or None)
+A.strict_backward = observed
+
+def build(mode):
+    path = M.choose_path(cfg, False)
+    path.deterministic_attention = mode
+    tc = M.transformer_config(cfg, path)
+    tc.use_cpu_initialization = True
+    tc.params_dtype = torch.float32
+    tc.bf16 = False
+    return GPTModel(config=tc, transformer_layer_spec=M.block_spec(M.layer_spec(cfg, path), tc, path, None),
+                    vocab_size=1024, max_sequence_length=128)
+
+torch.manual_seed(0)
+flash, math = build("flash"), build("math")
+math.load_state_dict(flash.state_dict())
+tokens = torch.randint(0, 1024, (2, 64))
+position = torch.arange(64).expand(2, 64)
+out = {{}}
+for name, m in (("flash", flash), ("math", math)):
+    calls.clear()
+    loss = m(tokens, position, None, labels=tokens).float().mean()
+    if name == "flash":
+        nodes, todo = set(), [loss.grad_fn]
+        while todo:
+            n = todo.pop()
+            if n is not None and n not in nodes:
+                nodes.add(n)
+                todo.extend(x for x, _ in n.next_functions)
+    loss.backward()
+    out[name] = {{"loss": loss.item(), "calls": list(calls),
+                 "grads": {{n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}}}}
+same = all(torch.allclose(g, out["math"]["grads"][n], atol=1e-5) for n, g in out["flash"]["grads"].items())
+print(json.dumps({{"flash_calls": out["flash"]["calls"], "math_calls": out["math"]["calls"],
+                  "loss_diff": abs(out["flash"]["loss"] - out["math"]["loss"]), "grads_same": same,
+                  "grads": len(out["flash"]["grads"]), "layers": len(flash.decoder.layers),
+                  "sdpa_nodes": sum("ScaledDotProduct" in type(n).__name__ for n in nodes), "end": flags()}}))
+""")
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # every layer's attention is one fused SDPA node, and its backward ran strict (warn_only False)
+    assert got["layers"] == 2 and got["sdpa_nodes"] == 2
+    assert got["flash_calls"] == [[True, False]] * 2 and got["math_calls"] == []
+    assert got["end"] == [True, True]
+    assert got["loss_diff"] < 1e-5 and got["grads_same"] and got["grads"] > 0
 
 
 def test_rng_tracker_states_round_trip_between_tensor_and_generator_forms():

@@ -166,3 +166,14 @@ def test_every_suite_model_is_a_command_line_the_trainer_accepts_at_every_2_gpu_
             ("rope", m["groups"], True, "RMSNorm")
     else:
         assert cfg.model.position_embedding_type == "learned_absolute"
+
+
+@pytest.mark.parametrize("name", sorted(S.DETCOST_VARIANTS))
+def test_detcost_variants_are_command_lines_and_environments_the_trainer_accepts(name):
+    from megatron_trainer.config import parse_args, runtime_from_env
+
+    extra, env = S.DETCOST_VARIANTS[name]
+    cfg = parse_args(S.trainer_args("gpt1b", tp=2, mbs=4, gbs=4, iters=12, extra=extra))
+    runtime = runtime_from_env(env)
+    assert cfg.training.deterministic_mode == (name != "default")
+    assert runtime.deterministic_attention == ("flash" if name == "deterministic_flash" else "math")

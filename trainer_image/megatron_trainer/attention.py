@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
@@ -25,14 +26,48 @@ SDPA_BACKENDS = {
     "flash": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
     "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
     "math": [SDPBackend.MATH],  # --deterministic-mode: matmul, softmax, matmul (no fused kernel)
+    # --deterministic-mode with MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash: no cuDNN (torch has no deterministic
+    # cuDNN attention backward), and each backward under strict deterministic algorithms (SDPAAttention.strict_backward)
+    "flashdet": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "auto": None,
 }
+# backend lists whose backward must run under strict (not warn-only) deterministic algorithms
+STRICT_BACKWARD = frozenset({"flashdet"})
+
+
+def strict_backward(out: torch.Tensor) -> None:
+    """Run the backward of the node that made `out` under `torch.use_deterministic_algorithms(True,
+    warn_only=False)`, then restore the setting it found.
+
+    torch reads the setting when the backward runs, not when the forward does: with it strict, the flash
+    kernel's backward takes its deterministic algorithm and the memory-efficient one a single key split
+    (aten/src/ATen/native/transformers/cuda/attention_backward.cu); with it warn-only, as
+    `--deterministic-mode` sets it for the whole run (so that an op without a deterministic kernel is named
+    instead of ending the run), both only warn and stay non-deterministic. The hooks hold the strict setting
+    to this one node's backward."""
+    node = out.grad_fn
+    if node is None:
+        return
+    found: list[tuple[bool, bool]] = []
+
+    def before(grad_outputs):
+        found.append((torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled()))
+        torch.use_deterministic_algorithms(True, warn_only=False)
+
+    def after(grad_inputs, grad_outputs):
+        enabled, warn_only = found.pop()
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+    node.register_prehook(before)
+    node.register_hook(after)
 
 
 class SDPAAttention(MegatronModule):
     """Causal (or masked) attention over [s, b, heads, head_dim] tensors via SDPA; output [s, b, np*hn]."""
 
     backends: list[SDPBackend] | None = SDPA_BACKENDS["flash"]
+    strict: bool = False  # the backward under strict deterministic algorithms (strict_backward)
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -76,6 +111,8 @@ class SDPAAttention(MegatronModule):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=dropout,
                                                      is_causal=is_causal, scale=self.softmax_scale,
                                                      enable_gqa=enable_gqa)
+        if self.strict and out.requires_grad:
+            strict_backward(out)
         # [b, n, s, d] -> [s, b, n*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -87,4 +124,5 @@ def make_sdpa_attention(backend: str) -> type[SDPAAttention]:
     """A subclass pinned to one backend list (the spec takes a class, not an instance)."""
     if backend not in SDPA_BACKENDS:
         raise ValueError(f"unknown SDPA backend {backend!r}")
-    return type(f"SDPAAttention_{backend}", (SDPAAttention,), {"backends": SDPA_BACKENDS[backend]})
+    return type(f"SDPAAttention_{backend}", (SDPAAttention,),
+                {"backends": SDPA_BACKENDS[backend], "strict": backend in STRICT_BACKWARD})

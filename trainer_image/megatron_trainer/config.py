@@ -473,6 +473,11 @@ class RuntimeConfig:
     def rope_exact(self) -> bool:
         return self.rope_mode == "exact"
 
+    deterministic_attention: str = "math"
+    """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION (DETERMINISTIC_ATTENTION_MODES), read with --deterministic-mode on the
+    local path: math (the default) runs SDPA's math backend; flash runs SDPA's flash kernel (then memory-efficient,
+    then math) with torch's deterministic backward (attention.SDPAAttention.strict_backward). Not yet measured
+    on a GPU: opt-in, for A/B runs."""
     compile_norm: bool = False
     """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
     tp_overlap_chunks: int = 1
@@ -872,6 +877,18 @@ def _rope_mode(env: Mapping[str, str]) -> str:
     return raw
 
 
+DETERMINISTIC_ATTENTION_MODES = ("math", "flash")
+
+
+def _deterministic_attention(env: Mapping[str, str]) -> str:
+    """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION: math (the default) or flash; ValueError otherwise."""
+    raw = env.get("MEGATRON_TRAINER_DETERMINISTIC_ATTENTION", "").strip().lower() or "math"
+    if raw not in DETERMINISTIC_ATTENTION_MODES:
+        raise ValueError(f"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION={raw!r}: expected one of "
+                         f"{', '.join(DETERMINISTIC_ATTENTION_MODES)}")
+    return raw
+
+
 def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
     """The trainer's environment knobs. Raises ValueError on a malformed number."""
 
@@ -899,6 +916,7 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
         rope_mode=_rope_mode(env),
+        deterministic_attention=_deterministic_attention(env),
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),

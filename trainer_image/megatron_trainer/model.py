@@ -30,6 +30,9 @@ class ModelPath:
     # (tp_overlap.py); 1 = Megatron's forward. Set by the trainer before the model is built.
     tp_overlap_chunks: int = 1
     tp_overlap_sm_carveout: int = 0  # SMs those pieces' GEMMs leave to NCCL (tp_overlap.py)
+    # SDPA under --deterministic-mode: "math", or "flash" (flash kernel, deterministic backward;
+    # MEGATRON_TRAINER_DETERMINISTIC_ATTENTION). Set by the trainer before the model is built.
+    deterministic_attention: str = "math"
 
     def describe(self) -> str:
         text = f"transformer_impl={self.transformer_impl}, attention={self.attention}"
@@ -50,6 +53,17 @@ def tp_overlap_chunks(cfg: TrainerConfig, path: ModelPath, requested: int) -> in
     if path.transformer_impl != "local" or p.tensor == 1 or p.sequence_parallel or cfg.model.num_experts:
         return 1
     return max(1, requested)
+
+
+def deterministic_attention(cfg: TrainerConfig, path: ModelPath, requested: str) -> str:
+    """The SDPA attention under --deterministic-mode: `requested` (MEGATRON_TRAINER_DETERMINISTIC_ATTENTION, math
+    or flash) where SDPA runs (the local path without --attention-backend unfused); else math, which is then
+    never read."""
+    t = cfg.training
+    if requested == "flash" and t.deterministic_mode and path.transformer_impl == "local" \
+            and t.attention_backend not in ("unfused", "local"):
+        return "flash"
+    return "math"
 
 
 def te_available() -> bool:
@@ -166,7 +180,9 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
     if t.attention_backend not in ("unfused", "local"):
         from .attention import make_sdpa_attention
 
-        backend = "math" if t.deterministic_mode else t.attention_backend  # no fused kernels: determinism.py
+        backend = t.attention_backend
+        if t.deterministic_mode:  # no non-deterministic kernels: determinism.py
+            backend = "flashdet" if path.deterministic_attention == "flash" else "math"
         spec.submodules.self_attention.submodules.core_attention = make_sdpa_attention(backend)
     if path.tp_overlap_chunks > 1:
         from .tp_overlap import overlapped_row_parallel_linear
