@@ -1530,6 +1530,7 @@ def threeway_layout(ctx, layout: str) -> dict:
         compare_with_mlm(out, out.get(f"ours_{name}", {}), out.get(f"megatron_lm_{name}", {}),
                          f"ours_{name}_speedup_vs_megatron_lm_{name}",
                          f"ours_{name}_losses_1_5_max_abs_diff_vs_megatron_lm_{name}")
+    compare_reruns(out, ctx.get("threeway_variants", ()))
     if pp == 1 and m.get("arch") != "llama":  # the guides' loop builds a GPT only
         out["guides_loop"] = run_peer(f"threeway_peer_{layout}", gpus, model, tp)
     failures: list[str] = []
@@ -1551,6 +1552,16 @@ def compare_with_mlm(out: dict, ours: dict, mlm: dict, speedup_key: str, losses_
     a, b = ours.get("losses_1_5") or [], mlm.get("losses_1_5") or []
     if len(a) == 5 and len(b) == 5 and None not in a and None not in b:
         out[losses_key] = round(max(abs(x - y) for x, y in zip(a, b, strict=True)), 6)
+
+
+def compare_reruns(out: dict, variants) -> None:
+    """A variant named X+"again" reruns X's command line (`again`: the default's) in the same call: its losses
+    against X's are ours' run-to-run spread, set as ours_Xagain_losses_1_5_max_abs_diff_vs_<X's key>."""
+    for name in sorted(variants):
+        if name.endswith("again"):
+            base = f"ours_{name[:-len('again')]}" if name != "again" else "ours"
+            compare_with_mlm(out, out.get(f"ours_{name}", {}), out.get(base, {}), f"ours_{name}_speed_vs_{base}",
+                             f"ours_{name}_losses_1_5_max_abs_diff_vs_{base}")
 
 
 def threeway_gbs(model: str, gpus: int, tp: int, pp: int) -> int:

@@ -147,6 +147,25 @@ def test_compare_with_mlm_reproduces_the_recorded_figures_of_call_20():
     assert out == {}
 
 
+def test_reruns_give_ours_spread_against_itself_on_call_24():
+    """Call 24 ran the default twice (`again`) and the unfused attention twice (`unfused`, `unfusedagain`):
+    the default moved by 2.84e-3 (iteration 4), the unfused runs not at all."""
+    import json
+
+    results = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
+                          "llama_gpu_runs_2026-11-26.json").read_text())
+    dp2 = next(c for c in results["calls"] if c["call"] == 24)["results"]["threeway"]["dp2"]
+    runs = {k: v for k, v in dp2.items() if k.startswith("ours") and isinstance(v, dict)}
+    out = dict(runs)
+    S.compare_reruns(out, {"again", "unfused", "unfusedagain"})
+    assert out["ours_again_losses_1_5_max_abs_diff_vs_ours"] == 0.00284
+    assert out["ours_unfusedagain_losses_1_5_max_abs_diff_vs_ours_unfused"] == 0.0
+    assert 0.99 < out["ours_again_speed_vs_ours"] < 1.01
+    assert set(out) - set(runs) == {"ours_again_losses_1_5_max_abs_diff_vs_ours", "ours_again_speed_vs_ours",
+                                    "ours_unfusedagain_losses_1_5_max_abs_diff_vs_ours_unfused",
+                                    "ours_unfusedagain_speed_vs_ours_unfused"}  # unfused is not a rerun
+
+
 @pytest.mark.parametrize("model", sorted(S.MODELS))
 @pytest.mark.parametrize("layout", [name for name, _, _ in S.layouts_for(2)])
 def test_every_suite_model_is_a_command_line_the_trainer_accepts_at_every_2_gpu_layout(model, layout):
