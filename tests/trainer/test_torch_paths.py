@@ -331,13 +331,14 @@ def test_local_path_allows_sequence_parallel_and_uses_the_local_norm(mock_argv):
     assert exc.value.code == ExitCode.BAD_ARGUMENTS
 
 
-def test_local_gpt_model_uses_the_local_norm_everywhere(mock_argv, tmp_path):
-    """A GPTModel built from the local block spec (CPU, one gloo rank, in a child process)."""
+def _in_gloo_child(tmp_path, body: str, timeout: float = 180) -> dict:
+    """Run `body` in a child process (CPU, one gloo rank, Megatron's parallel state at TP = PP = 1, the trainer
+    importable) and return the JSON of its last output line."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = tmp_path / "build.py"
+    script = tmp_path / "child.py"
     script.write_text(f"""
 import os, sys, json, socket, torch
 sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
@@ -347,6 +348,15 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state
 parallel_state.initialize_model_parallel(1, 1)
+""" + body)
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_local_gpt_model_uses_the_local_norm_everywhere(mock_argv, tmp_path):
+    """A GPTModel built from the local block spec (CPU, one gloo rank, in a child process)."""
+    got = _in_gloo_child(tmp_path, f"""
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron_trainer import model as M
 from megatron_trainer.config import parse_args
@@ -366,9 +376,6 @@ print(json.dumps({{"layers": len(m.decoder.layers), "final": type(m.decoder.fina
                   "norms": len(norms), "same_names": [n for n, _ in m.named_parameters()] == [n for n, _ in m2.named_parameters()],
                   "rows": [type(layer.self_attention.linear_proj).__name__, type(layer.mlp.linear_fc2).__name__]}}))
 """)
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"layers": 2, "final": "LayerNorm", "marked": True, "norms": 2 * (2 * 2) + 2, "same_names": True,
                    "rows": ["OverlappedRowParallelLinear2", "OverlappedRowParallelLinear2"]}
 
@@ -378,21 +385,7 @@ def test_gpt_model_with_flashdet_attention_runs_every_attention_backward_strict(
     rank, in a child process): one forward and backward with the run's warn-only setting; every layer's attention
     is one fused SDPA node whose backward runs strict, and the warn-only setting is in force at the end. The loss
     and the gradients are the math attention's (the same weights, loaded into a second model)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "flashdet.py"
-    script.write_text(f"""
-import os, sys, json, socket, torch
-sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-from megatron.core import parallel_state, tensor_parallel
-parallel_state.initialize_model_parallel(1, 1)
-tensor_parallel.model_parallel_cuda_manual_seed(0) if torch.cuda.is_available() else None
+    got = _in_gloo_child(tmp_path, f"""
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron_trainer import model as M
 from megatron_trainer.config import parse_args
@@ -443,9 +436,6 @@ print(json.dumps({{"flash_calls": out["flash"]["calls"], "math_calls": out["math
                   "grads": len(out["flash"]["grads"]), "layers": len(flash.decoder.layers),
                   "sdpa_nodes": sum("ScaledDotProduct" in type(n).__name__ for n in nodes), "end": flags()}}))
 """)
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
     # every layer's attention is one fused SDPA node, and its backward ran strict (warn_only False)
     assert got["layers"] == 2 and got["sdpa_nodes"] == 2
     assert got["flash_calls"] == [[True, False]] * 2 and got["math_calls"] == []
