@@ -27,7 +27,9 @@ SDPA_BACKENDS = {
     "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
     "math": [SDPBackend.MATH],  # --deterministic-mode: matmul, softmax, matmul (no fused kernel)
     # --deterministic-mode with MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash: no cuDNN (torch has no deterministic
-    # cuDNN attention backward), and each backward under strict deterministic algorithms (SDPAAttention.strict_backward)
+    # cuDNN attention backward), each backward under strict deterministic algorithms (strict_backward; the fused
+    # kernels are one autograd node each: if SDPA falls back to math, only its last op is held strict, and math is
+    # deterministic anyway)
     "flashdet": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "auto": None,
 }

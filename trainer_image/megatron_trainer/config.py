@@ -476,7 +476,7 @@ class RuntimeConfig:
     deterministic_attention: str = "math"
     """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION (DETERMINISTIC_ATTENTION_MODES), read with --deterministic-mode on the
     local path: math (the default) runs SDPA's math backend; flash runs SDPA's flash kernel (then memory-efficient,
-    then math) with torch's deterministic backward (attention.SDPAAttention.strict_backward). Not yet measured
+    then math) with torch's deterministic backward (attention.strict_backward). Not yet measured
     on a GPU: opt-in, for A/B runs."""
     compile_norm: bool = False
     """MEGATRON_TRAINER_COMPILE_NORM: 1 runs the local path's RMSNorm through torch.compile (opt-in, for A/B runs)."""
