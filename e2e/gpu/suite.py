@@ -100,9 +100,6 @@ MODELS = {
     "gpt7b": dict(layers=32, hidden=4096, heads=32, ffn=16384, seq=2048, vocab=32768, mbs=1),
     # Llama architecture (issue 29): RMSNorm, SwiGLU, RoPE (base 500k), GQA (8 KV groups), no biases, untied
     # embeddings; sizes of Llama-3.2-1B / -3B / Llama-3-8B (the operator's llama3-8b preset), random weights.
-    # The small model's size with the Llama architecture: RoPE (compiled, rounded as eager), RMSNorm, SwiGLU and
-    # GQA in runs short enough for the deterministic/resume scenarios at every layout in one device call.
-    "llama_small": dict(layers=8, hidden=512, heads=8, groups=4, ffn=1408, seq=512, vocab=8192, mbs=4, arch="llama"),
     "llama1b": dict(layers=16, hidden=2048, heads=32, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
     "llama3b": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=4096, vocab=128256, mbs=1, arch="llama"),
     "llama3b_s2k": dict(layers=28, hidden=3072, heads=24, groups=8, ffn=8192, seq=2048, vocab=128256, mbs=1, accum=4,
@@ -111,6 +108,9 @@ MODELS = {
                     arch="llama"),  # 8 micro-batches of 4096 tokens per step
     "llama8b_s2k": dict(layers=32, hidden=4096, heads=32, groups=8, ffn=14336, seq=2048, vocab=128256, mbs=1,
                         accum=8, arch="llama"),  # what fits 2 x H100 80 GB at TP=2 with Adam and no recompute
+    # The small model's size with the Llama architecture: RoPE (compiled, rounded as eager), RMSNorm, SwiGLU and
+    # GQA in runs short enough for the deterministic/resume scenarios at every layout in one device call.
+    "llama_small": dict(layers=8, hidden=512, heads=8, groups=4, ffn=1408, seq=512, vocab=8192, mbs=4, arch="llama"),
 }
 
 
@@ -1247,9 +1247,11 @@ def scenario_deterministic(ctx) -> dict:
     return out
 
 
+# --deterministic-mode with the flash kernel's deterministic backward instead of SDPA's math attention
+FLASH_DETERMINISTIC_ENV = {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "flash"}
 # detcost's runs: name -> (flags, environment)
 DETCOST_VARIANTS = {"default": ([], {}), "deterministic": (["--deterministic-mode"], {}),
-                    "deterministic_flash": (["--deterministic-mode"], {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "flash"})}
+                    "deterministic_flash": (["--deterministic-mode"], FLASH_DETERMINISTIC_ENV)}
 
 
 def scenario_objbench(ctx) -> dict:
@@ -1941,7 +1943,7 @@ def main() -> int:
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
-    ctx["det_env"] = {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "flash"} if args.deterministic_attention == "flash" else {}
+    ctx["det_env"] = dict(FLASH_DETERMINISTIC_ENV) if args.deterministic_attention == "flash" else {}
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results

@@ -865,27 +865,19 @@ def _env_bool(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+# MEGATRON_TRAINER_COMPILE_ROPE: 0 (eager), 1 (compiled, intermediates in fp32) or exact (compiled, eager's
+# rounding; the default)
 ROPE_MODES = ("0", "1", "exact")
-
-
-def _rope_mode(env: Mapping[str, str]) -> str:
-    """MEGATRON_TRAINER_COMPILE_ROPE: 0 (eager), 1 (compiled, intermediates in fp32) or exact (compiled, eager's
-    rounding; the default); ValueError otherwise."""
-    raw = env.get("MEGATRON_TRAINER_COMPILE_ROPE", "").strip().lower() or "exact"
-    if raw not in ROPE_MODES:
-        raise ValueError(f"MEGATRON_TRAINER_COMPILE_ROPE={raw!r}: expected one of {', '.join(ROPE_MODES)}")
-    return raw
-
-
+# MEGATRON_TRAINER_DETERMINISTIC_ATTENTION: math (the default) or flash (RuntimeConfig.deterministic_attention)
 DETERMINISTIC_ATTENTION_MODES = ("math", "flash")
 
 
-def _deterministic_attention(env: Mapping[str, str]) -> str:
-    """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION: math (the default) or flash; ValueError otherwise."""
-    raw = env.get("MEGATRON_TRAINER_DETERMINISTIC_ATTENTION", "").strip().lower() or "math"
-    if raw not in DETERMINISTIC_ATTENTION_MODES:
-        raise ValueError(f"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION={raw!r}: expected one of "
-                         f"{', '.join(DETERMINISTIC_ATTENTION_MODES)}")
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    """An environment variable that names one of `choices` (any case, spaces around it; unset or empty: `default`);
+    ValueError otherwise."""
+    raw = env.get(name, "").strip().lower() or default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return raw
 
 
@@ -915,8 +907,9 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         data_cache_shared=_env_bool(env.get("MEGATRON_DATA_CACHE_SHARED")),
         foreach_ops=env.get("MEGATRON_TRAINER_FOREACH_OPS", "1").strip() != "0",
         fused_adam=env.get("MEGATRON_TRAINER_FUSED_ADAM", "1").strip() != "0",
-        rope_mode=_rope_mode(env),
-        deterministic_attention=_deterministic_attention(env),
+        rope_mode=_choice(env, "MEGATRON_TRAINER_COMPILE_ROPE", ROPE_MODES, "exact"),
+        deterministic_attention=_choice(env, "MEGATRON_TRAINER_DETERMINISTIC_ATTENTION", DETERMINISTIC_ATTENTION_MODES,
+                                        "math"),
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
