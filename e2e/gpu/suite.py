@@ -1196,8 +1196,8 @@ def summary_losses(log: Path) -> dict[int, float]:
 def scenario_deterministic(ctx) -> dict:
     """issue 17: --deterministic-mode at TP, PP and DP (async checkpoints every 10): kill -9 a rank at
     iteration 25, restart -> resumes from the newest complete checkpoint -> every later loss is
-    bit-identical (==) to the uninterrupted run's. --deterministic-attention flash runs every run of it with
-    MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash."""
+    bit-identical (==) to the uninterrupted run's. --deterministic-attention math runs every run of it with
+    MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=math (the default: flash)."""
     gpus = ctx["gpus"]
     det_env = ctx.get("det_env", {})
     out: dict = {"env": det_env}
@@ -1247,11 +1247,13 @@ def scenario_deterministic(ctx) -> dict:
     return out
 
 
-# --deterministic-mode with the flash kernel's deterministic backward instead of SDPA's math attention
-FLASH_DETERMINISTIC_ENV = {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "flash"}
+# --deterministic-mode with SDPA's math attention instead of the flash kernel's deterministic backward (the default
+# from the seventh session; before it, math was and detcost's runs were default, deterministic = math and
+# deterministic_flash)
+MATH_DETERMINISTIC_ENV = {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "math"}
 # detcost's runs: name -> (flags, environment)
 DETCOST_VARIANTS = {"default": ([], {}), "deterministic": (["--deterministic-mode"], {}),
-                    "deterministic_flash": (["--deterministic-mode"], FLASH_DETERMINISTIC_ENV)}
+                    "deterministic_math": (["--deterministic-mode"], MATH_DETERMINISTIC_ENV)}
 
 
 def scenario_objbench(ctx) -> dict:
@@ -1294,8 +1296,8 @@ def scenario_objbench(ctx) -> dict:
 
 
 def scenario_detcost(ctx) -> dict:
-    """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic (SDPA's math
-    attention) vs deterministic with the flash kernel's deterministic backward, 12 iterations each, median
+    """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic (the flash
+    kernel's deterministic backward) vs deterministic with SDPA's math attention, 12 iterations each, median
     iteration time of 4-12, same call."""
     gpus = ctx["gpus"]
     model, tp = ctx.get("bench_model", "gpt1b"), gpus
@@ -1314,10 +1316,10 @@ def scenario_detcost(ctx) -> dict:
                          "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)],
                          "attention": attention.group(1) if attention else None}
     n = cost["default"]["median_iter_ms"]
-    for variant, key in (("deterministic", "slowdown"), ("deterministic_flash", "slowdown_flash")):
+    for variant, key in (("deterministic", "slowdown"), ("deterministic_math", "slowdown_math")):
         d = cost[variant]["median_iter_ms"]
         cost[key] = round(d / n, 3) if d and n else None
-    cost["ok"] = cost["slowdown"] is not None and cost["slowdown_flash"] is not None
+    cost["ok"] = cost["slowdown"] is not None and cost["slowdown_math"] is not None
     return cost
 
 
@@ -1905,7 +1907,7 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
                     "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
     ap.add_argument("--stop-on-failure", default="layouts", help="scenarios whose failure ends the suite")
-    ap.add_argument("--deterministic-attention", choices=("math", "flash"), default="math",
+    ap.add_argument("--deterministic-attention", choices=("flash", "math"), default="flash",
                     help="MEGATRON_TRAINER_DETERMINISTIC_ATTENTION for every run of the deterministic scenario")
     ap.add_argument("--object-store", action="store_true",
                     help="checkpoints to versitygw on loopback through multi-storage-client (issue 33)")
@@ -1943,7 +1945,7 @@ def main() -> int:
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
-    ctx["det_env"] = dict(FLASH_DETERMINISTIC_ENV) if args.deterministic_attention == "flash" else {}
+    ctx["det_env"] = dict(MATH_DETERMINISTIC_ENV) if args.deterministic_attention == "math" else {}
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}
     ctx["out_dir"], ctx["results"] = out_dir, results

@@ -179,10 +179,12 @@ def test_rope_modes():
 
 
 def test_deterministic_attention_modes():
-    assert runtime_from_env({}).deterministic_attention == "math"
-    for raw, want in (("math", "math"), ("flash", "flash"), (" Flash ", "flash"), ("", "math")):
-        assert runtime_from_env({"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": raw}).deterministic_attention == want, raw
-    with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION='cudnn': expected one of math, flash"):
+    assert runtime_from_env({}).deterministic_attention == "flash"
+    assert not runtime_from_env({}).deterministic_attention_set
+    for raw, want in (("math", "math"), ("flash", "flash"), (" Math ", "math"), ("", "flash")):
+        rt = runtime_from_env({"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": raw})
+        assert (rt.deterministic_attention, rt.deterministic_attention_set) == (want, bool(raw)), raw
+    with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION='cudnn': expected one of flash, math"):
         runtime_from_env({"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "cudnn"})
 
 

@@ -116,15 +116,25 @@ def test_deterministic_mode_picks_the_math_or_the_flashdet_attention(mock_argv):
     path = M.choose_path(cfg, have_te=False)
     assert [M.deterministic_attention(cfg, path, r) for r in ("math", "flash")] == ["math", "flash"]
     unfused = parse_args(mock_argv + ["--deterministic-mode", "--attention-backend", "unfused"])
-    assert M.deterministic_attention(unfused, M.choose_path(unfused, have_te=False), "flash") == "math"
-    assert M.deterministic_attention(cfg, M.ModelPath("transformer_engine", "TE"), "flash") == "math"
-    assert M.deterministic_attention(parse_args(mock_argv), path, "flash") == "math"  # no --deterministic-mode
+    assert M.deterministic_attention(unfused, M.choose_path(unfused, have_te=False), "flash") == ""
+    assert M.deterministic_attention(cfg, M.ModelPath("transformer_engine", "TE"), "math") == ""
+    assert M.deterministic_attention(parse_args(mock_argv), path, "flash") == ""  # no --deterministic-mode
     for mode, backend in (("math", "math"), ("flash", "flashdet")):
         path.deterministic_attention = mode
         core = M.layer_spec(cfg, path).submodules.self_attention.submodules.core_attention
         assert core.backends == SDPA_BACKENDS[backend] and core.strict == (mode == "flash"), mode
+    for mode, text in (("flash", "SDPA (flash>efficient>math, deterministic backward: --deterministic-mode)"),
+                       ("math", "SDPA (math: --deterministic-mode, MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=math)")):
+        fresh = M.choose_path(cfg, have_te=False)
+        assert M.apply_deterministic_attention(cfg, fresh, mode, was_set=True) is None
+        assert (fresh.deterministic_attention, fresh.attention) == (mode, text)
     plain = parse_args(mock_argv)
     path = M.choose_path(plain, have_te=False)
+    before = path.attention
+    assert M.apply_deterministic_attention(plain, path, "flash", was_set=False) is None  # the default: no log line
+    assert (path.deterministic_attention, path.attention) == ("", before)
+    note = M.apply_deterministic_attention(plain, path, "math", was_set=True)
+    assert note.startswith("MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=math ignored") and path.attention == before
     path.deterministic_attention = "flash"  # only read under --deterministic-mode
     core = M.layer_spec(plain, path).submodules.self_attention.submodules.core_attention
     assert core.backends == SDPA_BACKENDS[plain.training.attention_backend] and not core.strict

@@ -195,4 +195,4 @@ def test_detcost_variants_are_command_lines_and_environments_the_trainer_accepts
     cfg = parse_args(S.trainer_args("gpt1b", tp=2, mbs=4, gbs=4, iters=12, extra=extra))
     runtime = runtime_from_env(env)
     assert cfg.training.deterministic_mode == (name != "default")
-    assert runtime.deterministic_attention == ("flash" if name == "deterministic_flash" else "math")
+    assert runtime.deterministic_attention == ("math" if name == "deterministic_math" else "flash")

@@ -22,10 +22,10 @@ from .distributed import DistEnv, StopSignal, any_rank, init_distributed
 from .exitcodes import ExitCode, Fatal, Lifecycle, data_errors_are_fatal
 from .metrics import Metrics
 from .model import (
+    apply_deterministic_attention,
     build_model,
     choose_path,
     count_parameters,
-    deterministic_attention,
     te_available,
     tp_overlap_chunks,
     transformer_config,
@@ -142,13 +142,10 @@ class Trainer:
         if runtime.tp_overlap_sm_carveout and self.path.tp_overlap_chunks == 1:
             log.info("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=%d ignored: it applies to the overlapped pieces only "
                      "(MEGATRON_TRAINER_TP_OVERLAP_CHUNKS > 1)", runtime.tp_overlap_sm_carveout)
-        self.path.deterministic_attention = deterministic_attention(cfg, self.path, runtime.deterministic_attention)
-        if self.path.deterministic_attention == "flash":
-            self.path.attention = ("SDPA (flash>efficient>math, deterministic backward: "
-                                   "MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash)")
-        elif runtime.deterministic_attention == "flash":
-            log.info("MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash ignored: it applies to the local path's SDPA "
-                     "attention under --deterministic-mode")
+        note = apply_deterministic_attention(cfg, self.path, runtime.deterministic_attention,
+                                             runtime.deterministic_attention_set)
+        if note:
+            log.info(note)
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod

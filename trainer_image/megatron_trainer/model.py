@@ -30,8 +30,9 @@ class ModelPath:
     # (tp_overlap.py); 1 = Megatron's forward. Set by the trainer before the model is built.
     tp_overlap_chunks: int = 1
     tp_overlap_sm_carveout: int = 0  # SMs those pieces' GEMMs leave to NCCL (tp_overlap.py)
-    # SDPA under --deterministic-mode: "math", or "flash" (flash kernel, deterministic backward;
-    # MEGATRON_TRAINER_DETERMINISTIC_ATTENTION). Set by the trainer before the model is built.
+    # SDPA under --deterministic-mode: "flash" (flash kernel, deterministic backward) or "math"
+    # (MEGATRON_TRAINER_DETERMINISTIC_ATTENTION; "": no SDPA under --deterministic-mode, so neither applies). Set by the
+    # trainer before the model is built; math when not set.
     deterministic_attention: str = "math"
 
     def describe(self) -> str:
@@ -56,14 +57,26 @@ def tp_overlap_chunks(cfg: TrainerConfig, path: ModelPath, requested: int) -> in
 
 
 def deterministic_attention(cfg: TrainerConfig, path: ModelPath, requested: str) -> str:
-    """The SDPA attention under --deterministic-mode: `requested` (MEGATRON_TRAINER_DETERMINISTIC_ATTENTION, math
-    or flash) where SDPA runs (the local path without --attention-backend unfused); else math, which is then
-    never read."""
+    """The SDPA attention under --deterministic-mode: `requested` (MEGATRON_TRAINER_DETERMINISTIC_ATTENTION, flash or
+    math) where SDPA runs under it (the local path without --attention-backend unfused); else "" (it does not apply)."""
     t = cfg.training
-    if requested == "flash" and t.deterministic_mode and path.transformer_impl == "local" \
-            and t.attention_backend not in ("unfused", "local"):
-        return "flash"
-    return "math"
+    if t.deterministic_mode and path.transformer_impl == "local" and t.attention_backend not in ("unfused", "local"):
+        return requested
+    return ""
+
+
+def apply_deterministic_attention(cfg: TrainerConfig, path: ModelPath, requested: str, was_set: bool) -> str | None:
+    """Sets path.deterministic_attention and, where it applies, the attention's description; returns a log line
+    where a set MEGATRON_TRAINER_DETERMINISTIC_ATTENTION does not apply, else None."""
+    path.deterministic_attention = deterministic_attention(cfg, path, requested)
+    if path.deterministic_attention == "flash":
+        path.attention = "SDPA (flash>efficient>math, deterministic backward: --deterministic-mode)"
+    elif path.deterministic_attention == "math":
+        path.attention = "SDPA (math: --deterministic-mode, MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=math)"
+    elif was_set:
+        return (f"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION={requested} ignored: it applies to the local path's SDPA "
+                "attention under --deterministic-mode")
+    return None
 
 
 def te_available() -> bool:
