@@ -1247,9 +1247,9 @@ def scenario_deterministic(ctx) -> dict:
     return out
 
 
-# --deterministic-mode with SDPA's math attention instead of the flash kernel's deterministic backward (the default
-# from the seventh session; before it, math was and detcost's runs were default, deterministic = math and
-# deterministic_flash)
+# --deterministic-mode with SDPA's math attention instead of the flash kernel's deterministic backward, the default
+# from 38e7422. Before it math was the default, and detcost's runs were default, deterministic (math) and
+# deterministic_flash.
 MATH_DETERMINISTIC_ENV = {"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION": "math"}
 # detcost's runs: name -> (flags, environment)
 DETCOST_VARIANTS = {"default": ([], {}), "deterministic": (["--deterministic-mode"], {}),

@@ -477,7 +477,7 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION (DETERMINISTIC_ATTENTION_MODES), read with --deterministic-mode on the
     local path's SDPA attention: flash (the default) runs SDPA's flash kernel (then memory-efficient, then math) with
     torch's deterministic backward (attention.strict_backward); math runs SDPA's math backend. On 2 x H200 flash
-    cost 1.21-1.25x the default step against math's 2.97-3.90x, with bit-identical resumes (docs/trainer.md)."""
+    cost 1.21-1.25x the default step against math's 2.86-3.90x, with bit-identical resumes (docs/trainer.md)."""
     deterministic_attention_set: bool = False
     """Whether MEGATRON_TRAINER_DETERMINISTIC_ATTENTION was set (non-empty): only then is it worth a log line where
     it does not apply."""
