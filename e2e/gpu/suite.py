@@ -594,7 +594,7 @@ def reference_run(ctx, name: str, tp: int, pp: int, data=None, extra=(), vpp: in
             "loss_first": losses.get(1), "loss_last": losses.get(40), "checkpoints": state,
             "blocked_s": [(s["blocked_s"], s.get("waited_for_previous_s")) for s in summary.get("checkpoint_saves", [])],
             "metrics_sample": [ln for ln in metrics.splitlines() if ln.startswith("megatron_trainer_")][:12],
-            "path": summary.get("path")}
+            "path": summary.get("path"), "sdpa_kernel": sdpa_kernel(run.text())}
 
 
 def scenario_layouts(ctx) -> dict:
@@ -1295,6 +1295,13 @@ def scenario_objbench(ctx) -> dict:
     return out
 
 
+def sdpa_kernel(log_text: str) -> str | None:
+    """The SDPA kernel the trainer logged at its first attention forward (attention.first_eligible), e.g.
+    FLASH_ATTENTION; None where SDPA did not run on a GPU."""
+    found = re.search(r"SDPA kernel \(first forward, layer \d+\): (\w+)", log_text)
+    return found.group(1) if found else None
+
+
 def scenario_detcost(ctx) -> dict:
     """issue 17: what --deterministic-mode costs: the benchmark model at TP=N, default vs deterministic (the flash
     kernel's deterministic backward) vs deterministic with SDPA's math attention, 12 iterations each, median
@@ -1314,7 +1321,7 @@ def scenario_detcost(ctx) -> dict:
         attention = re.search(r"attention=(SDPA \([^)]*\)|[^,]+)", run.text())
         cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
                          "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)],
-                         "attention": attention.group(1) if attention else None}
+                         "attention": attention.group(1) if attention else None, "sdpa_kernel": sdpa_kernel(run.text())}
     n = cost["default"]["median_iter_ms"]
     for variant, key in (("deterministic", "slowdown"), ("deterministic_math", "slowdown_math")):
         d = cost[variant]["median_iter_ms"]
@@ -1644,7 +1651,7 @@ def run_ours_threeway(ctx, name: str, model: str, gpus: int, tp: int, pp: int, g
     graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", text)
     fusion = re.search(r"wgrad accumulation fusion=([^,\n]+)", text)
     res = {"rc": rc, "model": model, "global_batch": gbs, "iter_ms": it_ms, "flags": extra, "env": variant_env or {},
-           "wgrad_fusion": fusion.group(1).strip() if fusion else None,
+           "wgrad_fusion": fusion.group(1).strip() if fusion else None, "sdpa_kernel": sdpa_kernel(text),
            "losses_1_5": [losses.get(i) for i in range(1, 6)],
            "peak_alloc_gib_logging_rank": max((peak for *_, peak in iters), default=None),
            "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}

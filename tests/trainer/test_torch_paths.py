@@ -56,6 +56,37 @@ def _sdpa_node(t):
     raise AssertionError("no SDPA node in the graph")
 
 
+def test_the_logged_sdpa_kernel_is_the_first_eligible_of_the_priority_list(caplog):
+    """attention.first_eligible walks the backend list in its priority order, as torch's select_sdp_backend does;
+    torch's own checks reject the fused kernels for CPU tensors; a CPU forward logs nothing and leaves the
+    once-per-class flag unset (the kernel line is for CUDA forwards, checked on the GPU by the suite)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_trainer.attention import (
+        SDPA_BACKENDS,
+        cuda_eligibility,
+        first_eligible,
+        make_sdpa_attention,
+    )
+    from torch.nn.attention import SDPBackend
+
+    flashdet = SDPA_BACKENDS["flashdet"]
+    assert first_eligible(flashdet, lambda b: True) == "FLASH_ATTENTION"
+    assert first_eligible(flashdet, lambda b: b != SDPBackend.FLASH_ATTENTION) == "EFFICIENT_ATTENTION"
+    assert first_eligible(flashdet, lambda b: b == SDPBackend.MATH) == "MATH"
+    assert first_eligible(SDPA_BACKENDS["flash"], lambda b: b == SDPBackend.MATH) == "none"  # math not in the list
+    q = torch.randn(1, 2, 8, 16)
+    eligible = cuda_eligibility(torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, True, False))
+    assert [eligible(b) for b in flashdet] == [False, False, True]
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    cls = make_sdpa_attention("flashdet")
+    module = cls(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                 attention_dropout=0.0, pg_collection=_TP1())
+    with caplog.at_level("INFO", logger="megatron_trainer.attention"):
+        module(*(torch.randn(8, 1, 4, 16) for _ in range(3)), None, attn_mask_type=AttnMaskType.causal)
+    assert not cls.kernel_logged and "SDPA kernel" not in caplog.text
+
+
 def test_flashdet_attention_runs_its_backward_under_strict_determinism_and_restores_the_setting():
     """MEGATRON_TRAINER_DETERMINISTIC_ATTENTION=flash: the fused kernel's backward must see
     use_deterministic_algorithms(True, warn_only=False) (torch reads it when the backward runs), and the run's

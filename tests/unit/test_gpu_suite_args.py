@@ -196,3 +196,9 @@ def test_detcost_variants_are_command_lines_and_environments_the_trainer_accepts
     runtime = runtime_from_env(env)
     assert cfg.training.deterministic_mode == (name != "default")
     assert runtime.deterministic_attention == ("math" if name == "deterministic_math" else "flash")
+
+
+def test_the_sdpa_kernel_line_is_read_from_a_trainer_log():
+    log = "x\nINFO megatron_trainer.attention: SDPA kernel (first forward, layer 1): FLASH_ATTENTION\niteration 1/"
+    assert S.sdpa_kernel(log) == "FLASH_ATTENTION"
+    assert S.sdpa_kernel("attention=Megatron DotProductAttention (unfused, materialises s x s)") is None

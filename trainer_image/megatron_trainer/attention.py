@@ -9,7 +9,9 @@ and cuDNN kernels never build the score matrix. It is plugged into the local lay
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,25 @@ SDPA_BACKENDS = {
 }
 # backend lists whose backward must run under strict (not warn-only) deterministic algorithms
 STRICT_BACKWARD = frozenset({"flashdet"})
+
+log = logging.getLogger(__name__)
+
+
+def first_eligible(backends: Sequence[SDPBackend], eligible: Callable[[SDPBackend], bool]) -> str:
+    """The kernel SDPA runs under sdpa_kernel(backends, set_priority=True): the first of `backends` that
+    `eligible` accepts (torch's select_sdp_backend walks the priority order the same way); "none" if none does."""
+    for backend in backends:
+        if eligible(backend):
+            return backend.name
+    return "none"
+
+
+def cuda_eligibility(params) -> Callable[[SDPBackend], bool]:
+    """torch's own checks of one call's shapes, dtypes and device against each fused kernel (math takes any)."""
+    checks = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.can_use_flash_attention,
+              SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.can_use_efficient_attention,
+              SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.can_use_cudnn_attention}
+    return lambda backend: backend not in checks or bool(checks[backend](params, False))
 
 
 def strict_backward(out: torch.Tensor) -> None:
@@ -70,6 +91,7 @@ class SDPAAttention(MegatronModule):
 
     backends: list[SDPBackend] | None = SDPA_BACKENDS["flash"]
     strict: bool = False  # the backward under strict deterministic algorithms (strict_backward)
+    kernel_logged: bool = False  # set on the class at its first CUDA forward: the kernel is logged once
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -110,6 +132,11 @@ class SDPAAttention(MegatronModule):
                                                  is_causal=is_causal, scale=self.softmax_scale, enable_gqa=enable_gqa)
         else:
             with sdpa_kernel(self.backends, set_priority=True):
+                if not self.kernel_logged and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+                    type(self).kernel_logged = True
+                    params = torch.backends.cuda.SDPAParams(q, k, v, sdpa_mask, dropout, is_causal, enable_gqa)
+                    log.info("SDPA kernel (first forward, layer %d): %s", self.layer_number,
+                             first_eligible(self.backends, cuda_eligibility(params)))
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=dropout,
                                                      is_causal=is_causal, scale=self.softmax_scale,
                                                      enable_gqa=enable_gqa)
