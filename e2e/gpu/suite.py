@@ -1318,10 +1318,11 @@ def scenario_detcost(ctx) -> dict:
         run.close()
         ms = run.iteration_ms()
         steady = [ms[i] for i in sorted(ms) if 4 <= i <= 12]
-        attention = re.search(r"attention=(SDPA \([^)]*\)|[^,]+)", run.text())
+        text, losses = run.text(), run.losses()  # the log read once each
+        attention = re.search(r"attention=(SDPA \([^)]*\)|[^,]+)", text)
         cost[variant] = {"rc": rc, "median_iter_ms": statistics.median(steady) if steady else None,
-                         "losses_1_3": [run.losses().get(i) for i in (1, 2, 3)],
-                         "attention": attention.group(1) if attention else None, "sdpa_kernel": sdpa_kernel(run.text())}
+                         "losses_1_3": [losses.get(i) for i in (1, 2, 3)],
+                         "attention": attention.group(1) if attention else None, "sdpa_kernel": sdpa_kernel(text)}
     n = cost["default"]["median_iter_ms"]
     for variant, key in (("deterministic", "slowdown"), ("deterministic_math", "slowdown_math")):
         d = cost[variant]["median_iter_ms"]
