@@ -221,3 +221,45 @@ def test_operator_container_runs_a_job_with_the_charts_pod_spec_and_in_cluster_c
                 jobs.delete(item["metadata"]["name"])
         finally:
             op.stop()
+
+
+def test_a_rebuild_removes_the_image_it_superseded(image, tmp_path):
+    """Each `make images` after a change moves the tag; what it moved from must not stay on disk.
+
+    CI rebuilds on every run, and the images left behind (~340 MB a rebuild with the build stage's
+    layer cache) once filled the disk. Two builds of a copy of this tree under their own tag, the
+    second with one file changed: the first image is gone, and no more images carry the stand-in
+    base's label than after the first build.
+    """
+    tag = f"localhost/megatron-operator:rebuild-{secrets.token_hex(3)}"
+    tree = tmp_path / "tree"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        if (ROOT / rel).is_file():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, tree / rel)
+    probe = tree / "operator" / "megatron_operator" / "__init__.py"
+    original = probe.read_text()
+
+    def build(marker: str) -> tuple[str, int]:
+        probe.write_text(f"{original}# rebuild probe {marker}\n")
+        proc = subprocess.run([str(tree / "scripts" / "images.sh"), "operator"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S, check=False,
+                              env=dict(os.environ, IMAGE_TAG=tag.rsplit(":", 1)[1]))
+        assert proc.returncode == 0, f"scripts/images.sh operator failed:\n{proc.stderr[-5000:]}"
+        image_id = podman("image", "inspect", "-f", "{{.Id}}", tag).stdout.strip()
+        key = podman("image", "inspect", "-f", '{{index .Labels "key"}}', tag).stdout.strip()
+        assert key, f"{tag} has no `key` label from the stand-in base"
+        count = len(podman("images", "-a", "-q", "--filter", f"label=key={key}").stdout.split())
+        return image_id, count
+
+    try:
+        first, after_first = build("a")
+        second, after_second = build("b")
+        assert second != first, "the changed file did not change the image"
+        assert podman("image", "exists", first, check=False).returncode == 1, (
+            f"the superseded image {first[:12]} is still there")
+        assert after_second <= after_first, (
+            f"{after_second} images carry the base's label after the rebuild, {after_first} before it")
+    finally:
+        podman("rmi", tag, check=False)

@@ -127,15 +127,31 @@ wheelhouse() {
 
 # buildah bud of one Dockerfile on the stand-in base, pip offline from the wheelhouse.
 build() {
-  local name=$1 dockerfile=$2 base_arg=$3 extra=$4 base wheels start
+  local name=$1 dockerfile=$2 base_arg=$3 extra=$4 base wheels start since previous
   base=$(cmd_base); wheels=$(wheelhouse "$extra")
   log "build: $name:$TAG from $dockerfile (base $base, wheelhouse $wheels)"
-  start=$SECONDS
+  start=$SECONDS since=$(date +%s)
+  previous=$(podman image inspect -f '{{.Id}}' "localhost/$name:$TAG" 2>/dev/null || true)
   buildah bud --quiet --isolation chroot --layers \
     --build-arg "$base_arg=$base" --build-arg WHEELHOUSE=/wheelhouse \
     --volume "$wheels:/wheelhouse:ro" \
     -f "$dockerfile" -t "localhost/$name:$TAG" . >&2
   log "build: localhost/$name:$TAG in $((SECONDS - start)) s, $(podman image inspect -f '{{.Size}}' "localhost/$name:$TAG") bytes"
+  drop_superseded "$previous" "localhost/$name:$TAG" "$since"
+}
+
+# A rebuild that moved the tag leaves the old image behind, and with it the build stage's layer-cache
+# images, which no tagged image holds (a multi-stage build): ~340 MB a rebuild, and CI rebuilds on every
+# run (5 GB seen after a day, then a full disk). So once the tag has moved, the untagged images made
+# before this build from our stand-in base (its `key` label) go; this build's own cache stays, and so
+# does anyone else's image. One still in use (a running container) stays too.
+drop_superseded() { # drop_superseded OLD_ID TAG BUILD_START_EPOCH
+  local old=$1 tag=$2 since=$3 key
+  [ -n "$old" ] && [ "$old" != "$(podman image inspect -f '{{.Id}}' "$tag")" ] || return 0
+  key=$(podman image inspect -f '{{index .Labels "key"}}' "$tag")
+  [ -n "$key" ] || return 0
+  podman image prune --force --filter "label=key=$key" --filter "until=$since" >/dev/null \
+    || log "build: could not remove the images $tag superseded (podman image prune)"
 }
 
 # podman as a kubelet would run the image: runc (crun refuses this machine's hybrid cgroup v1),

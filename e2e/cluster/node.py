@@ -147,6 +147,8 @@ def build_pause_image(archive: Path) -> None:
                GOCACHE=str(cluster.cache_dir() / "go-build-pause"), GOFLAGS="-mod=mod")
     subprocess.run(["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(binary), "."], cwd=HERE / "pause",
                    env=env, check=True, capture_output=True, timeout=300)
+    previous = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", PAUSE_IMAGE], capture_output=True,
+                              text=True, check=False).stdout.strip()
     ctr_id = subprocess.run(["buildah", "from", "scratch"], check=True, capture_output=True, text=True).stdout.strip()
     try:
         subprocess.run(["buildah", "copy", ctr_id, str(binary), "/pause"], check=True, capture_output=True)
@@ -155,6 +157,10 @@ def build_pause_image(archive: Path) -> None:
         subprocess.run(["buildah", "commit", "--quiet", ctr_id, PAUSE_IMAGE], check=True, capture_output=True)
     finally:
         subprocess.run(["buildah", "rm", ctr_id], capture_output=True, check=False)
+    current = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", PAUSE_IMAGE], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    if previous and previous != current:  # the image the tag moved away from (each node start makes one)
+        subprocess.run(["podman", "rmi", previous], capture_output=True, check=False)
     save_image(PAUSE_IMAGE, archive)
 
 
