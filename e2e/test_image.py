@@ -226,8 +226,8 @@ def test_operator_container_runs_a_job_with_the_charts_pod_spec_and_in_cluster_c
 def test_a_rebuild_removes_the_image_it_superseded(image, tmp_path):
     """Each `make images` after a change moves the tag; what it moved from must not stay on disk.
 
-    CI rebuilds on every run, and the images left behind (~340 MB a rebuild with the build stage's
-    layer cache) once filled the disk. Two builds of a copy of this tree under their own tag, the
+    CI rebuilds on every run, and the images left behind (~170 MB of disk a rebuild with the build
+    stage's layer cache) once filled the disk. Two builds of a copy of this tree under their own tag, the
     second with one file changed: the first image is gone, and no more images carry the stand-in
     base's label than after the first build.
     """

@@ -140,6 +140,12 @@ def write_cni_config() -> None:
     (node_dir() / "cni" / "10-mo-node.conflist").write_text(json.dumps(conf, indent=1))
 
 
+def _image_id(image: str) -> str:
+    """The podman image ID `image` names now, or "" if there is none."""
+    return subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", image], capture_output=True, text=True,
+                          check=False).stdout.strip()
+
+
 def build_pause_image(archive: Path) -> None:
     """A scratch image holding pause/main.go's static binary, as an OCI archive."""
     binary = node_dir() / "pause"
@@ -147,8 +153,7 @@ def build_pause_image(archive: Path) -> None:
                GOCACHE=str(cluster.cache_dir() / "go-build-pause"), GOFLAGS="-mod=mod")
     subprocess.run(["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(binary), "."], cwd=HERE / "pause",
                    env=env, check=True, capture_output=True, timeout=300)
-    previous = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", PAUSE_IMAGE], capture_output=True,
-                              text=True, check=False).stdout.strip()
+    previous = _image_id(PAUSE_IMAGE)
     ctr_id = subprocess.run(["buildah", "from", "scratch"], check=True, capture_output=True, text=True).stdout.strip()
     try:
         subprocess.run(["buildah", "copy", ctr_id, str(binary), "/pause"], check=True, capture_output=True)
@@ -157,9 +162,7 @@ def build_pause_image(archive: Path) -> None:
         subprocess.run(["buildah", "commit", "--quiet", ctr_id, PAUSE_IMAGE], check=True, capture_output=True)
     finally:
         subprocess.run(["buildah", "rm", ctr_id], capture_output=True, check=False)
-    current = subprocess.run(["podman", "image", "inspect", "-f", "{{.Id}}", PAUSE_IMAGE], capture_output=True,
-                             text=True, check=True).stdout.strip()
-    if previous and previous != current:  # the image the tag moved away from (each node start makes one)
+    if previous and previous != _image_id(PAUSE_IMAGE):  # the image the tag moved from (each node start makes one)
         subprocess.run(["podman", "rmi", previous], capture_output=True, check=False)
     save_image(PAUSE_IMAGE, archive)
 
