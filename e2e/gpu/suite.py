@@ -48,6 +48,9 @@ tensorboard run the rendered pods' own command, `python -m megatron_trainer.laun
   rope       issue 29: Megatron's unfused RoPE on one GPU, eager against torch.compile with and without
              Inductor's emulate_precision_casts: differing elements (output, input gradient) and time
              (bench/rope_numerics.py; needs only megatron-core)
+  stepdump   issue 29: Megatron-LM's pretrain_gpt.py and ours run as it runs (threeway's `mlmlike`) with
+             a digest of every weight, gradient and updated parameter at the first optimizer steps
+             (e2e/gpu/stepdump.py): the first tensor where the two programs differ (--stepdump dp1:llama1b)
   perf       ours at TP=N under performance variants (PERF_VARIANTS) and the peer: iteration time,
              MFU ratio, optional torch.profiler traces; the variants' first losses must agree
 
@@ -1392,15 +1395,16 @@ MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[
 
 
 def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, visible: str,
-                 flags: list[str] | tuple[str, ...] = ()) -> dict:
+                 flags: list[str] | tuple[str, ...] = (), env_extra: dict | None = None) -> dict:
     """Megatron-LM's own pretrain_gpt.py (../shared/bench/mlm_peer.sh, carried as .run/mlm_peer.sh) on
-    the same model, layout and global batch; Megatron-LM's source at core_v0.19.0 in .run/mlm."""
+    the same model, layout and global batch; Megatron-LM's source at core_v0.19.0 in .run/mlm.
+    `env_extra`: more environment for its processes (stepdump's STEPDUMP_DIR)."""
     m = MODELS[model]
     wheel = sorted((REPO / ".whl").glob("megatron_core-*.whl"))
     env = dict(os.environ, MLM_DIR=str(REPO / ".run" / "mlm"), WHL=str(wheel[0]) if wheel else "", GPUS=str(gpus),
                TP=str(tp), PP=str(pp), LAYERS=str(m["layers"]), HIDDEN=str(m["hidden"]), HEADS=str(m["heads"]),
                FFN=str(m["ffn"]), SEQ=str(m["seq"]), VOCAB=str(m["vocab"]), MBS=str(m["mbs"]), GBS=str(gbs),
-               ITERS="26", CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()))
+               ITERS="26", CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()), **(env_extra or {}))
     # Extra flags reach pretrain_gpt.py after the script's own (argparse: the last one wins). No RoPE fusion:
     # it needs Transformer Engine, and ours runs RoPE unfused on the local path too.
     extra = llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" else []) + list(flags)
@@ -1878,6 +1882,9 @@ try:  # issue 28: supervised fine-tuning (e2e/gpu/sft.py; transformers for the o
                      sft_sigterm=scenario_sft_sigterm)
 except ImportError as _e:  # pragma: no cover - reported by --only sft_*
     print(f"sft scenarios unavailable: {_e}", file=sys.stderr)
+from stepdump import scenario_stepdump  # noqa: E402  (issue 29: e2e/gpu/stepdump.py; needs only torch)
+
+SCENARIOS["stepdump"] = scenario_stepdump
 
 
 def main() -> int:
@@ -1911,6 +1918,8 @@ def main() -> int:
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
                     help="threeway's model where Megatron-LM runs out of memory on --bench-model")
+    ap.add_argument("--stepdump", default="dp1:llama1b",
+                    help="layout:model of the stepdump scenario (layouts as --threeway's; e2e/gpu/stepdump.py)")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
                     "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
@@ -1949,7 +1958,7 @@ def main() -> int:
            "threeway_variants": set(filter(None, args.threeway_variants.split(","))),
            "threeway_mlm_variants": set(filter(None, args.threeway_mlm_variants.split(","))),
            "threeway_profile": set(filter(None, args.threeway_profile.split(","))),
-           "threeway_fallback": args.threeway_fallback,
+           "threeway_fallback": args.threeway_fallback, "stepdump": args.stepdump,
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
@@ -1963,12 +1972,12 @@ def main() -> int:
     per_layout = {"probe": 60, "indexed": 30, "layouts": 35, "resume": 70, "sigterm": 70, "reshard": 40,
                   "bench": 230, "memory": 60, "perf": 360, "pods": 240, "preempt": 240,
                   "tensorboard": 95, "deterministic": 150, "objbench": 200,
-                  "detcost": 60, "threeway": 170, "collectives": 90, "rope": 60, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
+                  "detcost": 60, "threeway": 170, "collectives": 90, "rope": 60, "stepdump": 200, "hf_logits": 120, "hf_train": 150, "hf_bench": 200,
                   "hf_pods": 200, "hf_store": 200}
     n_layouts = len(ctx["layouts"]) if ctx["layouts"] else len(layouts_for(gpus))
     n_bench = len(ctx["bench_on"]) if ctx["bench_on"] else len(bench_layouts(gpus))
     for name in args.only.split(","):
-        scale = {"layouts": n_layouts, "bench": n_bench, "reshard": 2, "threeway": len(args.threeway.split(",")),
+        scale = {"layouts": n_layouts, "bench": n_bench, "reshard": 2, "threeway": len(args.threeway.split(",")), "stepdump": len(args.stepdump.split(",")),
                  "deterministic": len(ctx["layouts"]) if ctx["layouts"] else 3,  # tpN, ppN, dpN
                  "resume": len(ctx["resume_on"]) if ctx["resume_on"] else n_layouts}.get(name, 1)
         need = per_layout.get(name, 60) * scale

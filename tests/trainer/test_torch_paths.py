@@ -805,3 +805,75 @@ def test_tp_overlap_applies_on_the_local_path_at_tp_above_1_without_sp(mock_argv
     for row in (spec.submodules.self_attention.submodules.linear_proj, fc2):
         assert issubclass(row, OverlappedRowParallelLinear) and row.chunks == 2
     assert "TP forward all-reduce overlapped in 2 pieces" in path.describe()
+
+
+def test_stepdump_hook_records_the_first_steps_and_finds_a_changed_gradient(tmp_path):
+    """e2e/gpu/stepdump_site/sitecustomize.py, loaded as the GPU suite loads it (first on PYTHONPATH, with
+    STEPDUMP_DIR): a model named GPTModel found by its class name, `main_grad` taken over `.grad`, the
+    group settings, the optimizer's parameters after each step, only the first STEPDUMP_STEPS steps.
+    Two runs of the same program compare equal; one whose gradient of one tensor moves by 1 % at step 2
+    is named there, and so is the parameter it updates (e2e/gpu/stepdump.compare)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "e2e" / "gpu"))
+    import stepdump
+
+    script = tmp_path / "steps.py"
+    script.write_text('''
+import sys, torch
+class GPTModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(32, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 32, bias=False)
+    def forward(self, x):
+        return self.head(self.norm(self.embedding(x)))
+torch.manual_seed(0)
+model = GPTModel()
+opt = torch.optim.AdamW([{"params": [model.embedding.weight, model.head.weight], "weight_decay": 0.1},
+                         {"params": list(model.norm.parameters()), "weight_decay": 0.0}], lr=1e-3, foreach=True)
+nudge = sys.argv[1] == "nudge"
+for step in range(1, 6):
+    x = torch.randint(0, 32, (4, 16))
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():  # Megatron's DDP keeps the gradient in main_grad; .grad is what the step reads
+        p.main_grad = p.grad.clone()
+    if nudge and step == 2:
+        g = model.norm.weight.main_grad
+        g[0] += 0.01 * g[0].abs() + 1e-6
+        model.norm.weight.grad.copy_(g)
+    opt.step()
+''')
+    dumps = {}
+    for name, arg in (("a", "same"), ("b", "same"), ("c", "nudge")):
+        out = tmp_path / name
+        env = dict(os.environ, STEPDUMP_DIR=str(out), STEPDUMP_STEPS="3", RANK="0",
+                   PYTHONPATH=os.pathsep.join([str(repo / "e2e" / "gpu" / "stepdump_site"), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, str(script), arg], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        dumps[name] = json.loads((out / "rank0.json").read_text())
+    steps = dumps["a"]["steps"]
+    assert len(steps) == 3 and steps[0]["models"] == 1
+    assert list(steps[0]["grads"]) == ["embedding.weight", "norm.weight", "norm.bias", "head.weight"]
+    assert steps[0]["params_before"]["embedding.weight"]["numel"] == 256
+    assert [g["weight_decay"] for g in steps[0]["groups"]] == [0.1, 0.0]
+    assert [g["numel"] for g in steps[0]["groups"]] == [512, 16]
+    assert [len(g) for g in steps[0]["main_params_after"]] == [2, 2]
+    assert stepdump.compare(dumps["a"], dumps["b"])["first_difference"] is None
+    r = stepdump.compare(dumps["c"], dumps["a"])
+    assert r["first_difference"] == {"step": 2, "what": "grads"}
+    assert [d["name"] for d in r["steps"][1]["grads"]["first"]] == ["norm.weight"]
+    assert r["steps"][1]["updated"]["differ"] == 1 and r["steps"][1]["updated"]["first"][0]["name"] == "group 1 #0"
+    # without STEPDUMP_DIR the hook is inert
+    env = dict(os.environ, PYTHONPATH=str(repo / "e2e" / "gpu" / "stepdump_site"))
+    env.pop("STEPDUMP_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False"

@@ -1,0 +1,162 @@
+"""The `stepdump` scenario (issue 29): where ours, run as Megatron-LM runs it, first computes something else.
+
+    bash e2e/gpu/run_on_device.sh --gpus 1 --only stepdump --stepdump dp1:llama1b
+
+Ours' `mlmlike` variant (unfused attention, eager, Megatron's unfused RoPE, torch AdamW's foreach kernels,
+bf16 weight gradients then added) gives Megatron-LM's losses of iterations 1-2 to every printed digit and
+differs from iteration 3 on (docs/benchmarks.md, issue 29). Megatron-LM's pretrain_gpt.py and ours then
+run the same model, layout and data once more with stepdump_site/sitecustomize.py loaded, which records a
+digest of every weight and every gradient before each of the first optimizer steps, each parameter group's
+settings, and the optimizer's parameters after each step. Compared rank by rank, the first tensor whose
+digest differs names where the two programs part: a gradient at step 1 names an op of the forward or the
+backward, equal gradients with different updated parameters name the optimizer or its settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOOK = REPO / "e2e" / "gpu" / "stepdump_site" / "sitecustomize.py"
+DIGEST_KEYS = ("dtype", "numel", "bits", "bits_pos")  # equal in all four: the same bits, short of a collision
+
+
+def _suite():
+    import suite
+
+    return sys.modules.get("__main__") if hasattr(sys.modules.get("__main__"), "Run") else suite
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in DIGEST_KEYS)
+
+
+def _describe(name: str, a: dict, b: dict) -> dict:
+    """One differing tensor: ours' and Megatron-LM's norms and their relative difference."""
+    rel = abs(a["norm"] - b["norm"]) / b["norm"] if b.get("norm") else None
+    return {"name": name, "numel": a.get("numel"), "dtype": a.get("dtype"), "norm_ours": a.get("norm"),
+            "norm_megatron_lm": b.get("norm"), "norm_rel_diff": rel, "sum_diff": a.get("sum", 0) - b.get("sum", 0)}
+
+
+def _compare_named(a: dict, b: dict, limit: int) -> dict:
+    shared = [n for n in a if n in b]  # ours' order: the model's
+    differ = [n for n in shared if not same(a[n], b[n])]
+    return {"compared": len(shared), "differ": len(differ), "first": [_describe(n, a[n], b[n]) for n in differ[:limit]],
+            "only_ours": sorted(set(a) - set(b))[:limit], "only_megatron_lm": sorted(set(b) - set(a))[:limit]}
+
+
+def _compare_groups(a: list[dict], b: list[dict]) -> list[dict]:
+    """Parameter-group settings that differ: [{group, key, ours, megatron_lm}]."""
+    out = []
+    if len(a) != len(b):
+        out.append({"group": None, "key": "count", "ours": len(a), "megatron_lm": len(b)})
+    for i, (ga, gb) in enumerate(zip(a, b, strict=False)):
+        for key in sorted(set(ga) | set(gb)):
+            if ga.get(key) != gb.get(key):
+                out.append({"group": i, "key": key, "ours": ga.get(key), "megatron_lm": gb.get(key)})
+    return out
+
+
+def _compare_positional(a: list[list[dict]], b: list[list[dict]], limit: int) -> dict:
+    """The optimizer's own parameters after a step, by group and position (they carry no names)."""
+    compared, differ = 0, []
+    for g, (ga, gb) in enumerate(zip(a, b, strict=False)):
+        for i, (x, y) in enumerate(zip(ga, gb, strict=False)):
+            compared += 1
+            if not same(x, y):
+                differ.append(_describe(f"group {g} #{i}", x, y))
+    shapes_equal = [len(x) for x in a] == [len(x) for x in b]
+    return {"compared": compared, "differ": len(differ), "first": differ[:limit], "same_layout": shapes_equal}
+
+
+def _differs(part: dict | list) -> bool:
+    if isinstance(part, list):  # group settings
+        return bool(part)
+    return bool(part["differ"] or part.get("only_ours") or part.get("only_megatron_lm")
+                or part.get("same_layout") is False)
+
+
+def compare(ours: dict, mlm: dict, limit: int = 12) -> dict:
+    """Two dumps of one rank (sitecustomize.py's JSON), step by step. `first_difference` names the first
+    step and what differs there, in the order a step computes it: weights, gradients, group settings,
+    updated parameters; None when every recorded step is the same bit for bit."""
+    steps, first = [], None
+    for k, (sa, sb) in enumerate(zip(ours.get("steps", []), mlm.get("steps", []), strict=False), start=1):
+        step = {"step": k,
+                "weights": _compare_named(sa.get("params_before", {}), sb.get("params_before", {}), limit),
+                "grads": _compare_named(sa.get("grads", {}), sb.get("grads", {}), limit),
+                "groups": _compare_groups(sa.get("groups", []), sb.get("groups", [])),
+                "updated": _compare_positional(sa.get("main_params_after", []), sb.get("main_params_after", []), limit)}
+        steps.append(step)
+        if first is None:
+            what = next((w for w in ("weights", "grads", "groups", "updated") if _differs(step[w])), None)
+            first = {"step": k, "what": what} if what else None
+    recorded = (len(ours.get("steps", [])), len(mlm.get("steps", [])))
+    return {"steps_recorded": {"ours": recorded[0], "megatron_lm": recorded[1]}, "first_difference": first,
+            "steps": steps}
+
+
+def scenario_stepdump(ctx) -> dict:
+    """Megatron-LM's pretrain_gpt.py, then ours' `mlmlike` variant, on each layout:model of --stepdump
+    (comma-separated; default dp1:llama1b), each with the step hook; the comparison of every rank's dumps.
+    At DP > 1 ours also gets the overlap flags Megatron-LM's run has (mlm_peer.sh), so that both split
+    their gradients into the same buckets and shards."""
+    s = _suite()
+    out: dict = {}
+    for spec in filter(None, (ctx.get("stepdump") or "dp1:llama1b").split(",")):
+        if time.monotonic() + 150 > s.DEADLINE[0]:
+            out[spec] = {"ok": False, "skipped": "deadline"}
+            continue
+        out[spec] = _stepdump_one(ctx, s, spec)
+    out["ok"] = bool(out) and all(r.get("ok") for r in out.values())
+    return out
+
+
+def _stepdump_one(ctx, s, spec: str) -> dict:
+    layout, _, model = spec.partition(":")
+    model = model or "llama1b"
+    if layout not in s.THREEWAY or model not in s.MODELS:
+        return {"ok": False, "error": f"unknown --stepdump {layout}:{model}; layouts {sorted(s.THREEWAY)}, "
+                                      f"models {sorted(s.MODELS)}"}
+    gpus, tp, pp = s.THREEWAY[layout]
+    if gpus > ctx["gpus"]:
+        return {"ok": False, "error": f"--stepdump {layout} needs {gpus} GPUs, the suite has {ctx['gpus']}"}
+    mlm_dir = REPO / ".run" / "mlm"
+    if not (mlm_dir / "pretrain_gpt.py").is_file():
+        return {"ok": False, "error": "Megatron-LM's source (.run/mlm) not carried"}
+    gbs = s.threeway_gbs(model, gpus, tp, pp)
+    dumps = {"megatron_lm": s.WORK / f"stepdump_mlm_{layout}_{model}", "ours": s.WORK / f"stepdump_ours_{layout}_{model}"}
+    for d in dumps.values():
+        shutil.rmtree(d, ignore_errors=True)
+    placed = mlm_dir / "sitecustomize.py"  # mlm_peer.sh runs with PYTHONPATH=$MLM_DIR only
+    shutil.copy(HOOK, placed)
+    try:
+        mlm = s.run_mlm_peer(f"stepdump_mlm_{layout}_{model}", gpus, model, tp, pp, gbs, s.all_gpus(gpus),
+                             env_extra={"STEPDUMP_DIR": str(dumps["megatron_lm"])})
+    finally:
+        placed.unlink(missing_ok=True)
+    env, extra = s.THREEWAY_VARIANTS["mlmlike"]
+    if gpus // (tp * pp) > 1:
+        extra = [*extra, "--overlap-grad-reduce", "--overlap-param-gather"]
+    env = dict(env, STEPDUMP_DIR=str(dumps["ours"]),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HOOK.parent), os.environ.get("PYTHONPATH")])))
+    ours = s.run_ours_threeway(ctx, f"stepdump_ours_{layout}_{model}", model, gpus, tp, pp, gbs, extra, "mlmlike", env)
+    out: dict = {"layout": layout, "model": model, "global_batch": gbs,
+                 "megatron_lm": {k: mlm.get(k) for k in ("rc", "iter_ms", "losses_1_5", "error")},
+                 "ours_mlmlike": {k: ours.get(k) for k in ("rc", "iter_ms", "losses_1_5", "flags", "env")}}
+    failures = []
+    for rank in range(gpus):
+        files = {who: d / f"rank{rank}.json" for who, d in dumps.items()}
+        missing = [who for who, f in files.items() if not f.is_file()]
+        if missing:
+            failures.append(f"rank {rank}: no dump from {', '.join(missing)} (see its log)")
+            continue
+        loaded = {who: json.loads(f.read_text()) for who, f in files.items()}
+        out[f"rank{rank}"] = compare(loaded["ours"], loaded["megatron_lm"])
+    out["ok"], out["failures"] = not failures, failures
+    return out
