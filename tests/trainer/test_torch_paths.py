@@ -835,6 +835,9 @@ class GPTModel(torch.nn.Module):
         return self.head(self.norm(self.embedding(x)))
 torch.manual_seed(0)
 model = GPTModel()
+import weakref
+class Gone: pass
+dead = weakref.proxy(Gone())  # gc lists dead weak proxies; isinstance() on one raises ReferenceError
 opt = torch.optim.AdamW([{"params": [model.embedding.weight, model.head.weight], "weight_decay": 0.1},
                          {"params": list(model.norm.parameters()), "weight_decay": 0.0}], lr=1e-3, foreach=True)
 nudge = sys.argv[1] == "nudge"

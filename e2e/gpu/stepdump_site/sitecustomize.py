@@ -49,7 +49,8 @@ if os.environ.get("STEPDUMP_DIR"):
         import torch
 
         if _state["model"] is None:
-            found = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module) and type(o).__name__ == "GPTModel"]
+            # type() first: isinstance() on a dead weak proxy (gc lists them too) raises ReferenceError
+            found = [o for o in gc.get_objects() if type(o).__name__ == "GPTModel" and isinstance(o, torch.nn.Module)]
             _state["model"] = found
         return _state["model"]
 
@@ -60,6 +61,18 @@ if os.environ.get("STEPDUMP_DIR"):
         with open(path + ".tmp", "w") as f:
             json.dump({"rank": int(rank), "steps": _state["steps"]}, f)
         os.replace(path + ".tmp", path)
+
+    def _guarded(hook):
+        """A failing hook turns the recording off and says why; the training run itself goes on."""
+        def run(optimizer, args, kwargs):
+            if _state.get("failed"):
+                return
+            try:
+                hook(optimizer, args, kwargs)
+            except Exception as exc:
+                _state["failed"] = True
+                print(f"stepdump: recording stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return run
 
     def _pre(optimizer, args, kwargs) -> None:
         if len(_state["steps"]) >= _STEPS:
@@ -90,7 +103,7 @@ if os.environ.get("STEPDUMP_DIR"):
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(_pre)
-        register_optimizer_step_post_hook(_post)
+        register_optimizer_step_pre_hook(_guarded(_pre))
+        register_optimizer_step_post_hook(_guarded(_post))
     except Exception as exc:  # reported, never silent: the scenario then finds no dump and says so
         print(f"stepdump: hooks not installed: {type(exc).__name__}: {exc}", file=sys.stderr)
