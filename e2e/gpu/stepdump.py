@@ -36,6 +36,11 @@ def same(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in DIGEST_KEYS)
 
 
+def _rel(a: dict, b: dict) -> float | None:
+    """|ours' norm - Megatron-LM's| / Megatron-LM's, 3 significant digits."""
+    return float(f"{abs(a['norm'] - b['norm']) / b['norm']:.3g}") if b.get("norm") else None
+
+
 def _describe(name: str, a: dict, b: dict) -> dict:
     """One differing tensor: ours' and Megatron-LM's norms and their relative difference."""
     rel = abs(a["norm"] - b["norm"]) / b["norm"] if b.get("norm") else None
@@ -47,6 +52,9 @@ def _compare_named(a: dict, b: dict, limit: int) -> dict:
     shared = [n for n in a if n in b]  # ours' order: the model's
     differ = [n for n in shared if not same(a[n], b[n])]
     return {"compared": len(shared), "differ": len(differ), "first": [_describe(n, a[n], b[n]) for n in differ[:limit]],
+            # every differing tensor's relative norm difference (model order) and every equal one's name: where the
+            # difference starts shows in which tensors stay equal (a backward pass runs from the last layer)
+            "norm_rel_diff": {n: _rel(a[n], b[n]) for n in differ}, "equal": [n for n in shared if n not in set(differ)],
             "only_ours": sorted(set(a) - set(b))[:limit], "only_megatron_lm": sorted(set(b) - set(a))[:limit]}
 
 
@@ -102,8 +110,9 @@ def compare(ours: dict, mlm: dict, limit: int = 12) -> dict:
 
 
 def scenario_stepdump(ctx) -> dict:
-    """Megatron-LM's pretrain_gpt.py, then ours' `mlmlike` variant, on each layout:model of --stepdump
-    (comma-separated; default dp1:llama1b), each with the step hook; the comparison of every rank's dumps.
+    """Megatron-LM's pretrain_gpt.py, then ours' `mlmlike` variant, on each layout:model[:variant] of --stepdump
+    (comma-separated; default dp1:llama1b; variant: one of MLM_VARIANTS, flags for Megatron-LM's run), each
+    with the step hook; the comparison of every rank's dumps.
     At DP > 1 ours also gets the overlap flags Megatron-LM's run has (mlm_peer.sh), so that both split
     their gradients into the same buckets and shards."""
     s = _suite()
@@ -118,11 +127,11 @@ def scenario_stepdump(ctx) -> dict:
 
 
 def _stepdump_one(ctx, s, spec: str) -> dict:
-    layout, _, model = spec.partition(":")
+    layout, model, mlm_variant = (spec.split(":") + ["", ""])[:3]
     model = model or "llama1b"
-    if layout not in s.THREEWAY or model not in s.MODELS:
-        return {"ok": False, "error": f"unknown --stepdump {layout}:{model}; layouts {sorted(s.THREEWAY)}, "
-                                      f"models {sorted(s.MODELS)}"}
+    if layout not in s.THREEWAY or model not in s.MODELS or (mlm_variant and mlm_variant not in s.MLM_VARIANTS):
+        return {"ok": False, "error": f"unknown --stepdump {spec}; layouts {sorted(s.THREEWAY)}, "
+                                      f"models {sorted(s.MODELS)}, Megatron-LM variants {sorted(s.MLM_VARIANTS)}"}
     gpus, tp, pp = s.THREEWAY[layout]
     if gpus > ctx["gpus"]:
         return {"ok": False, "error": f"--stepdump {layout} needs {gpus} GPUs, the suite has {ctx['gpus']}"}
@@ -130,14 +139,15 @@ def _stepdump_one(ctx, s, spec: str) -> dict:
     if not (mlm_dir / "pretrain_gpt.py").is_file():
         return {"ok": False, "error": "Megatron-LM's source (.run/mlm) not carried"}
     gbs = s.threeway_gbs(model, gpus, tp, pp)
-    dumps = {"megatron_lm": s.WORK / f"stepdump_mlm_{layout}_{model}", "ours": s.WORK / f"stepdump_ours_{layout}_{model}"}
+    dumps = {"megatron_lm": s.WORK / f"stepdump_mlm_{layout}_{model}{mlm_variant}",
+             "ours": s.WORK / f"stepdump_ours_{layout}_{model}{mlm_variant}"}
     for d in dumps.values():
         shutil.rmtree(d, ignore_errors=True)
     placed = mlm_dir / "sitecustomize.py"  # mlm_peer.sh runs with PYTHONPATH=$MLM_DIR only
     shutil.copy(HOOK, placed)
     try:
-        mlm = s.run_mlm_peer(f"stepdump_mlm_{layout}_{model}", gpus, model, tp, pp, gbs, s.all_gpus(gpus),
-                             env_extra={"STEPDUMP_DIR": str(dumps["megatron_lm"])})
+        mlm = s.run_mlm_peer(f"stepdump_mlm_{layout}_{model}{mlm_variant}", gpus, model, tp, pp, gbs, s.all_gpus(gpus),
+                             s.MLM_VARIANTS.get(mlm_variant, ()), env_extra={"STEPDUMP_DIR": str(dumps["megatron_lm"])})
     finally:
         placed.unlink(missing_ok=True)
     env, extra = s.THREEWAY_VARIANTS["mlmlike"]
@@ -145,9 +155,10 @@ def _stepdump_one(ctx, s, spec: str) -> dict:
         extra = [*extra, "--overlap-grad-reduce", "--overlap-param-gather"]
     env = dict(env, STEPDUMP_DIR=str(dumps["ours"]),
                PYTHONPATH=os.pathsep.join(filter(None, [str(HOOK.parent), os.environ.get("PYTHONPATH")])))
-    ours = s.run_ours_threeway(ctx, f"stepdump_ours_{layout}_{model}", model, gpus, tp, pp, gbs, extra, "mlmlike", env)
+    ours = s.run_ours_threeway(ctx, f"stepdump_ours_{layout}_{model}{mlm_variant}", model, gpus, tp, pp, gbs, extra, "mlmlike", env)
     out: dict = {"layout": layout, "model": model, "global_batch": gbs,
-                 "megatron_lm": {k: mlm.get(k) for k in ("rc", "iter_ms", "losses_1_5", "error")},
+                 "megatron_lm": {k: mlm.get(k) for k in ("rc", "iter_ms", "losses_1_5", "error")}
+                 | {"flags": list(s.MLM_VARIANTS.get(mlm_variant, ()))},
                  "ours_mlmlike": {k: ours.get(k) for k in ("rc", "iter_ms", "losses_1_5", "flags", "env")}}
     failures = []
     for rank in range(gpus):

@@ -186,7 +186,7 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
             "--context-parallel-size", "1", "--expert-model-parallel-size", "1", *model_args(model),
             "--transformer-impl", "transformer_engine", "--attention-backend", attn,
             "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs or mbs),
-            "--train-iters", str(iters), "--lr", lr, "--min-lr", str(float(lr) / 10),
+            "--train-iters", str(iters), "--lr", lr, "--min-lr", f"{float(lr) / 10:g}",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(warmup), "--lr-decay-iters", str(iters),
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
             "--bf16", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0"]
@@ -1631,6 +1631,10 @@ THREEWAY_VARIANTS = {
 MLM_VARIANTS = {
     "softmaxfp32": ["--attention-softmax-in-fp32"],  # its unfused attention's softmax in fp32, as ours computes it
     "mbs2": ["--micro-batch-size", "2"],  # as ours' mbs2: ours_mbs2 is also compared with this run
+    # the two TransformerConfig settings where ours differs from Megatron-LM's command-line defaults (found on the
+    # CPU by building both configs): the unfused attention's softmax in fp32 (Megatron-Core's own default, ours) and
+    # the loss summed over tokens and divided by their count after the backward (ours)
+    "oursconfig": ["--attention-softmax-in-fp32", "--calculate-per-token-loss"],
 }
 
 

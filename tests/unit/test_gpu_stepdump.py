@@ -46,6 +46,8 @@ def test_a_gradient_that_differs_at_step_two_is_named_with_its_norms():
     assert first["name"] == "decoder.norm.weight" and first["numel"] == 4
     assert abs(first["norm_rel_diff"] - 1e-3) < 1e-9
     assert r["steps"][1]["updated"]["first"][0]["name"] == "group 1 #0"
+    assert r["steps"][1]["grads"]["norm_rel_diff"] == {"decoder.norm.weight": 0.001}
+    assert r["steps"][1]["grads"]["equal"] == ["embedding.weight"]
     assert r["steps"][0]["grads"]["differ"] == 0
 
 
@@ -88,3 +90,5 @@ def test_unknown_layout_is_an_error_not_a_traceback():
     assert r["ok"] is False
     assert "unknown --stepdump" in r["tp9:llama1b"]["error"]
     assert "needs 2 GPUs" in r["dp2:llama1b"]["error"]
+    r = SD.scenario_stepdump({"stepdump": "dp1:llama1b:nosuch", "gpus": 1})
+    assert "unknown --stepdump dp1:llama1b:nosuch" in r["dp1:llama1b:nosuch"]["error"]
