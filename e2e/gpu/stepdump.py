@@ -110,9 +110,10 @@ def compare(ours: dict, mlm: dict, limit: int = 12) -> dict:
 
 
 def scenario_stepdump(ctx) -> dict:
-    """Megatron-LM's pretrain_gpt.py, then ours' `mlmlike` variant, on each layout:model[:variant] of --stepdump
-    (comma-separated; default dp1:llama1b; variant: one of MLM_VARIANTS, flags for Megatron-LM's run), each
-    with the step hook; the comparison of every rank's dumps.
+    """Megatron-LM's pretrain_gpt.py, then ours, on each layout:model[:mlm_variant[:ours_variant]] of --stepdump
+    (comma-separated; default dp1:llama1b; mlm_variant: one of MLM_VARIANTS, flags for Megatron-LM's run;
+    ours_variant: one of THREEWAY_VARIANTS, default mlmlike), each with the step hook; the comparison of every
+    rank's dumps.
     At DP > 1 ours also gets the overlap flags Megatron-LM's run has (mlm_peer.sh), so that both split
     their gradients into the same buckets and shards."""
     s = _suite()
@@ -127,11 +128,14 @@ def scenario_stepdump(ctx) -> dict:
 
 
 def _stepdump_one(ctx, s, spec: str) -> dict:
-    layout, model, mlm_variant = (spec.split(":") + ["", ""])[:3]
-    model = model or "llama1b"
-    if layout not in s.THREEWAY or model not in s.MODELS or (mlm_variant and mlm_variant not in s.MLM_VARIANTS):
+    layout, model, mlm_variant, ours_variant = (spec.split(":") + ["", "", ""])[:4]
+    model, ours_variant = model or "llama1b", ours_variant or "mlmlike"
+    if layout not in s.THREEWAY or model not in s.MODELS or (mlm_variant and mlm_variant not in s.MLM_VARIANTS) \
+            or ours_variant not in s.THREEWAY_VARIANTS:
         return {"ok": False, "error": f"unknown --stepdump {spec}; layouts {sorted(s.THREEWAY)}, "
-                                      f"models {sorted(s.MODELS)}, Megatron-LM variants {sorted(s.MLM_VARIANTS)}"}
+                                      f"models {sorted(s.MODELS)}, Megatron-LM variants {sorted(s.MLM_VARIANTS)}, "
+                                      f"ours' variants {sorted(s.THREEWAY_VARIANTS)}"}
+    tag = f"{layout}_{model}{mlm_variant}{'' if ours_variant == 'mlmlike' else '_' + ours_variant}"
     gpus, tp, pp = s.THREEWAY[layout]
     if gpus > ctx["gpus"]:
         return {"ok": False, "error": f"--stepdump {layout} needs {gpus} GPUs, the suite has {ctx['gpus']}"}
@@ -139,27 +143,26 @@ def _stepdump_one(ctx, s, spec: str) -> dict:
     if not (mlm_dir / "pretrain_gpt.py").is_file():
         return {"ok": False, "error": "Megatron-LM's source (.run/mlm) not carried"}
     gbs = s.threeway_gbs(model, gpus, tp, pp)
-    dumps = {"megatron_lm": s.WORK / f"stepdump_mlm_{layout}_{model}{mlm_variant}",
-             "ours": s.WORK / f"stepdump_ours_{layout}_{model}{mlm_variant}"}
+    dumps = {"megatron_lm": s.WORK / f"stepdump_mlm_{tag}", "ours": s.WORK / f"stepdump_ours_{tag}"}
     for d in dumps.values():
         shutil.rmtree(d, ignore_errors=True)
     placed = mlm_dir / "sitecustomize.py"  # mlm_peer.sh runs with PYTHONPATH=$MLM_DIR only
     shutil.copy(HOOK, placed)
     try:
-        mlm = s.run_mlm_peer(f"stepdump_mlm_{layout}_{model}{mlm_variant}", gpus, model, tp, pp, gbs, s.all_gpus(gpus),
+        mlm = s.run_mlm_peer(f"stepdump_mlm_{tag}", gpus, model, tp, pp, gbs, s.all_gpus(gpus),
                              s.MLM_VARIANTS.get(mlm_variant, ()), env_extra={"STEPDUMP_DIR": str(dumps["megatron_lm"])})
     finally:
         placed.unlink(missing_ok=True)
-    env, extra = s.THREEWAY_VARIANTS["mlmlike"]
+    env, extra = s.THREEWAY_VARIANTS[ours_variant]
     if gpus // (tp * pp) > 1:
         extra = [*extra, "--overlap-grad-reduce", "--overlap-param-gather"]
     env = dict(env, STEPDUMP_DIR=str(dumps["ours"]),
                PYTHONPATH=os.pathsep.join(filter(None, [str(HOOK.parent), os.environ.get("PYTHONPATH")])))
-    ours = s.run_ours_threeway(ctx, f"stepdump_ours_{layout}_{model}{mlm_variant}", model, gpus, tp, pp, gbs, extra, "mlmlike", env)
+    ours = s.run_ours_threeway(ctx, f"stepdump_ours_{tag}", model, gpus, tp, pp, gbs, extra, ours_variant, env)
     out: dict = {"layout": layout, "model": model, "global_batch": gbs,
                  "megatron_lm": {k: mlm.get(k) for k in ("rc", "iter_ms", "losses_1_5", "error")}
                  | {"flags": list(s.MLM_VARIANTS.get(mlm_variant, ()))},
-                 "ours_mlmlike": {k: ours.get(k) for k in ("rc", "iter_ms", "losses_1_5", "flags", "env")}}
+                 "ours": {k: ours.get(k) for k in ("rc", "iter_ms", "losses_1_5", "flags", "env")} | {"variant": ours_variant}}
     failures = []
     for rank in range(gpus):
         files = {who: d / f"rank{rank}.json" for who, d in dumps.items()}

@@ -1613,6 +1613,9 @@ THREEWAY_VARIANTS = {
     # unfused RoPE, torch AdamW's foreach kernels, weight gradients in bf16 then added (for the loss comparison)
     "mlmlike": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0", "MEGATRON_TRAINER_FUSED_ADAM": "0"},
                 ["--attention-backend", "unfused", "--cuda-graph-impl", "none", "--no-gradient-accumulation-fusion"]),
+    # mlmlike with Megatron-Core's own multi-tensor fallbacks (grad-norm and scale per tensor) instead of ours' foreach
+    "mlmlikemt": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0", "MEGATRON_TRAINER_FUSED_ADAM": "0", "MEGATRON_TRAINER_FOREACH_OPS": "0"},
+                  ["--attention-backend", "unfused", "--cuda-graph-impl", "none", "--no-gradient-accumulation-fusion"]),
     # only what changes the forward pass as Megatron-LM's does: unfused attention, eager, unfused RoPE (mlmlike ran
     # out of memory on the 8B at TP=2 on H200 in iteration 2: foreach AdamW's and the bf16 weight gradients' buffers)
     "mlmfwd": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0"}, ["--attention-backend", "unfused", "--cuda-graph-impl", "none"]),
