@@ -2,7 +2,9 @@
 # Run the trainer's GPU suite on a lent device machine (or any host with GPUs, torch and triton).
 #   bash e2e/gpu/run_on_device.sh --only probe,layouts,resume [--gpus N] [suite options]
 # Needs in the repo root: .whl/megatron_core-0.19.2-*.whl and .run/mcore_peer.py (the peer, for bench);
-# carry both (`carry: [".whl", ".run"]`). The scenarios that render pods (pods, preempt, tensorboard,
+# carry both (`carry: [".whl", ".run"]`). threeway, stepdump and bench's second peer also need Megatron-LM's
+# source at core_v0.19.0 in .run/mlm (`fetch` github:NVIDIA/Megatron-LM, git-ignored, never committed) and
+# .run/mlm_peer.sh (../shared/bench/mlm_peer.sh). The scenarios that render pods (pods, preempt, tensorboard,
 # hf_pods) also need `megatron-operator render`'s wheels in .whl: pydantic==2.14.3, pydantic-core==2.50.4,
 # annotated-types==0.8.0, typing-inspection==0.4.5, google-re2==1.1.20251105 (cp312, manylinux x86_64;
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`). hf_logits, hf_train and
