@@ -10,6 +10,11 @@ digest of every weight and every gradient before each of the first optimizer ste
 settings, and the optimizer's parameters after each step. Compared rank by rank, the first tensor whose
 digest differs names where the two programs part: a gradient at step 1 names an op of the forward or the
 backward, equal gradients with different updated parameters name the optimizer or its settings.
+
+Found with it on 2 x H200 (2026-11-27, docs/benchmarks.md): the two programs part in three settings, the
+unfused attention's softmax precision, the per-token loss and the gradient norm's reduction order. With
+`--stepdump dp2:llama3b:oursconfig:mlmlikemt` (Megatron-LM given ours' first two, ours given Megatron-Core's
+per-tensor norm) every weight, gradient and updated parameter of steps 1-3 is identical on every rank.
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ def _describe(name: str, a: dict, b: dict) -> dict:
 def _compare_named(a: dict, b: dict, limit: int) -> dict:
     shared = [n for n in a if n in b]  # ours' order: the model's
     differ = [n for n in shared if not same(a[n], b[n])]
+    differing = set(differ)
     return {"compared": len(shared), "differ": len(differ), "first": [_describe(n, a[n], b[n]) for n in differ[:limit]],
             # every differing tensor's relative norm difference (model order) and every equal one's name: where the
             # difference starts shows in which tensors stay equal (a backward pass runs from the last layer)
-            "norm_rel_diff": {n: _rel(a[n], b[n]) for n in differ}, "equal": [n for n in shared if n not in set(differ)],
+            "norm_rel_diff": {n: _rel(a[n], b[n]) for n in differ}, "equal": [n for n in shared if n not in differing],
             "only_ours": sorted(set(a) - set(b))[:limit], "only_megatron_lm": sorted(set(b) - set(a))[:limit]}
 
 
