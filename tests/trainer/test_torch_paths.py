@@ -812,7 +812,7 @@ def test_stepdump_hook_records_the_first_steps_and_finds_a_changed_gradient(tmp_
     STEPDUMP_DIR): a model named GPTModel found by its class name, `main_grad` taken over `.grad`, the
     group settings, the optimizer's parameters after each step, only the first STEPDUMP_STEPS steps.
     Two runs of the same program compare equal; one whose gradient of one tensor moves by 1 % at step 2
-    is named there, and so is the parameter it updates (e2e/gpu/stepdump.compare)."""
+    is named there, and so is the parameter it updates; two model chunks are named in layer order (e2e/gpu/stepdump.compare)."""
     import os
     import subprocess
     import sys
@@ -825,14 +825,23 @@ def test_stepdump_hook_records_the_first_steps_and_finds_a_changed_gradient(tmp_
     script = tmp_path / "steps.py"
     script.write_text('''
 import sys, torch
+class Layer(torch.nn.Module):
+    def __init__(self, number):
+        super().__init__()
+        self.layer_number = number
 class GPTModel(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, first_layer=1):
         super().__init__()
         self.embedding = torch.nn.Embedding(32, 8)
         self.norm = torch.nn.LayerNorm(8)
         self.head = torch.nn.Linear(8, 32, bias=False)
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList([Layer(first_layer)])
     def forward(self, x):
         return self.head(self.norm(self.embedding(x)))
+if sys.argv[1] == "chunks":  # a second chunk (layers from 9), made first: the dump orders chunks by layer
+    torch.manual_seed(5)
+    late = GPTModel(9)
 torch.manual_seed(0)
 model = GPTModel()
 import weakref
@@ -855,7 +864,7 @@ for step in range(1, 6):
     opt.step()
 ''')
     dumps = {}
-    for name, arg in (("a", "same"), ("b", "same"), ("c", "nudge")):
+    for name, arg in (("a", "same"), ("b", "same"), ("c", "nudge"), ("d", "chunks")):
         out = tmp_path / name
         env = dict(os.environ, STEPDUMP_DIR=str(out), STEPDUMP_STEPS="3", RANK="0",
                    PYTHONPATH=os.pathsep.join([str(repo / "e2e" / "gpu" / "stepdump_site"), os.environ.get("PYTHONPATH", "")]))
@@ -874,6 +883,11 @@ for step in range(1, 6):
     assert r["first_difference"] == {"step": 2, "what": "grads"}
     assert [d["name"] for d in r["steps"][1]["grads"]["first"]] == ["norm.weight"]
     assert r["steps"][1]["updated"]["differ"] == 1 and r["steps"][1]["updated"]["first"][0]["name"] == "group 1 #0"
+    # two chunks: named chunk0./chunk1. in layer order, whatever order they were made in
+    chunks = dumps["d"]["steps"][0]
+    assert chunks["models"] == 2
+    assert chunks["params_before"]["chunk0.embedding.weight"] == steps[0]["params_before"]["embedding.weight"]
+    assert chunks["params_before"]["chunk1.embedding.weight"] != steps[0]["params_before"]["embedding.weight"]
     # without STEPDUMP_DIR the hook is inert
     env = dict(os.environ, PYTHONPATH=str(repo / "e2e" / "gpu" / "stepdump_site"))
     env.pop("STEPDUMP_DIR", None)

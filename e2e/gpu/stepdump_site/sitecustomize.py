@@ -45,13 +45,18 @@ if os.environ.get("STEPDUMP_DIR"):
         return {"dtype": str(flat.dtype).removeprefix("torch."), "numel": flat.numel(),
                 "sum": float(as64.sum()), "norm": float(as64.norm()), "bits": bits_sum, "bits_pos": weighted}
 
+    def _first_layer(model) -> int:
+        """The global number of a model chunk's first transformer layer (0 if it has none)."""
+        layers = getattr(getattr(model, "decoder", None), "layers", None)
+        return getattr(layers[0], "layer_number", 0) if layers is not None and len(layers) else 0
+
     def _gpt_models() -> list:
         import torch
 
         if _state["model"] is None:
             # type() first: isinstance() on a dead weak proxy (gc lists them too) raises ReferenceError
             found = [o for o in gc.get_objects() if type(o).__name__ == "GPTModel" and isinstance(o, torch.nn.Module)]
-            _state["model"] = found
+            _state["model"] = sorted(found, key=_first_layer)  # virtual pipeline chunks in layer order, not gc's
         return _state["model"]
 
     def _write() -> None:
