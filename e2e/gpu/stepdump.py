@@ -42,15 +42,18 @@ def same(a: dict, b: dict) -> bool:
 
 
 def _rel(a: dict, b: dict) -> float | None:
-    """|ours' norm - Megatron-LM's| / Megatron-LM's, 3 significant digits."""
-    return float(f"{abs(a['norm'] - b['norm']) / b['norm']:.3g}") if b.get("norm") else None
+    """|ours' norm - Megatron-LM's| / Megatron-LM's (None where Megatron-LM's norm is 0)."""
+    return abs(a["norm"] - b["norm"]) / b["norm"] if b.get("norm") else None
+
+
+def _round3(x: float | None) -> float | None:
+    return None if x is None else float(f"{x:.3g}")
 
 
 def _describe(name: str, a: dict, b: dict) -> dict:
     """One differing tensor: ours' and Megatron-LM's norms and their relative difference."""
-    rel = abs(a["norm"] - b["norm"]) / b["norm"] if b.get("norm") else None
     return {"name": name, "numel": a.get("numel"), "dtype": a.get("dtype"), "norm_ours": a.get("norm"),
-            "norm_megatron_lm": b.get("norm"), "norm_rel_diff": rel, "sum_diff": a.get("sum", 0) - b.get("sum", 0)}
+            "norm_megatron_lm": b.get("norm"), "norm_rel_diff": _rel(a, b), "sum_diff": a.get("sum", 0) - b.get("sum", 0)}
 
 
 def _compare_named(a: dict, b: dict, limit: int) -> dict:
@@ -60,7 +63,7 @@ def _compare_named(a: dict, b: dict, limit: int) -> dict:
     return {"compared": len(shared), "differ": len(differ), "first": [_describe(n, a[n], b[n]) for n in differ[:limit]],
             # every differing tensor's relative norm difference (model order) and every equal one's name: where the
             # difference starts shows in which tensors stay equal (a backward pass runs from the last layer)
-            "norm_rel_diff": {n: _rel(a[n], b[n]) for n in differ}, "equal": [n for n in shared if n not in differing],
+            "norm_rel_diff": {n: _round3(_rel(a[n], b[n])) for n in differ}, "equal": [n for n in shared if n not in differing],
             "only_ours": sorted(set(a) - set(b))[:limit], "only_megatron_lm": sorted(set(b) - set(a))[:limit]}
 
 
@@ -161,7 +164,7 @@ def _stepdump_one(ctx, s, spec: str) -> dict:
         placed.unlink(missing_ok=True)
     env, extra = s.THREEWAY_VARIANTS[ours_variant]
     if gpus // (tp * pp) > 1:
-        extra = [*extra, "--overlap-grad-reduce", "--overlap-param-gather"]
+        extra = [*extra, *s.DP_OVERLAP]
     env = dict(env, STEPDUMP_DIR=str(dumps["ours"]),
                PYTHONPATH=os.pathsep.join(filter(None, [str(HOOK.parent), os.environ.get("PYTHONPATH")])))
     ours = s.run_ours_threeway(ctx, f"stepdump_ours_{tag}", model, gpus, tp, pp, gbs, extra, ours_variant, env)

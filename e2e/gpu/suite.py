@@ -801,7 +801,7 @@ def scenario_bench(ctx) -> dict:
         # --- ours: async save at 12, kill -9 while the save of 24 is in flight, restart from 12
         save = WORK / "ckpt" / f"bench_{name}"
         shutil.rmtree(save, ignore_errors=True)
-        extra = ["--overlap-grad-reduce", "--overlap-param-gather"] if dp > 1 else []
+        extra = list(DP_OVERLAP) if dp > 1 else []
         variant = ctx.get("bench_variant") or "foreach"
         if variant == "auto":  # the fastest variant the perf scenario measured
             timed = {k: v["median_iter_ms"] for k, v in ctx.get("perf", {}).items()
@@ -1390,6 +1390,8 @@ def scenario_rope(ctx) -> dict:
 
 
 # issue 17's three-way benchmark, one layout per device call: (GPUs, TP, PP); DP is what is left.
+# The overlap flags Megatron-LM's run gets at DP > 1 (mlm_peer.sh); ours' DP runs compared with it take them too.
+DP_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2)}
 MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
 
@@ -1518,7 +1520,7 @@ def threeway_layout(ctx, layout: str) -> dict:
     dp = gpus // (tp * pp)
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
     # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
-    variants = [("default", [])] + ([("overlap", ["--overlap-grad-reduce", "--overlap-param-gather"])] if dp > 1 else [])
+    variants = [("default", [])] + ([("overlap", list(DP_OVERLAP))] if dp > 1 else [])
     # ours' default has the full-iteration CUDA graph where the trainer verifies it (--cuda-graph-impl auto:
     # PP=1 here); "eager" measures the same run without it.
     variants = [(name, extra, {}) for name, extra in variants]
@@ -1613,9 +1615,6 @@ THREEWAY_VARIANTS = {
     # unfused RoPE, torch AdamW's foreach kernels, weight gradients in bf16 then added (for the loss comparison)
     "mlmlike": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0", "MEGATRON_TRAINER_FUSED_ADAM": "0"},
                 ["--attention-backend", "unfused", "--cuda-graph-impl", "none", "--no-gradient-accumulation-fusion"]),
-    # mlmlike with Megatron-Core's own multi-tensor fallbacks (grad-norm and scale per tensor) instead of ours' foreach
-    "mlmlikemt": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0", "MEGATRON_TRAINER_FUSED_ADAM": "0", "MEGATRON_TRAINER_FOREACH_OPS": "0"},
-                  ["--attention-backend", "unfused", "--cuda-graph-impl", "none", "--no-gradient-accumulation-fusion"]),
     # only what changes the forward pass as Megatron-LM's does: unfused attention, eager, unfused RoPE (mlmlike ran
     # out of memory on the 8B at TP=2 on H200 in iteration 2: foreach AdamW's and the bf16 weight gradients' buffers)
     "mlmfwd": ({"MEGATRON_TRAINER_COMPILE_ROPE": "0"}, ["--attention-backend", "unfused", "--cuda-graph-impl", "none"]),
@@ -1631,6 +1630,10 @@ THREEWAY_VARIANTS = {
 }
 
 # Megatron-LM's extra runs in threeway (--threeway-mlm-variants): name -> flags for pretrain_gpt.py.
+# mlmlike with Megatron-Core's own multi-tensor fallbacks (grad-norm and scale per tensor) instead of ours' foreach
+THREEWAY_VARIANTS["mlmlikemt"] = ({**THREEWAY_VARIANTS["mlmlike"][0], "MEGATRON_TRAINER_FOREACH_OPS": "0"},
+                                  THREEWAY_VARIANTS["mlmlike"][1])
+
 MLM_VARIANTS = {
     "softmaxfp32": ["--attention-softmax-in-fp32"],  # its unfused attention's softmax in fp32, as ours computes it
     "mbs2": ["--micro-batch-size", "2"],  # as ours' mbs2: ours_mbs2 is also compared with this run
@@ -1926,7 +1929,8 @@ def main() -> int:
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
                     help="threeway's model where Megatron-LM runs out of memory on --bench-model")
     ap.add_argument("--stepdump", default="dp1:llama1b",
-                    help="layout:model of the stepdump scenario (layouts as --threeway's; e2e/gpu/stepdump.py)")
+                    help="layout:model[:Megatron-LM variant[:ours' variant]] of the stepdump scenario, comma-separated "
+                         "(layouts as --threeway's; e2e/gpu/stepdump.py)")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
                     "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
