@@ -421,7 +421,38 @@ def new_namespace(core: Any, name: str) -> None:
     raise TimeoutError(f"namespace {name}: no default ServiceAccount after 60 s")
 
 
-def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
+def object_bytes(api: Any, ns: str) -> dict[str, dict[str, int]]:
+    """The size of one JobSet, Job, pod and MegatronJob or TrainJob of the burst as the API server returns them
+    (compact JSON), with
+    and without metadata.managedFields: what every write and every watch event of that object carries."""
+    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    custom = kubernetes.client.CustomObjectsApi(api)
+    lists = {"jobset": lambda: custom.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets",
+                                                                     limit=1, _preload_content=False),
+             "job": lambda: batch.list_namespaced_job(ns, limit=1, _preload_content=False),
+             "pod": lambda: core.list_namespaced_pod(ns, limit=1, _preload_content=False),
+             "megatronjob": lambda: custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, limit=1,
+                                                                          _preload_content=False),
+             "trainjob": lambda: custom.list_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", ns,
+                                                                       "trainjobs", limit=1, _preload_content=False)}
+    out = {}
+    for kind, call in lists.items():
+        try:
+            items = json.loads(call().data).get("items") or []
+        except kubernetes.client.ApiException as exc:  # the peer's CRD is there only when the peer is
+            if exc.status == 404:
+                continue
+            raise
+        if not items:
+            continue
+        obj = items[0]
+        full = len(json.dumps(obj, separators=(",", ":")))
+        obj.get("metadata", {}).pop("managedFields", None)
+        out[kind] = {"bytes": full, "bytes_without_managed_fields": len(json.dumps(obj, separators=(",", ":")))}
+    return out
+
+
+def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float, apiserver_profile: Path | None = None) -> dict:
     api = cluster.api_client()
     core = kubernetes.client.CoreV1Api(api)
     custom = kubernetes.client.CustomObjectsApi(api)
@@ -494,6 +525,12 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
     requests0, cpu0 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     stats0 = proc_stats(pid) if pid else None
     floor0 = system.floor_reading() if system.name == "ours" else None
+    recorder = None
+    if apiserver_profile is not None:  # kube-apiserver's own CPU profile over the settled window
+        from apiserver_profile import Recorder
+        recorder = Recorder([str(cluster.kubectl_path), f"--kubeconfig={cluster.kubeconfig}"],
+                            apiserver_profile / f"{system.name}-{n}.pb.gz")
+        recorder.start()
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(create, names))
@@ -523,6 +560,13 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
     requests2, cpu2 = apiserver_requests(cluster), component_cpu(cluster.run_dir)
     settled_s = time.monotonic() - t0
     stop.set()
+    profile = None
+    if recorder is not None:
+        from apiserver_profile import profile_breakdown
+        merged = recorder.stop()
+        profile = {"file": merged.name if merged else None, "pieces": len(recorder.pieces),
+                   "errors": recorder.errors[:3],
+                   "cpu_s": {k: round(v, 3) for k, v in profile_breakdown(merged).items()} if merged else None}
     to_jobset = [jobset_at[k] - created[k] for k in names if k in jobset_at]
     to_running = [running_at[k] - created[k] for k in names if k in running_at]
     to_pod = [pod_at[k] - created[k] for k in names if k in pod_at]
@@ -555,6 +599,9 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float) -> dict:
         "component_cpu_settled_s": {k: round(v - cpu0.get(k, 0.0), 1) for k, v in sorted(cpu2.items())},
         "apiserver_requests_settled": diff_requests(requests0, requests2),
     }
+    result["object_bytes"] = object_bytes(api, ns)
+    if profile is not None:  # --apiserver-profile: from the first create until settled, plus the last piece's tail
+        result["apiserver_profile"] = profile
     if floor2 is not None:  # --watch-floor: the same watches without kopf, over the settled window
         result["watch_floor"] = {"cpu_settled_s": round(floor2["cpu_s"] - floor0["cpu_s"], 2),
                                  "events_settled": {k: v - floor0["events"].get(k, 0)
@@ -626,6 +673,9 @@ def main() -> int:
                     help="run bench/watch_floor.py (the operator's three watches without kopf) beside the operator "
                          "and record its CPU and events (watch_floor in the result)")
     ap.add_argument("--profile", default=None, help="record py-spy profiles of the operator into this directory (py-spy --gil: samples the GIL holder)")
+    ap.add_argument("--apiserver-profile", default=None, metavar="DIR",
+                    help="record kube-apiserver's CPU profile over each burst into DIR/<system>-<jobs>.pb.gz and "
+                         "its breakdown by category (bench/apiserver_profile.py) into the result; needs Go")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--crd", default=None,
                     help="a what-if run with another CRD: 'no-cel' (crds/ without its CEL rules) or a CRD file "
@@ -660,7 +710,8 @@ def main() -> int:
                 s.install()
         for n in args.jobs:
             for s in systems:
-                r = run_burst(cluster, s, n, args.timeout)
+                r = run_burst(cluster, s, n, args.timeout,
+                              Path(args.apiserver_profile) if args.apiserver_profile else None)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     finally:

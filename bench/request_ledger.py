@@ -148,6 +148,33 @@ def watch_cost_lines(runs: list[dict[str, Any]]) -> list[str]:
             "watch floor: CPU ms per event |", "|---|---|---|---|---|", *lines, ""]
 
 
+def profile_lines(runs: list[dict[str, Any]], n: int) -> list[str]:
+    """kube-apiserver's CPU by category (its own profile, --apiserver-profile), ms per job, median over the runs,
+    for each system; the last column is ours minus the peer."""
+    per: dict[str, list[dict[str, float]]] = {}
+    for run in runs:
+        for r in run["results"]:
+            cpu = (r.get("apiserver_profile") or {}).get("cpu_s")
+            if r["jobs"] == n and cpu:
+                per.setdefault(r["system"], []).append({k: 1000 * v / n for k, v in cpu.items()})
+    if not per:
+        return []
+    systems = [s for s in ("floor", "ours", "peer") if s in per]
+    cats = list(next(iter(per.values()))[0])
+    med = {s: {c: statistics.median(row.get(c, 0.0) for row in per[s]) for c in cats} for s in systems}
+    diff = "ours" in med and "peer" in med
+    lines = ["kube-apiserver CPU by category, ms per job (its own profile):", "",
+             "| category | " + " | ".join(systems) + (" | ours - peer |" if diff else " |"),
+             "|---|" + "---|" * (len(systems) + diff)]
+    for c in cats + ["total"]:
+        vals = {s: (sum(med[s].values()) if c == "total" else med[s][c]) for s in systems}
+        if c != "total" and all(v < 0.05 for v in vals.values()):
+            continue
+        cells = [f"{vals[s]:.1f}" for s in systems] + ([f"{vals['ours'] - vals['peer']:+.1f}"] if diff else [])
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def report(runs: list[dict[str, Any]]) -> str:
     sizes = sorted({r["jobs"] for run in runs for r in run["results"]})
     out = ["runs: " + ", ".join(f"{run['meta']['date']} at {run['meta']['commit']}" for run in runs), ""]
@@ -165,6 +192,7 @@ def report(runs: list[dict[str, Any]]) -> str:
         out.append("")
         out.extend(ledger_table(runs, n))
         out.append("")
+        out.extend(profile_lines(runs, n))
     out.extend(watch_cost_lines(runs))
     return "\n".join(out)
 
