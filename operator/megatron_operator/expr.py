@@ -14,6 +14,7 @@ evaluation mirrors that: reading an absent field raises ``Missing``. Integers on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -300,6 +301,107 @@ class Var(Expr):
 
     def eval(self, env: dict[str, Any]) -> Any:
         return env[self.name]
+
+
+@dataclass(frozen=True, eq=False)
+class Let(Expr):
+    """``value`` evaluated once and named ``var`` inside the boolean ``body``: CEL ``[value].all(var, body)``,
+    the one-element comprehension that ``cel.bind`` expands to (Kubernetes' CEL environment has no
+    ``cel.bind``). Used only for values that cannot fail to evaluate (see ``bind_shared``)."""
+
+    var: str
+    value: Expr
+    body: Expr
+
+    def cel(self) -> str:
+        return f"[{self.value.cel()}].all({self.var}, {self.body.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return bool(self.body.eval({**env, self.var: self.value.eval(env)}))
+
+
+def transform(node: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
+    """The tree with every node for which ``fn`` returns a replacement replaced (top-down: a replaced node's
+    children are not visited); unchanged subtrees are the same objects."""
+    new = fn(node)
+    if new is not None:
+        return new
+    changes: dict[str, Any] = {}
+    for fld in dataclasses.fields(node):  # type: ignore[arg-type]
+        v = getattr(node, fld.name)
+        if isinstance(v, Expr):
+            nv: Any = transform(v, fn)
+        elif isinstance(v, tuple) and v and all(isinstance(x, Expr) for x in v):
+            nv = tuple(transform(x, fn) for x in v)
+            nv = v if all(a is b for a, b in zip(nv, v, strict=True)) else nv
+        else:
+            continue
+        if nv is not v:
+            changes[fld.name] = nv
+    return dataclasses.replace(node, **changes) if changes else node  # type: ignore[type-var]
+
+
+def _walk(node: Expr):
+    yield node
+    for fld in dataclasses.fields(node):  # type: ignore[arg-type]
+        v = getattr(node, fld.name)
+        if isinstance(v, Expr):
+            yield from _walk(v)
+        elif isinstance(v, tuple):
+            for x in v:
+                if isinstance(x, Expr):
+                    yield from _walk(x)
+
+
+def bind_shared(expr: Expr, shared: dict[str, Expr]) -> Expr:
+    """``expr`` with each of the ``shared`` subexpressions (found by identity) that it evaluates more than once
+    computed once, in a ``Let`` named after its key, outside the places that use it.
+
+    The Kubernetes API server's CEL adapter resolves every field access of a CRD object by building a map
+    of all the sibling properties' schemas (apiextensions' ``Structural.Properties``, twice per access), so
+    a rule's cost grows with how often it reads a field, not only with what it computes. The rules share
+    a few derived values (``rules.MODEL_VALUES``: a model field, else its preset's, else a default), and a
+    long rule spells some of them several times. The values given here must never fail to evaluate
+    (guarded by ``has``, on required objects): a ``Let`` evaluates them even where the rule would have
+    short-circuited."""
+    ids = {id(e): name for name, e in shared.items()}
+    counts: dict[int, int] = {}
+    for node in _walk(expr):
+        if id(node) in ids:
+            counts[id(node)] = counts.get(id(node), 0) + 1
+    bound = [e for e in shared.values() if counts.get(id(e), 0) >= 2]
+    if not bound:
+        return expr
+    bound_ids = {id(e) for e in bound}
+    # Outer lets first: a value that another bound value contains is bound outside it.
+    inside = {id(e): {id(n) for n in _walk(e) if n is not e and id(n) in bound_ids} for e in bound}
+    order: list[Expr] = []
+    while len(order) < len(bound):
+        for e in bound:
+            if e not in order and inside[id(e)] <= {id(o) for o in order}:
+                order.append(e)
+
+    def to_var(keep: Expr | None) -> Callable[[Expr], Expr | None]:
+        return lambda n: Var(ids[id(n)]) if id(n) in bound_ids and n is not keep else None
+
+    out = transform(expr, to_var(None))
+    for e in reversed(order):
+        out = Let(ids[id(e)], transform(e, to_var(e)), out)
+    return out
+
+
+def rebase(expr: Expr, prefix: str, var: str) -> Expr:
+    """``expr`` reading ``self.<prefix>.x`` as ``<var>.x``, inside ``Let(var, self.<prefix>, ...)`` when it
+    reads more than one such field (``self.<prefix>`` must be a required object). Each read of
+    ``self.<prefix>.x`` resolves ``<prefix>`` among the rule object's properties first; the bound object does
+    not."""
+    def hit(n: Expr) -> bool:
+        return isinstance(n, Field) and n.root == "self" and n.path.startswith(prefix + ".")
+
+    if sum(1 for n in _walk(expr) if hit(n)) < 2:
+        return expr
+    body = transform(expr, lambda n: Field(n.path[len(prefix) + 1:], var) if hit(n) else None)
+    return Let(var, Field(prefix), body)
 
 
 @dataclass(frozen=True, eq=False)

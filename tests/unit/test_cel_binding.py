@@ -1,0 +1,88 @@
+"""Shared values computed once in the generated CEL (expr.Let, bind_shared, rebase): the same verdicts, fewer
+field reads. The CEL side of every rule is checked on the whole spec table by test_spec_rules (cel-python on
+the generated CRD) and at the real API server in e2e; here the transformations themselves."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import celpy
+import pytest
+from celeval import apply_defaults
+from megatron_operator import crd
+from megatron_operator.expr import Field, Has, Let, Var, bind_shared, cond, rebase
+from megatron_operator.rules import MODEL_VALUES, SPEC_RULES
+from spec_table import CASES
+
+ROOT = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+ENV = celpy.Environment()
+
+
+def cel_eval(text: str, spec: dict):
+    return ENV.program(ENV.compile(text)).evaluate({"self": celpy.json_to_cel(spec)})
+
+
+def test_let_is_a_one_element_comprehension_in_cel_and_a_binding_in_python():
+    e = Let("v_x", Field("a.b") * 2, Var("v_x").eq(8) & (Var("v_x") > 1))
+    assert e.cel() == "[(self.a.b * 2)].all(v_x, ((v_x == 8) && (v_x > 1)))"
+    assert e.eval({"self": {"a": {"b": 4}}}) is True and e.eval({"self": {"a": {"b": 3}}}) is False
+    assert bool(cel_eval(e.cel(), {"a": {"b": 4}})) is True and bool(cel_eval(e.cel(), {"a": {"b": 3}})) is False
+
+
+def test_a_value_read_twice_is_bound_once_and_one_read_once_is_left_alone():
+    twice = cond(Has(Field("m.n")), Field("m.n"), 0)
+    once = cond(Has(Field("m.k")), Field("m.k"), 1)
+    expr = ((twice > 0) & (twice < 10)) | (once.eq(1))
+    out = bind_shared(expr, {"v_n": twice, "v_k": once})
+    assert isinstance(out, Let) and out.var == "v_n" and out.value is twice
+    text = out.cel()
+    assert text.count("self.m.n") == 2  # has() and the read, once, in the binding
+    assert text.count("self.m.k") == 2 and "v_k" not in text
+    for spec in ({"m": {"n": 5, "k": 1}}, {"m": {"n": 50}}, {"m": {}}, {"m": {"k": 2}}):
+        env = {"self": spec}
+        assert out.eval(env) == expr.eval(env)
+        assert bool(cel_eval(text, spec)) == bool(expr.eval(env)), spec
+
+
+def test_a_value_inside_another_bound_value_is_bound_outside_it():
+    heads = cond(Has(Field("m.h")), Field("m.h"), 4)
+    groups = cond(Has(Field("m.g")), Field("m.g"), heads)
+    expr = (groups > 0) & ((heads % groups).eq(0)) & (groups <= heads)
+    out = bind_shared(expr, {"v_groups": groups, "v_heads": heads})
+    assert out.var == "v_heads" and out.body.var == "v_groups"  # heads outside: groups' value reads it
+    assert "v_heads" in out.body.value.cel() and "self.m.h" not in out.body.cel()
+    for spec in ({"m": {}}, {"m": {"h": 8, "g": 2}}, {"m": {"h": 8, "g": 3}}, {"m": {"g": 8}}):
+        assert bool(cel_eval(out.cel(), spec)) == expr.eval({"self": spec}), spec
+
+
+def test_rebase_reads_the_object_once_and_has_follows():
+    expr = Has(Field("model.a")) & (Field("model.b") > Field("parallelism.t"))
+    out = rebase(expr, "model", "v_model")
+    assert out.cel() == "[self.model].all(v_model, (has(v_model.a) && (v_model.b > self.parallelism.t)))"
+    spec = {"model": {"a": 1, "b": 3}, "parallelism": {"t": 2}}
+    assert out.eval({"self": spec}) is True and bool(cel_eval(out.cel(), spec)) is True
+    assert rebase(Field("model.a") > 1, "model", "v_model").cel() == "(self.model.a > 1)"  # one read: unchanged
+
+
+@pytest.mark.parametrize("case_id,doc,rule", CASES, ids=[c[0] for c in CASES])
+def test_every_rule_as_generated_decides_as_the_plain_rule(case_id, doc, rule):
+    """Python evaluation of each rule's generated form (bindings and rebasing) against the plain rule, on
+    every spec of the table (the CEL text of both through cel-python is test_spec_rules' job and this one's
+    for the rules that changed)."""
+    spec = apply_defaults(ROOT, copy.deepcopy(doc))["spec"]
+    env = {"self": spec}
+    for r in SPEC_RULES:
+        plain, generated = r.condition(), r.cel_condition()
+        assert generated.eval(env) == plain.eval(env), r.name
+        if generated is not plain:
+            assert bool(cel_eval(generated.cel(), spec)) == bool(plain.eval(env)), r.name
+
+
+def test_the_generated_rules_read_fewer_fields_through_the_spec():
+    """Each `self.x.y` read resolves x among the spec's properties first; the generated rules do that once per
+    object and rule. A guard against a change that silently undoes the bindings."""
+    plain = sum(len(re.findall(r"\bself\.", r.condition().cel())) for r in SPEC_RULES)
+    generated = sum(len(re.findall(r"\bself\.", r.cel_condition().cel())) for r in SPEC_RULES)
+    assert generated < plain / 2, (plain, generated)
+    assert set(MODEL_VALUES)  # the bound values are the model's
