@@ -80,7 +80,7 @@ def test_table_is_in_ms_per_job():
 @pytest.mark.skipif(shutil.which("go") is None, reason="needs Go for a real profile and `go tool pprof`")
 def test_a_real_go_profile_through_go_tool_pprof(tmp_path):
     """A Go program that spends its time in encoding/json, profiled by runtime/pprof: the real tool's output
-    parses, the samples add up to the profile's total, and JSON is the largest category."""
+    parses, the samples add up to most of the 1.5 s the program ran, and JSON is the largest category."""
     (tmp_path / "main.go").write_text("""package main
 import ("encoding/json"; "os"; "runtime/pprof"; "time")
 func main() {
@@ -99,13 +99,10 @@ func main() {
     subprocess.run(["go", "run", ".", str(prof)], cwd=tmp_path, env=env, check=True, timeout=300)
     samples = P.parse_traces(subprocess.run(["go", "tool", "pprof", "-traces", str(prof)], capture_output=True,
                                             text=True, check=True, env=env, timeout=120).stdout)
-    top = subprocess.run(["go", "tool", "pprof", "-top", str(prof)], capture_output=True, text=True, check=True,
-                         env=env, timeout=120).stdout
-    total_line = next(line for line in top.splitlines() if "Total samples" in line or "total" in line)
-    assert samples, top
+    assert samples
     seconds = P.breakdown(samples)
     assert max(seconds, key=seconds.get) == "JSON", seconds
-    assert sum(seconds.values()) > 0.5, (seconds, total_line)
+    assert sum(seconds.values()) > 0.5, seconds
 
 
 def test_the_ledger_prints_the_profile_by_system_with_ours_minus_the_peer():
