@@ -320,6 +320,35 @@ class Let(Expr):
         return bool(self.body.eval({**env, self.var: self.value.eval(env)}))
 
 
+@dataclass(frozen=True, eq=False)
+class OrValue(Expr):
+    """A field's value, else ``default`` when it is absent: CEL ``a.?b.orValue(default)`` (Kubernetes enables
+    CEL's optional types). The same value as ``has(a.b) ? a.b : default``, for one field lookup instead of
+    two: on the API server each lookup in a CRD object rebuilds the schemas of all its sibling properties
+    (see ``bind_shared``). ``optionals`` writes it."""
+
+    field: Field
+    default: Expr
+
+    def cel(self) -> str:
+        parent, _, last = self.field.path.rpartition(".")
+        base = f"{self.field.root}.{parent}" if parent else self.field.root
+        return f"{base}.?{last}.orValue({self.default.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return self.field.eval(env) if Has(self.field).eval(env) else self.default.eval(env)
+
+
+def optionals(expr: Expr) -> Expr:
+    """``expr`` with every ``has(x) ? x : d`` written as ``OrValue(x, d)``."""
+    def fn(n: Expr) -> Expr | None:
+        if (isinstance(n, Cond) and isinstance(n.test, Has) and isinstance(n.then, Field)
+                and (n.test.field.root, n.test.field.path) == (n.then.root, n.then.path)):
+            return OrValue(n.then, optionals(n.other))
+        return None
+    return transform(expr, fn)
+
+
 def transform(node: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
     """The tree with every node for which ``fn`` returns a replacement replaced (top-down: a replaced node's
     children are not visited); unchanged subtrees are the same objects."""
@@ -402,6 +431,29 @@ def rebase(expr: Expr, prefix: str, var: str) -> Expr:
         return expr
     body = transform(expr, lambda n: Field(n.path[len(prefix) + 1:], var) if hit(n) else None)
     return Let(var, Field(prefix), body)
+
+
+def bind_field(expr: Expr, within: str, path: str, var: str, absent: Any) -> Expr:
+    """Inside the ``Let`` named ``within``: ``<within>.<path>`` read once, as ``var`` (``absent`` when the field
+    is absent), when the rule reads it or tests it with ``has`` three times or more. ``has(<within>.<path>)``
+    becomes ``var != absent``: ``absent`` must be a value the field can never hold (the schema forbids it)."""
+    def hit(n: Expr) -> bool:
+        fld = n.field if isinstance(n, Has) else n
+        return isinstance(fld, Field) and (fld.root, fld.path) == (within, path)
+
+    def to_var(n: Expr) -> Expr | None:
+        if isinstance(n, Has) and hit(n):
+            return Bin("!=", Var(var), lit(absent))
+        return Var(var) if hit(n) else None
+
+    def fn(n: Expr) -> Expr | None:
+        if isinstance(n, Let) and n.var == within:
+            if sum(1 for x in _walk(n.body) if isinstance(x, Field) and hit(x)) < 3:  # a has() holds a Field too
+                return n
+            return Let(within, n.value, Let(var, OrValue(Field(path, within), lit(absent)), transform(n.body, to_var)))
+        return None
+
+    return transform(expr, fn)
 
 
 @dataclass(frozen=True, eq=False)

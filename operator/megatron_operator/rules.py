@@ -28,11 +28,13 @@ from .expr import (
     Size,
     StartsWith,
     Var,
+    bind_field,
     bind_shared,
     cond,
     fmt,
     lit,
     lookup,
+    optionals,
     rebase,
 )
 from .presets import MODEL_PRESETS
@@ -239,10 +241,12 @@ class Rule:
         computed once, and ``self.model``, ``self.parallelism`` and ``self.training`` (required or defaulted
         objects) resolved once (``expr.bind_shared``, ``expr.rebase``). The same verdicts for less CEL work:
         the API server's cost per field read grows with the number of sibling properties."""
-        out = bind_shared(self.condition(), {f"v_{name}": e for name, e in MODEL_VALUES.items()})
+        out = bind_shared(self.condition(), {**{f"v_{name}": e for name, e in MODEL_VALUES.items()},
+                                             "v_world": world, "v_modelParallel": model_parallel})
         for prefix, var in (("model", "v_model"), ("parallelism", "v_parallelism"), ("training", "v_training")):
             out = rebase(out, prefix, var)
-        return out
+        # the preset is a schema enum: "" can never be one
+        return optionals(bind_field(out, "v_model", "preset", "v_preset", ""))
 
     def to_cel(self) -> dict[str, str]:
         out = {"rule": self.cel_condition().cel()}

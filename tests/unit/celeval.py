@@ -10,6 +10,7 @@ too). The real API server's verdict on the same table is checked in e2e.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import celpy
@@ -69,9 +70,38 @@ def _has_value(optional: Any) -> Any:
     return celpy.celtypes.BoolType(len(optional) > 0)
 
 
+_OPTIONAL_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\.\?([A-Za-z_][A-Za-z0-9_]*)\.orValue\(")
+
+
+def without_optionals(expr: str) -> str:
+    """``a.?b.orValue(d)`` (CEL's optional field selection, which cel-python does not parse) written as
+    ``(has(a.b) ? a.b : d)``: the same value, by the definition of optional selection on a message or
+    object (the generator writes only this form: ``expr.OrValue``)."""
+    while m := _OPTIONAL_FIELD.search(expr):
+        depth, i, quote = 1, m.end(), None
+        while depth:  # the end of orValue's argument: its closing parenthesis, outside string literals
+            c = expr[i]
+            if quote:
+                if c == "\\":
+                    i += 1
+                elif c == quote:
+                    quote = None
+            elif c in "\"'":
+                quote = c
+            elif c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+            i += 1
+        field = f"{m[1]}.{m[2]}"
+        expr = f"{expr[:m.start()]}(has({field}) ? {field} : {expr[m.end():i - 1]}){expr[i:]}"
+    return expr
+
+
 def _program(expr: str) -> Any:
     if expr not in _CACHE:
-        _CACHE[expr] = _ENV.program(_ENV.compile(expr), functions={"format": _format, "hasValue": _has_value})
+        _CACHE[expr] = _ENV.program(_ENV.compile(without_optionals(expr)),
+                                    functions={"format": _format, "hasValue": _has_value})
     return _CACHE[expr]
 
 

@@ -1,5 +1,5 @@
-"""Shared values computed once in the generated CEL (expr.Let, bind_shared, rebase): the same verdicts, fewer
-field reads. The CEL side of every rule is checked on the whole spec table by test_spec_rules (cel-python on
+"""Shared values computed once in the generated CEL (expr.Let, bind_shared, rebase) and optional field selection
+(expr.OrValue, optionals): the same verdicts, fewer field reads. The CEL side of every rule is checked on the whole spec table by test_spec_rules (cel-python on
 the generated CRD) and at the real API server in e2e; here the transformations themselves."""
 
 from __future__ import annotations
@@ -9,9 +9,21 @@ import re
 
 import celpy
 import pytest
-from celeval import apply_defaults
+from celeval import apply_defaults, without_optionals
 from megatron_operator import crd
-from megatron_operator.expr import Field, Has, Let, Var, bind_shared, cond, rebase
+from megatron_operator.expr import (
+    Field,
+    Has,
+    Let,
+    OrValue,
+    Var,
+    bind_field,
+    bind_shared,
+    cond,
+    lookup,
+    optionals,
+    rebase,
+)
 from megatron_operator.rules import SPEC_RULES
 from spec_table import CASES
 
@@ -22,7 +34,7 @@ PROGRAMS: dict[str, object] = {}
 
 def cel_eval(text: str, spec: dict):
     if text not in PROGRAMS:  # every case evaluates the same generated rules: compile each once
-        PROGRAMS[text] = ENV.program(ENV.compile(text))
+        PROGRAMS[text] = ENV.program(ENV.compile(without_optionals(text)))
     return PROGRAMS[text].evaluate({"self": celpy.json_to_cel(spec)})
 
 
@@ -66,6 +78,46 @@ def test_rebase_reads_the_object_once_and_has_follows():
     spec = {"model": {"a": 1, "b": 3}, "parallelism": {"t": 2}}
     assert out.eval({"self": spec}) is True and bool(cel_eval(out.cel(), spec)) is True
     assert rebase(Field("model.a") > 1, "model", "v_model").cel() == "(self.model.a > 1)"  # one read: unchanged
+
+
+def test_or_value_is_cel_optional_selection_and_has_in_python():
+    e = OrValue(Field("a.b"), Field("a.c") * 2)
+    assert e.cel() == "self.a.?b.orValue((self.a.c * 2))"
+    assert OrValue(Field("b", "v_a"), Var("d")).cel() == "v_a.?b.orValue(d)"
+    for spec, want in (({"a": {"b": 5, "c": 1}}, 5), ({"a": {"c": 3}}, 6)):
+        assert e.eval({"self": spec}) == want
+        assert cel_eval(e.cel(), spec) == want
+
+
+def test_optionals_rewrites_only_a_test_of_the_field_it_then_reads():
+    same = cond(Has(Field("m.n")), Field("m.n"), cond(Has(Field("m.k")), Field("m.k"), 1))
+    out = optionals(same)
+    assert out.cel() == "self.m.?n.orValue(self.m.?k.orValue(1))"
+    other = cond(Has(Field("m.n")), Field("m.k"), 0)  # tests one field, reads another: left alone
+    assert optionals(other) is other
+    for spec in ({"m": {"n": 5}}, {"m": {"k": 2}}, {"m": {}}):
+        assert out.eval({"self": spec}) == same.eval({"self": spec}) == cel_eval(out.cel(), spec)
+
+
+def test_a_field_tested_and_read_three_times_is_read_once_with_a_marker_for_absent():
+    preset = Field("p", "v_m")
+    table = {"a": 1, "b": 2}
+    value = cond(Has(preset), lookup(table, preset), 0)
+    body = (value > 0) & cond(Has(Field("n", "v_m")), Field("n", "v_m"), value).eq(1)
+    expr = Let("v_m", Field("m"), body)
+    out = bind_field(expr, "v_m", "p", "v_p", "")
+    assert out.body.var == "v_p" and out.body.value.cel() == 'v_m.?p.orValue("")'
+    assert "v_m.p" not in out.body.body.cel() and 'v_p != ""' in out.cel()
+    for spec in ({"m": {"p": "a"}}, {"m": {"p": "b", "n": 1}}, {"m": {}}, {"m": {"n": 1}}):
+        assert out.eval({"self": spec}) == expr.eval({"self": spec}) == bool(cel_eval(out.cel(), spec)), spec
+    once = Let("v_m", Field("m"), value > 0)  # read twice (has and the lookup's key): left alone
+    assert bind_field(once, "v_m", "p", "v_p", "") is once
+
+
+def test_the_cel_python_harness_rewrites_optional_selection_outside_string_literals():
+    text = 'v_m.?n.orValue((x ? {"a)": 1}["a)"] : 0)) > 0 && self.d.?mock.orValue(false)'
+    assert without_optionals(text) == ('(has(v_m.n) ? v_m.n : (x ? {"a)": 1}["a)"] : 0)) > 0 && '
+                                       '(has(self.d.mock) ? self.d.mock : false)')
 
 
 @pytest.mark.parametrize("case_id,doc,rule", CASES, ids=[c[0] for c in CASES])

@@ -81,8 +81,11 @@ def test_key_rules_inside_immutable_fields_are_create_only():
                 if k != "x-kubernetes-validations":
                     walk(sub, path + (k,))
     walk(SPEC["properties"], ())
-    assert found
-    for path, v in found:
+    immutability = [(path, v) for path, v in found if len(path) == 1 and v["rule"] == "self == oldSelf"]
+    assert sorted(path[0] for path, _ in immutability) == sorted(IMMUTABLE)  # one on each immutable field
+    key_rules = [(path, v) for path, v in found if (path, v) not in immutability]
+    assert key_rules
+    for path, v in key_rules:
         assert path[0] in IMMUTABLE and v.get("optionalOldSelf") is True and v["rule"].startswith(PREFIX), path
 
 

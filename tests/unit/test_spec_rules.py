@@ -105,6 +105,36 @@ def test_immutability_transition_rules(field, old, new, allowed):
     assert (not immut) == allowed, errors
 
 
+def _changed(v):
+    """A different value of the same JSON type."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, str):
+        return v + "x"
+    if isinstance(v, list):
+        return [*v, "x"]
+    return {**v, "changed": 1}
+
+
+@pytest.mark.parametrize("field", sorted(crd.immutable_spec_fields(ROOT["properties"]["spec"])))
+def test_each_immutable_field_changed_added_or_removed_gives_its_one_error(field):
+    """The rule on the field's own node (a change) and, for a field that may be absent, the presence rule on
+    spec (added, removed): exactly one error, the field's message."""
+    spec_schema = ROOT["properties"]["spec"]
+    base = apply_defaults(ROOT, make_job())["spec"]
+    want = [crd.immutable_message(field)]
+    old = {**base, field: base.get(field, "before")}
+    assert cel_errors(spec_schema, {**old, field: _changed(old[field])}, old=old) == want
+    assert cel_errors(spec_schema, old, old=old) == []
+    optional = field not in spec_schema.get("required", []) and "default" not in spec_schema["properties"][field]
+    if optional:
+        without = {k: v for k, v in old.items() if k != field}
+        assert cel_errors(spec_schema, without, old=old) == want  # removed
+        assert cel_errors(spec_schema, old, old=without) == want  # added
+
+
 def test_every_rule_is_documented():
     from pathlib import Path
 
