@@ -238,12 +238,15 @@ class Rule:
 
     def cel_condition(self) -> Expr:
         """``condition()`` as the API server evaluates it: each shared model value a rule reads more than once
-        computed once, and ``self.model``, ``self.parallelism`` and ``self.training`` (required or defaulted
-        objects) resolved once (``expr.bind_shared``, ``expr.rebase``). The same verdicts for less CEL work:
+        computed once, and ``self.model``, ``self.parallelism``, ``self.training``, ``self.data`` and
+        ``self.resources`` (required or defaulted objects) resolved once (``expr.bind_shared``, ``expr.rebase``);
+        ``has(x) ? x : d`` as ``x.?f.orValue(d)`` and the preset read once (``expr.optionals``,
+        ``expr.bind_field``). The same verdicts for less CEL work:
         the API server's cost per field read grows with the number of sibling properties."""
         out = bind_shared(self.condition(), {**{f"v_{name}": e for name, e in MODEL_VALUES.items()},
                                              "v_world": world, "v_modelParallel": model_parallel})
-        for prefix, var in (("model", "v_model"), ("parallelism", "v_parallelism"), ("training", "v_training")):
+        for prefix, var in (("model", "v_model"), ("parallelism", "v_parallelism"), ("training", "v_training"),
+                            ("data", "v_data"), ("resources", "v_resources")):
             out = rebase(out, prefix, var)
         # the preset is a schema enum: "" can never be one
         return optionals(bind_field(out, "v_model", "preset", "v_preset", ""))
