@@ -371,3 +371,24 @@ def test_hf_export_to_an_unreachable_store_is_retriable(server, creds, monkeypat
         target.prepare(1)
     assert err.value.retriable is True, str(err.value)
     assert classify(err.value, first_iteration_done=True) == ExitCode.ERROR  # a gang restart exports again
+
+
+def test_one_configuration_file_per_process_rewritten_in_place(tmp_path, monkeypatch):
+    """configure() keeps one MSC configuration file per process: a later profile is added to the same file
+    (the path an async writer inherited stays valid), and no file is left behind per call."""
+    monkeypatch.setattr(objstore.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("MSC_CONFIG", raising=False)  # restored after the test, as are the module's globals
+    monkeypatch.setattr(objstore, "_CONFIG_FILE", [])
+    monkeypatch.setattr(objstore, "_PROFILES", {})
+    registered = []
+    monkeypatch.setattr(objstore.atexit, "register", lambda fn, *args: registered.append((fn, args)))
+    objstore.configure("s3://one/p", "http://127.0.0.1:9", "us-east-1", profile="a")
+    first = os.environ["MSC_CONFIG"]
+    objstore.configure("s3://two/q", "http://127.0.0.1:9", "us-east-1", profile="b")
+    assert os.environ["MSC_CONFIG"] == first
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(first)]
+    profiles = json.loads(open(first).read())["profiles"]
+    assert sorted(profiles) == ["a", "b"] and profiles["b"]["storage_provider"]["options"]["base_path"] == "two"
+    [(fn, args)] = registered  # removed at exit, by the process that wrote it only
+    fn(*args)
+    assert list(tmp_path.iterdir()) == []

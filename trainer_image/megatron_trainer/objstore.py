@@ -18,6 +18,7 @@ deletes metadata.json first, so a half-deleted checkpoint reads as incomplete.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -66,17 +67,35 @@ def msc_url(loc: S3Location, profile: str = PROFILE) -> str:
 
 
 _PROFILES: dict = {}
+_CONFIG_FILE: list[str] = []  # this process's MSC configuration file, once written
+
+
+def _remove_config_file(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked child that inherited the handler
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def configure(url: str, endpoint: str | None, region: str | None, profile: str = PROFILE) -> str:
     """Write the MSC configuration for `url` (s3://BUCKET/PREFIX), enable MSC in Megatron-Core, and
-    return the msc:// URL to save to and load from. Idempotent for the same arguments."""
+    return the msc:// URL to save to and load from. Idempotent for the same arguments.
+
+    One file per process: a later call rewrites it in place (atomically, with every profile so far), so
+    the path a child process inherited in MSC_CONFIG stays valid; it is removed when the process exits."""
     loc = parse_s3_url(url)
     _PROFILES.update(msc_config(loc.bucket, endpoint, region, profile)["profiles"])
     cfg = {"profiles": dict(_PROFILES)}  # every profile this process configured (msc reads it per profile)
     fd, path = tempfile.mkstemp(prefix="msc-config-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(cfg, f)
+    if _CONFIG_FILE:
+        os.replace(path, _CONFIG_FILE[0])
+        path = _CONFIG_FILE[0]
+    else:
+        _CONFIG_FILE.append(path)
+        atexit.register(_remove_config_file, path, os.getpid())
     os.environ["MSC_CONFIG"] = path  # inherited by the async writer process
     try:
         from megatron.core.msc_utils import MultiStorageClientFeature
