@@ -46,20 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "e2e"), str(ROOT / "operator")]
 
 from crd_write_cost import git_commit, variant_crd  # noqa: E402
+from k8s import load_cluster_module  # noqa: E402
 from operator_latency import megatron_job  # noqa: E402
+
+CLUSTER = load_cluster_module()  # e2e/cluster/cluster.py: versions(), cache_dir()
 
 TOOL_DIR = ROOT / "bench" / "cel_cost"
 JOBS = ("bench", "llama")
 MODES = ("create", "status")
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / "e2e" / "cluster" / "versions.env").read_text().splitlines():
-        if "=" in line and not line.startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
 
 
 def tool_module_version() -> str:
@@ -71,19 +65,13 @@ def tool_module_version() -> str:
     raise SystemExit("bench/cel_cost/go.mod does not require k8s.io/apiextensions-apiserver")
 
 
-def cache_dir() -> Path:
-    if os.environ.get("MEGATRON_OPERATOR_CACHE"):
-        return Path(os.environ["MEGATRON_OPERATOR_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-operator"
-
-
 def build_tool() -> Path:
-    kube = versions()["KUBE_VERSION"]
+    kube = CLUSTER.versions()["KUBE_VERSION"]
     want = "v0." + kube.split(".", 1)[1]
     if tool_module_version() != want:
         raise SystemExit(f"bench/cel_cost/go.mod builds apiextensions-apiserver {tool_module_version()}, "
                          f"the test control plane Kubernetes {kube} ({want}): update go.mod")
-    cache = cache_dir()
+    cache = CLUSTER.cache_dir()
     gover = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True, check=True).stdout.strip()
     out = cache / "bin" / f"cel-cost-{kube}" / "cel_cost"
     env = dict(os.environ, GOMODCACHE=str(cache / "gomod"), GOCACHE=str(cache / gover / "go-build"),

@@ -24,7 +24,7 @@ def test_the_timed_jobs_are_valid(name):
 
 
 def test_the_tool_builds_against_the_control_planes_kubernetes():
-    kube = cvc.versions()["KUBE_VERSION"]
+    kube = cvc.CLUSTER.versions()["KUBE_VERSION"]
     assert cvc.tool_module_version() == "v0." + kube.split(".", 1)[1]
 
 
