@@ -275,7 +275,8 @@ def run_jobs_through_every_api_call(cluster: Cluster, jobs: Jobs, op: ChartOpera
     role = jobs.rbac.read_namespaced_role("ok-trainer", jobs.ns)
     assert role.rules[0].resources == ["megatronjobs/status"] and sa.metadata.owner_references[0].kind == "MegatronJob"
     assert jobs.rbac.read_namespaced_role_binding("ok-trainer", jobs.ns).role_ref.name == "ok-trainer"
-    assert {"Running", "Completed"} <= {e.reason for e in jobs.events("ok")}
+    assert "Completed" in {e.reason for e in jobs.events("ok")}  # a first start has no event: the status says it
+    assert done.get("startTime")
 
     jobs.wait_phase("pause", "Running", timeout=JOB_TIMEOUT_S)
     jobs.patch_spec("pause", {"suspend": True})

@@ -93,15 +93,31 @@ class Reason:
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 #: Start-up phases that get no event: the status says all there is (the JobSet is being created, its
-#: pods are starting), and a burst of jobs paid one more API write per job for it (issue 30). Every
-#: other phase change still gets one: Running, Pending for a reason (Unschedulable, Queued, a
-#: container's waiting reason), restarts and the end.
+#: pods are starting), and a burst of jobs paid one more API write per job for it (issue 30); nor does
+#: the first Running that follows them outside Kueue (``_announced``). Every other phase change still
+#: gets one: Pending for a reason (Unschedulable, Queued, a container's waiting reason), Running straight
+#: after it, under Kueue or after a restart, restarts and the end.
 QUIET_PHASES = ((Phase.PENDING, Reason.CREATING), (Phase.PENDING, Reason.PODS_STARTING))
 # JobSet's own condition reason when its restarts ran out
 _JOBSET_MAX_RESTARTS = "ReachedMaxRestarts"
 # The status fields the operator owns (server-side apply): all of them but the trainer's progress.
 OPERATOR_FIELDS = tuple(f.alias or n for n, f in MegatronJobStatus.model_fields.items() if n != "progress")
 MAX_MESSAGE = 32000
+
+
+def _announced(phase: str, reason: str, prev: dict[str, Any], queued: bool) -> bool:
+    """Whether a phase change gets an event: not a quiet start-up phase, and not the first ``Running``
+    of a job that comes to it from one (or from no status yet) outside Kueue. Phase, ``Running``
+    condition and ``startTime`` say that a job started, and in a burst the event cost one more API
+    write per job and a tenth of the operator's CPU (issue 30). A job in a Kueue queue keeps it (its
+    events say Queued first), as does ``Running`` straight after a phase that had an event
+    (Unschedulable, a container's waiting reason, Suspended) and every later one (after a restart, a
+    stall restart, a suspension)."""
+    if (phase, reason) in QUIET_PHASES:
+        return False
+    plain_start = (phase == Phase.RUNNING and not queued and not prev.get("startTime")
+                   and (not prev.get("phase") or (prev.get("phase"), prev.get("reason")) in QUIET_PHASES))
+    return not plain_start
 
 
 def iso(t: datetime) -> str:
@@ -450,7 +466,7 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
                             f"is recreated without it and the job resumes from its last checkpoint"))
     phase, reason, message = _explain(phase, reason, message, failure, new_failure)
     message = message[:MAX_MESSAGE]
-    if (phase != prev.get("phase") or reason != prev.get("reason")) and (phase, reason) not in QUIET_PHASES:
+    if (phase != prev.get("phase") or reason != prev.get("reason")) and _announced(phase, reason, prev, bool(o.queue_name)):
         warn = phase in (Phase.FAILED, Phase.RESTARTING) or reason in (Reason.UNSCHEDULABLE, Reason.GANG_RESTART,
                                                                       Reason.NOT_OWNED, Reason.PREEMPTED,
                                                                       Reason.DISRUPTION)

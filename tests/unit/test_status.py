@@ -65,7 +65,7 @@ def test_image_pull_backoff_is_the_pending_reason():
      ("Normal", "ImagePullBackOff")),  # a reason to wait: an event, as every other phase change
     (dict(jobset=js(), pods=[PodView("p0", "Pending", unschedulable="0/1 nodes are available")]),
      ("Warning", "Unschedulable")),
-    (dict(jobset=js(), pods=pods(2)), ("Normal", "Running")),
+    (dict(jobset=js(), pods=pods(2)), None),  # a first start: phase, Running condition and startTime say it
 ])
 def test_start_up_phases_that_the_status_tells_get_no_event(observed, event):
     # issue 30: one API write per job and phase in a burst, for an event that repeats the status
@@ -73,11 +73,69 @@ def test_start_up_phases_that_the_status_tells_get_no_event(observed, event):
     assert [(e.type, e.reason) for e in events] == ([event] if event else [])
 
 
+def test_a_plain_first_start_posts_no_running_event():
+    """Creating -> PodsStarting -> Running, each status written: no event at any step (issue 30), and
+    the status says each phase."""
+    creating, events = derive(obs(), NOW)
+    assert (creating["phase"], creating["reason"], events) == ("Pending", "Creating", [])
+    starting, events = derive(obs(jobset=js(), pods=pods(2, phase="Pending"), previous=creating), NOW)
+    assert (starting["phase"], starting["reason"], events) == ("Pending", "PodsStarting", [])
+    running, events = derive(obs(jobset=js(), pods=pods(2), previous=starting), NOW)
+    assert (running["phase"], running["startTime"], events) == ("Running", iso(NOW), [])
+    assert cond(running, "Running")["status"] == "True"
+
+
+@pytest.mark.parametrize("waiting", [
+    dict(jobset=js(), pods=[PodView("p0", "Pending", waiting_reason="ImagePullBackOff")]),
+    dict(jobset=js(), pods=[PodView("p0", "Pending", unschedulable="0/1 nodes are available")]),
+    dict(jobset=js(suspended=True), queue_name="team"),  # Queued for Kueue
+    dict(jobset=js(suspended=True), suspend=True),  # Suspended
+])
+def test_running_after_a_wait_that_had_an_event_gets_one(waiting):
+    """A job's events do not end on a wait that is over: Running after Queued, Unschedulable, a
+    container's waiting reason or a suspension is announced."""
+    waited, events = derive(obs(**waiting), NOW)
+    assert len(events) == 1 and waited["phase"] in ("Pending", "Suspended")
+    extra = {"queue_name": "team"} if "queue_name" in waiting else {}
+    running, events = derive(obs(jobset=js(), pods=pods(2), previous=waited, **extra), NOW)
+    assert running["phase"] == "Running"
+    assert [(e.type, e.reason) for e in events] == [("Normal", "Running")]
+
+
+def test_a_kueue_job_keeps_its_running_event_through_pods_starting():
+    queued, events = derive(obs(jobset=js(suspended=True), queue_name="team"), NOW)
+    assert [e.reason for e in events] == ["Queued"]
+    admitted, events = derive(obs(jobset=js(), pods=pods(2, phase="Pending"), queue_name="team", previous=queued), NOW)
+    assert (admitted["reason"], events) == ("PodsStarting", [])
+    running, events = derive(obs(jobset=js(), pods=pods(2), queue_name="team", previous=admitted), NOW)
+    assert [(e.type, e.reason) for e in events] == [("Normal", "Running")]
+
+
+def test_a_wait_outside_kueue_then_pods_starting_then_running_has_no_running_event():
+    """The trade made for issue 30, as documented (docs/troubleshooting.md): the status does not
+    remember an earlier wait, so once PodsStarting was written the first Running is a plain start. The
+    pods' own events (Scheduled, Pulled) close their waits."""
+    waited, _ = derive(obs(jobset=js(), pods=[PodView("p0", "Pending", unschedulable="0/1 nodes are available")]),
+                       NOW)
+    starting, _ = derive(obs(jobset=js(), pods=pods(2, phase="Pending"), previous=waited), NOW)
+    running, events = derive(obs(jobset=js(), pods=pods(2), previous=starting), NOW)
+    assert (running["phase"], events) == ("Running", [])
+
+
+def test_running_after_a_restart_gets_an_event():
+    running, _ = derive(obs(jobset=js(), pods=pods(2)), NOW)
+    p = pods(2, attempt=0, terminating=True) + pods(1, phase="Pending", attempt=1)
+    restarting, _ = derive(obs(jobset=js(restarts=1), pods=p, previous=running), NOW + timedelta(minutes=1))
+    back, events = derive(obs(jobset=js(restarts=1), pods=pods(2, attempt=1), previous=restarting),
+                          NOW + timedelta(minutes=2))
+    assert back["phase"] == "Running" and [e.reason for e in events] == ["Running"]
+
+
 def test_all_pods_running_is_running_and_start_time_is_set_once():
     s, events = derive(obs(jobset=js(), pods=pods(2)), NOW)
     assert s["phase"] == "Running" and s["startTime"] == iso(NOW)
     assert cond(s, "Running")["status"] == "True" and cond(s, "Created")["status"] == "True"
-    assert [e.reason for e in events] == ["Running"]
+    assert events == []  # a first start: the status says it (issue 30)
     later, _ = derive(obs(jobset=js(), pods=pods(2), previous=s), NOW + timedelta(hours=1))
     assert later["startTime"] == iso(NOW)
 
