@@ -371,3 +371,70 @@ def test_operator_and_trainer_agree_on_config_json(config, accepted):
                                                operator_hf.parse_config(config, cfg.model.seq_length))
         assert len(trainer_says) == len(operator_says), (trainer_says, operator_says)
         assert bool(operator_says) == bool(changed), operator_says
+
+
+#: JSON values that a config.json field may hold by mistake: each type, the non-finite floats Python's
+#: json module reads (``Infinity``, ``NaN``), an integer too large for a float, and the edges of 0 and 1.
+ODD_VALUES = [None, True, False, "x", "1", [], [1], {}, {"a": 1}, 0, -1, 0.5, -0.0, 5e-324, 2.0 ** 63, 10 ** 30,
+              10 ** 400, 1e308, float("inf"), float("-inf"), float("nan")]
+
+
+def test_operator_and_trainer_refuse_the_same_odd_field_values_without_a_traceback():
+    """Every field the two mappings read, in every fixture, set to each odd JSON value: the operator's
+    hf-config and the trainer's --hf-init check both accept it or both refuse it, and refuse it with
+    HfConfigError (which they print as one line; the trainer exits 2), never another exception. The
+    trainer once crashed with OverflowError on ``"rope_theta": Infinity`` and took ``pretraining_tp:
+    true``, which the operator refused."""
+    import copy
+    import json
+
+    from megatron_operator import hf_config as operator_hf
+    from megatron_trainer import hf_config as trainer_hf
+
+    def verdict(module, config):
+        try:
+            module.parse_config(copy.deepcopy(config), seq_length=256)
+            return "accepted"
+        except module.HfConfigError:
+            return "refused"
+        except Exception as exc:  # the finding itself: reported with the case below
+            return f"{type(exc).__name__}: {exc}"[:120]
+
+    keys = sorted(operator_hf.MAPPED | {"rope_parameters.rope_theta", "rope_parameters.factor",
+                                        "rope_scaling.factor", "rope_scaling.rope_theta"})
+    assert operator_hf.MAPPED == trainer_hf.MAPPED and operator_hf.INFO_ONLY == trainer_hf.INFO_ONLY
+    disagreements, cases = [], 0
+    for path in HF_FIXTURES:
+        base = json.loads(path.read_text())
+        for key in keys:
+            *parents, leaf = key.split(".")
+            holder = base
+            for parent in parents:
+                holder = holder.get(parent) if isinstance(holder, dict) else None
+            if not isinstance(holder, dict):
+                continue
+            for value in ODD_VALUES:
+                original = holder.get(leaf, ...)
+                holder[leaf] = value
+                ours, trainers = verdict(operator_hf, base), verdict(trainer_hf, base)
+                cases += 1
+                if ours != trainers or ours not in ("accepted", "refused"):
+                    disagreements.append(f"{path.stem} {key}={value!r:.40}: operator {ours}, trainer {trainers}")
+                if original is ...:
+                    del holder[leaf]
+                else:
+                    holder[leaf] = original
+    assert cases > 1000
+    assert not disagreements, "\n".join(disagreements)
+
+
+def test_operator_and_trainer_refuse_a_config_json_with_a_key_given_twice(tmp_path):
+    from megatron_operator import hf_config as operator_hf
+    from megatron_trainer import hf_config as trainer_hf
+
+    text = HF_FIXTURES[0].read_text().replace("{", '{"hidden_size": 1, ', 1)  # read twice: which one wins?
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(operator_hf.HfConfigError, match="given twice"):
+        operator_hf.load_config(tmp_path / "config.json")
+    with pytest.raises(trainer_hf.HfConfigError, match="given twice"):
+        trainer_hf.load_config(tmp_path)

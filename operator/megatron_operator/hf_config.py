@@ -126,9 +126,21 @@ def _int(d: dict[str, Any], key: str, problems: list[str], default: int | None =
     return v
 
 
+def _number(v: Any) -> float | None:
+    """``v`` as a finite float, else None: not a bool, not infinite or NaN, and not an integer too large for
+    a float (JSON allows any number of digits)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _float(d: dict[str, Any], key: str, problems: list[str], default: float) -> float:
     v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if _number(v) is None:
         problems.append(f"config.json {key}: expected a number, got {_show(v)}")
         return default
     return float(v)
@@ -145,7 +157,7 @@ def _rope(d: dict[str, Any], problems: list[str]) -> tuple[int, float | None]:
         scaling = None
     merged: dict[str, Any] = {**(scaling or {}), **(params or {})}
     theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+    if _number(theta) is None or theta <= 0:
         problems.append(f"config.json rope_theta: expected a positive number, got {_show(theta)}")
         theta = 10000
     elif float(theta) != int(theta):
@@ -165,7 +177,7 @@ def _rope(d: dict[str, Any], problems: list[str]) -> tuple[int, float | None]:
             problems.append(f"config.json rope scaling {key}: {_show(got)}, but Megatron-Core's llama3 RoPE "
                             f"scaling is fixed at {want:g}; the converter cannot represent it")
     factor = merged.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+    if _number(factor) is None or factor < 1:
         problems.append(f"config.json rope scaling factor: expected a number >= 1, got {_show(factor)}")
         return int(theta), None
     return int(theta), float(factor)

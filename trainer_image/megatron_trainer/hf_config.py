@@ -75,6 +75,15 @@ class HfModel:
         return self.hidden_size % self.num_heads != 0 or self.head_dim != self.hidden_size // self.num_heads
 
 
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # JSON readers disagree on which one wins; the operator's hf-config refuses it too
+            raise ValueError(f"key {key[:64]!r} is given twice")
+        out[key] = value
+    return out
+
+
 def load_config(directory: str | Path) -> dict[str, Any]:
     """config.json of an HF directory as a dict; HfConfigError for a missing, huge or invalid file."""
     path = Path(directory) / "config.json"
@@ -82,10 +91,10 @@ def load_config(directory: str | Path) -> dict[str, Any]:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise HfConfigError([f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} a config.json may have"])
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicates)
     except FileNotFoundError:
         raise HfConfigError([f"{path}: missing (a Hugging Face model directory has a config.json)"]) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise HfConfigError([f"{path}: cannot be read as JSON: {e}"]) from None
     if not isinstance(data, dict):
         raise HfConfigError([f"{path}: not a JSON object"])
@@ -100,9 +109,21 @@ def _int(d: dict, key: str, problems: list[str], default: int | None = None, min
     return v
 
 
+def _number(v: Any) -> float | None:
+    """``v`` as a finite float, else None: not a bool, not infinite or NaN, and not an integer too large for
+    a float (JSON allows any number of digits)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _float(d: dict, key: str, problems: list[str], default: float | None = None) -> float:
     v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if _number(v) is None:
         problems.append(f"config.json {key}: expected a number, got {v!r}")
         return 0.0
     return float(v)
@@ -124,7 +145,7 @@ def _rope(d: dict, problems: list[str]) -> tuple[float, float | None]:
     if params:
         merged.update(params)
     theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+    if _number(theta) is None or theta <= 0:
         problems.append(f"config.json rope_theta: expected a positive number, got {theta!r}")
         theta = 10000.0
     elif float(theta) != int(theta):
@@ -142,7 +163,7 @@ def _rope(d: dict, problems: list[str]) -> tuple[float, float | None]:
             problems.append(f"config.json rope scaling {key}: {got!r}, but Megatron-Core's llama3 RoPE scaling "
                             f"is fixed at {want:g}")
     factor = merged.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+    if _number(factor) is None or factor < 1:
         problems.append(f"config.json rope scaling factor: expected a number >= 1, got {factor!r}")
         return float(theta), None
     return float(theta), float(factor)
@@ -201,9 +222,9 @@ def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
                         "projection (output included) cannot be represented (Megatron adds them to the MLP too)")
     if d.get("mlp_bias", False) is not False:
         problems.append(f"config.json mlp_bias: {d.get('mlp_bias')!r}; MLP biases are not supported")
-    if d.get("pretraining_tp", 1) != 1:
+    if d.get("pretraining_tp", 1) != 1 or isinstance(d.get("pretraining_tp"), bool):
         problems.append(f"config.json pretraining_tp: {d.get('pretraining_tp')!r}; only 1 is supported")
-    if d.get("partial_rotary_factor", 1.0) != 1.0:
+    if d.get("partial_rotary_factor", 1.0) != 1.0 or isinstance(d.get("partial_rotary_factor"), bool):
         problems.append(f"config.json partial_rotary_factor: {d.get('partial_rotary_factor')!r}; only 1.0 "
                         "(RoPE on the whole head) is supported")
     tie = d.get("tie_word_embeddings", False)
