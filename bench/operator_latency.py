@@ -626,10 +626,11 @@ def run_burst(cluster: Cluster, system: Any, n: int, timeout_s: float, apiserver
             if exc.status == 404:
                 break
             raise
-    # The deleted namespace's last requests (events about its pods, posted and patched after it is gone,
-    # each with the NamespaceLifecycle admission's GET of the namespace) land in the next burst's window
-    # unless they are waited out: 2.9 requests per job of a 500-job burst once (run 10 of issue 30).
-    # client-go's event recorder retries a refused event up to 12 times, 10-12.5 s apart: hence the longer quiet.
+    # The namespace is gone, but JobSet's controller is still working through its deleted JobSets, posting an
+    # event for each that the API server refuses (the namespace is terminating or gone; each refusal with the
+    # NamespaceLifecycle admission's GET of the namespace). Unless waited out, that lands in the next burst's
+    # window: 2.9 requests per job of a 500-job burst once (run 10 of issue 30; jobset.log: "Server rejected
+    # event ... because it is being terminated").
     t_quiet = time.monotonic()
     result["teardown_quiet_s"] = round(wait_for_quiet_writes(cluster, writes(apiserver_requests(cluster)),
                                                              TEARDOWN_QUIET_S, TEARDOWN_WRITES_S) - t_quiet, 1)
