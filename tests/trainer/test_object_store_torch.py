@@ -37,9 +37,17 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+def _scratch(tmp_path) -> str:
+    """TMPDIR for the ranks. A rank that is SIGKILLed (the kill test) or ends with os._exit (the HF harness's
+    error path) cannot remove its MSC configuration file: it stays in the test's directory, not in /tmp
+    (6 files per run before)."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return str(tmp_path / "tmp")
+
+
 def _env(server, tmp_path) -> dict:
     return {**os.environ, "AWS_SHARED_CREDENTIALS_FILE": str(server.credentials_file(tmp_path / "credentials")),
-            "AWS_CONFIG_FILE": str(tmp_path / "no-config"),
+            "AWS_CONFIG_FILE": str(tmp_path / "no-config"), "TMPDIR": _scratch(tmp_path),
             "PYTHONPATH": os.pathsep.join([str(REPO / "trainer_image"), str(HERE)])}
 
 
@@ -120,6 +128,7 @@ def _hf_env(server, tmp_path, monkeypatch, secret_key: str | None = None) -> Non
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE",
                        str(server.credentials_file(tmp_path / "credentials", secret_key=secret_key)))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("TMPDIR", _scratch(tmp_path))
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
 
