@@ -1339,6 +1339,32 @@ COLLECTIVES_RE = re.compile(r"^COLLECTIVES (\{.*\})$", re.M)
 NCCL_CHOICE_RE = re.compile(r"NCCL INFO .*(?:\bAlgo\b|\bproto|P2P|NVLS|NVL|via |Ring|Tree|Channel 00).*", re.I)
 
 
+def dd_write(path: Path, gib: int, direct: bool) -> dict:
+    """Sequential write of `gib` GiB of zeros with dd, O_DIRECT or buffered and flushed (conv=fdatasync)."""
+    flag = ["oflag=direct"] if direct else ["conv=fdatasync"]
+    t0 = time.monotonic()
+    p = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", *flag],
+                       capture_output=True, text=True, timeout=bounded(180))
+    seconds = time.monotonic() - t0
+    path.unlink(missing_ok=True)
+    return {"rc": p.returncode, "gib": gib, "seconds": round(seconds, 2),
+            "gb_per_s": round(gib * 2**30 / seconds / 1e9, 3) if p.returncode == 0 else None,
+            "dd": (p.stderr.strip().splitlines() or [""])[-1]}
+
+
+def scenario_disk(ctx) -> dict:
+    """issue 49: the checkpoint disk's sequential write speed (the physical limit a save's write is measured
+    against), with dd in the directory the checkpoints go to, O_DIRECT and buffered + fdatasync."""
+    target = WORK / "ckpt"
+    target.mkdir(parents=True, exist_ok=True)
+    usage = shutil.disk_usage(target)
+    df = subprocess.run(["df", "-hT", str(target)], capture_output=True, text=True).stdout
+    out = {"free_gib": round(usage.free / 2**30, 1), "total_gib": round(usage.total / 2**30, 1), "df": df.strip(),
+           "direct": dd_write(target / "dd.direct", 16, True), "buffered": dd_write(target / "dd.buffered", 16, False)}
+    out["ok"] = out["direct"]["rc"] == 0 and out["buffered"]["rc"] == 0
+    return out
+
+
 def scenario_collectives(ctx) -> dict:
     """issue 29: the TP=2 collectives of Llama-3-8B (32 MiB of bf16 per micro-batch) alone, with NCCL's
     own protocol choice and with each protocol forced (NCCL_PROTO); NCCL's log of its choice is kept."""
@@ -1392,12 +1418,16 @@ def scenario_rope(ctx) -> dict:
 # issue 17's three-way benchmark, one layout per device call: (GPUs, TP, PP); DP is what is left.
 # The overlap flags Megatron-LM's run gets at DP > 1 (mlm_peer.sh); ours' DP runs compared with it take them too.
 DP_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
-THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2)}
+THREEWAY = {"dp1": (1, 1, 1), "tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2),
+            # issue 49: 4 GPUs
+            "tp2pp2": (4, 2, 2), "tp2pp2vpp2": (4, 2, 2), "tp2dp2": (4, 2, 1), "tp4": (4, 4, 1), "pp4": (4, 1, 4)}
+THREEWAY_VPP = {"tp2pp2vpp2": 2}  # virtual pipeline stages per pipeline rank (both programs)
 MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
 
 
 def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, visible: str,
-                 flags: list[str] | tuple[str, ...] = (), env_extra: dict | None = None) -> dict:
+                 flags: list[str] | tuple[str, ...] = (), env_extra: dict | None = None, vpp: int | None = None,
+                 iters: int = 26) -> dict:
     """Megatron-LM's own pretrain_gpt.py (../shared/bench/mlm_peer.sh, carried as .run/mlm_peer.sh) on
     the same model, layout and global batch; Megatron-LM's source at core_v0.19.0 in .run/mlm.
     `env_extra`: more environment for its processes (stepdump's STEPDUMP_DIR)."""
@@ -1406,7 +1436,8 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     env = dict(os.environ, MLM_DIR=str(REPO / ".run" / "mlm"), WHL=str(wheel[0]) if wheel else "", GPUS=str(gpus),
                TP=str(tp), PP=str(pp), LAYERS=str(m["layers"]), HIDDEN=str(m["hidden"]), HEADS=str(m["heads"]),
                FFN=str(m["ffn"]), SEQ=str(m["seq"]), VOCAB=str(m["vocab"]), MBS=str(m["mbs"]), GBS=str(gbs),
-               ITERS="26", CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()), **(env_extra or {}))
+               ITERS=str(iters), VPP=str(vpp or ""), CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()),
+               **(env_extra or {}))
     # Extra flags reach pretrain_gpt.py after the script's own (argparse: the last one wins). No RoPE fusion:
     # it needs Transformer Engine, and ours runs RoPE unfused on the local path too.
     extra = llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" else []) + list(flags)
@@ -1415,6 +1446,7 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     env["TMPDIR"] = str(tmp)
+    t0 = time.monotonic()
     try:
         p = subprocess.run(["bash", str(REPO / ".run" / "mlm_peer.sh"), *extra], capture_output=True, text=True,
                            env=env, timeout=bounded(420))
@@ -1431,7 +1463,7 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     logged = json.loads(mm.group(3))
     return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct_classic": float(mm.group(2)),
             "losses_1_5": mlm_losses_per_iteration(logged), "losses_1_5_as_logged": logged,
-            "peak_alloc_gib": round(max(peaks), 2) if peaks else None}
+            "peak_alloc_gib": round(max(peaks), 2) if peaks else None, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def mlm_losses_per_iteration(logged: list[float]) -> list[float]:
@@ -1493,12 +1525,13 @@ def threeway_layout(ctx, layout: str) -> dict:
     --threeway-fallback names a model, both loops are measured on that model ("what fits"), and ours
     also runs on the model Megatron-LM could not fit, as a record of its own."""
     gpus, tp, pp = THREEWAY[layout]
+    vpp, iters = THREEWAY_VPP.get(layout), ctx.get("threeway_iters") or 26
     models = [ctx.get("bench_model", "gpt1b")] + ([ctx["threeway_fallback"]] if ctx.get("threeway_fallback") else [])
     visible = all_gpus(gpus)
-    out: dict = {"layout": layout, "gpus": gpus}
+    out: dict = {"layout": layout, "gpus": gpus, "virtual_pipeline": vpp, "iterations": iters}
     for i, model in enumerate(models):
-        gbs = threeway_gbs(model, gpus, tp, pp)
-        mlm = run_mlm_peer(f"threeway_mlm_{layout}_{model}", gpus, model, tp, pp, gbs, visible)
+        gbs = ctx.get("threeway_gbs") or threeway_gbs(model, gpus, tp, pp)
+        mlm = run_mlm_peer(f"threeway_mlm_{layout}_{model}", gpus, model, tp, pp, gbs, visible, vpp=vpp, iters=iters)
         if mlm.get("iter_ms"):
             mlm.update(throughput_fields(model, gbs, mlm["iter_ms"], gpus))
         if mlm.get("out_of_memory") and i + 1 < len(models):
@@ -1513,14 +1546,15 @@ def threeway_layout(ctx, layout: str) -> dict:
             out[key] = {"skipped": "deadline"}
             continue
         out[key] = run_mlm_peer(f"threeway_mlm_{name}_{layout}_{model}", gpus, model, tp, pp, gbs, visible,
-                                MLM_VARIANTS[name])
+                                MLM_VARIANTS[name], vpp=vpp, iters=iters)
         if out[key].get("iter_ms"):
             out[key].update(throughput_fields(model, gbs, out[key]["iter_ms"], gpus))
     m = MODELS[model]
     dp = gpus // (tp * pp)
     # "ours" is the configuration the operator renders by default (distributed optimizer, no overlap
     # flags); with DP > 1 the overlap flags Megatron-LM's run gets are measured too, as a variant.
-    variants = [("default", [])] + ([("overlap", list(DP_OVERLAP))] if dp > 1 else [])
+    variants = [("default", [])] + ([("overlap", list(DP_OVERLAP))] if dp > 1 and not ctx.get("threeway_skip_overlap")
+                                    else [])
     # ours' default has the full-iteration CUDA graph where the trainer verifies it (--cuda-graph-impl auto:
     # PP=1 here); "eager" measures the same run without it.
     variants = [(name, extra, {}) for name, extra in variants]
@@ -1533,7 +1567,8 @@ def threeway_layout(ctx, layout: str) -> dict:
         if key != "ours" and time.monotonic() + 120 > DEADLINE[0]:
             out[key] = {"skipped": "deadline"}
             continue
-        out[key] = run_ours_threeway(ctx, f"threeway_{key}_{layout}", model, gpus, tp, pp, gbs, extra, variant, env)
+        out[key] = run_ours_threeway(ctx, f"threeway_{key}_{layout}", model, gpus, tp, pp, gbs, extra, variant, env,
+                                     vpp=vpp, iters=iters)
     if model != models[0] and time.monotonic() + 150 < DEADLINE[0]:
         # ours on the model Megatron-LM could not fit: does the default configuration fit, and how fast is it
         big = models[0]
@@ -1645,35 +1680,44 @@ MLM_VARIANTS = {
 
 
 def run_ours_threeway(ctx, name: str, model: str, gpus: int, tp: int, pp: int, gbs: int, extra: list[str],
-                      variant: str, variant_env: dict | None = None) -> dict:
-    """One run of ours in threeway: median iteration 4-20 of 26; profiled over iteration 22 when
-    --threeway-profile names the variant (a kernel-time breakdown per rank lands in the result)."""
+                      variant: str, variant_env: dict | None = None, vpp: int | None = None, iters: int = 26) -> dict:
+    """One run of ours in threeway: median iteration 4 to iters-6 (4-20 of 26), the window mlm_peer.sh takes;
+    profiled over iteration 22 when --threeway-profile names the variant (a kernel-time breakdown per rank
+    lands in the result)."""
     m = MODELS[model]
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}
     env.update(variant_env or {})
     profile_dir = LOGS / f"profile_{name}"
     if variant in ctx.get("threeway_profile", ()):
         env["MEGATRON_TRAINER_PROFILE"] = f"22:22:{profile_dir}"
-    ours = Run(name, gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=26, lr="3e-4", warmup=4,
+    if vpp:
+        extra = list(extra) + ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
+    ours = Run(name, gpus, trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=gbs, iters=iters, lr="3e-4", warmup=4,
                                         extra=extra), env=env, gpus=all_gpus(gpus))
     rc = ours.wait(bounded(300))
+    wall = time.monotonic() - ours.started
     ours.close()
     text = ours.text()  # the log, read once
-    iters = [(int(x.group(1)), float(x.group(2)), float(x.group(3)), float(x.group(5))) for x in ITER_RE.finditer(text)]
-    steady = [ms for i, ms, _, _ in iters if 4 <= i <= 20]
+    logged = [(int(x.group(1)), float(x.group(2)), float(x.group(3)), float(x.group(5))) for x in ITER_RE.finditer(text)]
+    steady = [ms for i, ms, _, _ in logged if 4 <= i <= iters - 6]
     it_ms = statistics.median(steady) if steady else None
-    losses = {i: loss for i, _, loss, _ in iters}
+    losses = {i: loss for i, _, loss, _ in logged}
     graph = re.search(r"CUDA graph: (\S+) \(([^)]*)\)", text)
     fusion = re.search(r"wgrad accumulation fusion=([^,\n]+)", text)
     res = {"rc": rc, "model": model, "global_batch": gbs, "iter_ms": it_ms, "flags": extra, "env": variant_env or {},
            "wgrad_fusion": fusion.group(1).strip() if fusion else None, "sdpa_kernel": sdpa_kernel(text),
            "losses_1_5": [losses.get(i) for i in range(1, 6)],
-           "peak_alloc_gib_logging_rank": max((peak for *_, peak in iters), default=None),
+           "peak_alloc_gib_logging_rank": max((peak for *_, peak in logged), default=None),
            "cuda_graph": graph.group(1) if graph else None, "cuda_graph_reason": graph.group(2) if graph else None}
     if rc != 0 and "out of memory" in text.lower():
         res["out_of_memory"] = True
     if it_ms:
         res.update(throughput_fields(model, gbs, it_ms, gpus))
+    summary = (trainer_summaries(text) or [None])[-1] or {}
+    res["peak_alloc_gib_per_rank"] = [round(r["peak_allocated_gib"], 2) for r in summary.get("memory_per_rank", [])]
+    startup = STARTUP_RE.search(text)
+    res["startup_to_first_iteration_s"] = float(startup.group(1)) if startup else None
+    res["wall_s"] = round(wall, 1)
     if profile_dir.is_dir():
         res["profile"] = profile_breakdown(profile_dir)
     return res
@@ -1871,7 +1915,7 @@ SCENARIOS = {"probe": scenario_probe, "indexed": scenario_indexed, "layouts": sc
              "bench": scenario_bench, "memory": scenario_memory, "perf": scenario_perf,
              "pods": scenario_pods, "preempt": scenario_preempt, "tensorboard": scenario_tensorboard,
              "deterministic": scenario_deterministic, "detcost": scenario_detcost, "objbench": scenario_objbench, "threeway": scenario_threeway,
-             "collectives": scenario_collectives, "rope": scenario_rope}
+             "collectives": scenario_collectives, "rope": scenario_rope, "disk": scenario_disk}
 try:  # issue 27: Hugging Face import/export (e2e/gpu/hf.py; needs transformers, which the GPU image has)
     from hf import (
         scenario_hf_bench,
@@ -1928,6 +1972,12 @@ def main() -> int:
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
                     help="threeway's model where Megatron-LM runs out of memory on --bench-model")
+    ap.add_argument("--threeway-gbs", type=int, default=None,
+                    help="threeway's global batch (default: 4 micro-batches per pipeline, or the model's accum)")
+    ap.add_argument("--threeway-iters", type=int, default=None,
+                    help="iterations of each threeway run (default 26; the median is over 4 .. N-6)")
+    ap.add_argument("--threeway-skip-overlap", action="store_true",
+                    help="at DP > 1, leave out the run of ours with Megatron-LM's overlap flags (ours' default only)")
     ap.add_argument("--stepdump", default="dp1:llama1b",
                     help="layout:model[:Megatron-LM variant[:ours' variant]] of the stepdump scenario, comma-separated "
                          "(layouts as --threeway's; e2e/gpu/stepdump.py)")
@@ -1970,6 +2020,8 @@ def main() -> int:
            "threeway_mlm_variants": set(filter(None, args.threeway_mlm_variants.split(","))),
            "threeway_profile": set(filter(None, args.threeway_profile.split(","))),
            "threeway_fallback": args.threeway_fallback, "stepdump": args.stepdump,
+           "threeway_gbs": args.threeway_gbs, "threeway_iters": args.threeway_iters,
+           "threeway_skip_overlap": args.threeway_skip_overlap,
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
