@@ -1,4 +1,4 @@
-"""GPU scenarios of the Hugging Face import/export (issue 27); registered in suite.py.
+"""GPU scenarios of the Hugging Face import/export (issue 27). Registered in suite.py.
 
   hf_logits  every fixture architecture (tests/fixtures/hf: Llama 3, Llama 3.2 tied, Mistral, Qwen2,
              Qwen3), tiny and random (made here with transformers), imported at TP=1, TP=2 and PP=2 in
@@ -14,6 +14,10 @@
   hf_bench   a Llama-3.2-1B-architecture model (random, made here) at TP=2: start -> first iteration
              from HF against resuming the same model from its torch_dist checkpoint (same call),
              host peak RSS per rank (and a baseline run without any load), export time
+  hf_pods    the rendered pods of e2e/gpu/jobs/hf-llama-tp2.yaml, verbatim (harness.pods_job): start 1
+             imports from the HF PVC, SIGTERM past the checkpoint of 10, start 2 resumes from the job's
+             own checkpoint; the export on the PVC, written by uid 1000, loads in transformers with
+             Megatron's logits
 """
 
 from __future__ import annotations
@@ -28,15 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 
 import hf_cpu_check as hc  # noqa: E402
+from harness import LOGS, STORE, STORE_BUCKET, WORK, Run, Scenario, check, pods_job, trainer_summaries  # noqa: E402
 
 ARCHS = ["tiny-llama3", "tiny-llama32-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
 FP32_TOL = 1e-4
-
-
-def _suite():
-    import suite  # the running suite module (Run, WORK, check, ...)
-
-    return sys.modules.get("__main__") if hasattr(sys.modules.get("__main__"), "Run") else suite
 
 
 def _verdict(r: dict) -> list[str]:
@@ -64,7 +63,7 @@ def _verdict(r: dict) -> list[str]:
 
 
 def scenario_hf_logits(ctx) -> dict:
-    work = _suite().WORK / "hf_logits"
+    work = WORK / "hf_logits"
     out, failures = {}, []
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         results = hc.run(ARCHS, tp, pp, ("fp32", "bf16"), "cuda", work)
@@ -83,35 +82,34 @@ def _argv(config: dict, tp: int, pp: int, iters: int, extra: list[str]) -> list[
 
 
 def scenario_hf_train(ctx) -> dict:
-    s = _suite()
-    work = s.WORK / "hf_train"
+    work = WORK / "hf_train"
     src, ckpt = work / "src", work / "ckpt"
     out_a, out_b, out_c = work / "export-tp2", work / "export-only-pp2", work / "export-resumed"
     src.mkdir(parents=True)
     config = hc.make_model("tiny-llama3", src, "bfloat16")
     failures: list[str] = []
     res: dict = {}
-    train = s.Run("hf_train_tp2", 2, _argv(config, 2, 1, 20, ["--hf-init", str(src), "--hf-export", str(out_a),
-                                                               "--save", str(ckpt), "--load", str(ckpt),
-                                                               "--save-interval", "10"]))
+    train = Run("hf_train_tp2", 2, _argv(config, 2, 1, 20, ["--hf-init", str(src), "--hf-export", str(out_a),
+                                                             "--save", str(ckpt), "--load", str(ckpt),
+                                                             "--save-interval", "10"]))
     rc = train.wait(240)
     losses = train.losses()
     res["train"] = {"rc": rc, "losses": losses, "summary": train.summary()}
-    s.check(rc == 0, f"train with --hf-init/--hf-export exit {rc}", failures)
-    s.check(len(losses) == 20 and losses[20] < losses[1], f"loss falls over 20 iterations: {losses}", failures)
-    s.check((out_a / "config.json").is_file(), "export written on success", failures)
-    s.check("hf import:" in train.text(), "the trainer logged its HF import", failures)
-    only = s.Run("hf_export_only_pp2", 2, _argv(config, 1, 2, 20, ["--hf-init", str(src), "--load", str(ckpt),
-                                                                    "--hf-export", str(out_b), "--hf-export-only"]))
+    check(rc == 0, f"train with --hf-init/--hf-export exit {rc}", failures)
+    check(len(losses) == 20 and losses[20] < losses[1], f"loss falls over 20 iterations: {losses}", failures)
+    check((out_a / "config.json").is_file(), "export written on success", failures)
+    check("hf import:" in train.text(), "the trainer logged its HF import", failures)
+    only = Run("hf_export_only_pp2", 2, _argv(config, 1, 2, 20, ["--hf-init", str(src), "--load", str(ckpt),
+                                                                  "--hf-export", str(out_b), "--hf-export-only"]))
     rc = only.wait(180)
     res["export_only"] = {"rc": rc, "summary": only.summary()}
-    s.check(rc == 0, f"--hf-export-only under PP=2 exit {rc}", failures)
+    check(rc == 0, f"--hf-export-only under PP=2 exit {rc}", failures)
     if out_a.is_dir() and out_b.is_dir():
         same = hc.compare_export(out_a, out_b)
         res["export_vs_export_only"] = same
-        s.check(not same["not_identical"] and same["config_equal"] and same["tensors"] == same["exported"],
-                f"export on success (TP=2) == export-only of the checkpoint (PP=2): {same['not_identical'][:3]}",
-                failures)
+        check(not same["not_identical"] and same["config_equal"] and same["tensors"] == same["exported"],
+              f"export on success (TP=2) == export-only of the checkpoint (PP=2): {same['not_identical'][:3]}",
+              failures)
         # transformers' logits of the export against Megatron's (the export imported, TP=2)
         logits = hc.run_jobs([(str(out_a), str(work / "reexport"), "fp32"), (str(out_a), str(work / "reexport16"),
                                                                                "bf16")], 2, 1, "cuda", work)
@@ -121,14 +119,14 @@ def scenario_hf_train(ctx) -> dict:
             failures += [f for f in _verdict(r) if "round trip" not in f or r["precision"] == "bf16"]
     # resume with the HF directory gone: the job's own checkpoint, never the HF directory
     shutil.move(str(src), str(work / "src-moved-away"))
-    resumed = s.Run("hf_resume", 2, _argv(config, 2, 1, 25, ["--hf-init", str(src), "--hf-export", str(out_c),
-                                                              "--save", str(ckpt), "--load", str(ckpt),
-                                                              "--save-interval", "10"]))
+    resumed = Run("hf_resume", 2, _argv(config, 2, 1, 25, ["--hf-init", str(src), "--hf-export", str(out_c),
+                                                            "--save", str(ckpt), "--load", str(ckpt),
+                                                            "--save-interval", "10"]))
     rc = resumed.wait(180)
     res["resume"] = {"rc": rc, "losses": resumed.losses()}
-    s.check(rc == 0 and min(resumed.losses() or {0: 0}) == 21, f"resume without the HF directory: exit {rc}, "
-            f"first iteration {min(resumed.losses() or {0: 0})}", failures)
-    s.check("hf import:" not in resumed.text(), "the resume did not import", failures)
+    check(rc == 0 and min(resumed.losses() or {0: 0}) == 21, f"resume without the HF directory: exit {rc}, "
+          f"first iteration {min(resumed.losses() or {0: 0})}", failures)
+    check("hf import:" not in resumed.text(), "the resume did not import", failures)
     for r in (train, only, resumed):
         r.close()
     return {"ok": not failures, "failures": failures, **res}
@@ -140,67 +138,66 @@ def scenario_hf_store(ctx) -> dict:
     of that checkpoint under PP=2 to a local directory must equal the downloaded export bit for bit; the
     same export again is skipped (a restart after the export); a prefix holding a key the trainer did
     not write is refused (exit 2) and left as it was."""
-    s = _suite()
-    if not s.STORE:
+    if not STORE:
         return {"ok": False, "error": "needs --object-store"}
     import boto3
 
-    srv = s.STORE["server"]
+    srv = STORE["server"]
     s3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1",
                       aws_access_key_id=srv.access_key, aws_secret_access_key=srv.secret_key)
 
     def keys(prefix: str) -> list[str]:
-        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=s.STORE_BUCKET, Prefix=prefix)
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=STORE_BUCKET, Prefix=prefix)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
-    work = s.WORK / "hf_store"
+    work = WORK / "hf_store"
     src, local, downloaded = work / "src", work / "export-only-pp2", work / "downloaded"
     src.mkdir(parents=True)
     config = hc.make_model("tiny-llama3", src, "bfloat16")
-    ckpt, export = f"s3://{s.STORE_BUCKET}/hf_store", f"s3://{s.STORE_BUCKET}/exports/hf_store"
-    store = ["--object-store-endpoint", s.STORE["endpoint"], "--object-store-region", "us-east-1"]
+    ckpt, export = f"s3://{STORE_BUCKET}/hf_store", f"s3://{STORE_BUCKET}/exports/hf_store"
+    store = ["--object-store-endpoint", STORE["endpoint"], "--object-store-region", "us-east-1"]
     failures: list[str] = []
     res: dict = {}
-    train = s.Run("hf_store_train_tp2", 2, _argv(config, 2, 1, 10, [
+    train = Run("hf_store_train_tp2", 2, _argv(config, 2, 1, 10, [
         "--hf-init", str(src), "--save", ckpt, "--load", ckpt, "--save-interval", "10", "--ckpt-format",
         "torch_dist", "--hf-export", export, *store]))
     rc = train.wait(240)
     res["train"] = {"rc": rc, "summary": train.summary()}
-    s.check(rc == 0, f"train with --hf-export s3:// exit {rc}", failures)
+    check(rc == 0, f"train with --hf-export s3:// exit {rc}", failures)
     exported = keys("exports/hf_store/")
     res["export_keys"] = exported
-    s.check("exports/hf_store/.megatron-export.json" in exported
-            and "exports/hf_store/.megatron-export-partial" not in exported
-            and "exports/hf_store/model.safetensors.index.json" in exported,
-            f"the export is complete in the bucket: {exported}", failures)
-    only = s.Run("hf_store_export_only_pp2", 2, _argv(config, 1, 2, 10, [
+    check("exports/hf_store/.megatron-export.json" in exported
+          and "exports/hf_store/.megatron-export-partial" not in exported
+          and "exports/hf_store/model.safetensors.index.json" in exported,
+          f"the export is complete in the bucket: {exported}", failures)
+    only = Run("hf_store_export_only_pp2", 2, _argv(config, 1, 2, 10, [
         "--hf-init", str(src), "--load", ckpt, "--hf-export", str(local), "--hf-export-only", *store]))
     rc = only.wait(180)
-    s.check(rc == 0, f"--hf-export-only of the s3:// checkpoint under PP=2 to a directory: exit {rc}", failures)
+    check(rc == 0, f"--hf-export-only of the s3:// checkpoint under PP=2 to a directory: exit {rc}", failures)
     downloaded.mkdir()
     for key in exported:
-        s3.download_file(s.STORE_BUCKET, key, str(downloaded / key.rsplit("/", 1)[1]))
+        s3.download_file(STORE_BUCKET, key, str(downloaded / key.rsplit("/", 1)[1]))
     if local.is_dir() and exported:
         same = hc.compare_export(downloaded, local)
         res["store_vs_local"] = same
-        s.check(not same["not_identical"] and same["config_equal"] and same["tensors"] == same["exported"],
-                f"the export in the bucket (TP=2) == --hf-export-only to a directory (PP=2): "
-                f"{same['not_identical'][:3]}", failures)
-    again = s.Run("hf_store_export_again", 2, _argv(config, 2, 1, 10, [
+        check(not same["not_identical"] and same["config_equal"] and same["tensors"] == same["exported"],
+              f"the export in the bucket (TP=2) == --hf-export-only to a directory (PP=2): "
+              f"{same['not_identical'][:3]}", failures)
+    again = Run("hf_store_export_again", 2, _argv(config, 2, 1, 10, [
         "--hf-init", str(src), "--load", ckpt, "--hf-export", export, "--hf-export-only", *store]))
     rc = again.wait(180)
-    s.check(rc == 0 and "already holds the export of iteration 10" in again.text(),
-            f"the same export again is skipped: exit {rc}", failures)
-    s3.put_object(Bucket=s.STORE_BUCKET, Key="exports/taken/README.md", Body=b"not the trainer's")
-    taken = s.Run("hf_store_taken", 2, _argv(config, 2, 1, 10, [
-        "--hf-init", str(src), "--load", ckpt, "--hf-export", f"s3://{s.STORE_BUCKET}/exports/taken",
+    check(rc == 0 and "already holds the export of iteration 10" in again.text(),
+          f"the same export again is skipped: exit {rc}", failures)
+    s3.put_object(Bucket=STORE_BUCKET, Key="exports/taken/README.md", Body=b"not the trainer's")
+    taken = Run("hf_store_taken", 2, _argv(config, 2, 1, 10, [
+        "--hf-init", str(src), "--load", ckpt, "--hf-export", f"s3://{STORE_BUCKET}/exports/taken",
         "--hf-export-only", *store]))
     rc = taken.wait(180)
     res["taken"] = {"rc": rc}
     # torchrun exits 1 when a worker fails; the worker's own code is in its message
-    s.check(rc != 0 and "exit 2 (" in taken.text() and "did not write" in taken.text()
-            and keys("exports/taken/") == ["exports/taken/README.md"],
-            f"a taken prefix is refused (torchrun exit {rc}, the worker's exit 2) and left as it was", failures)
+    check(rc != 0 and "exit 2 (" in taken.text() and "did not write" in taken.text()
+          and keys("exports/taken/") == ["exports/taken/README.md"],
+          f"a taken prefix is refused (torchrun exit {rc}, the worker's exit 2) and left as it was", failures)
     for r in (train, only, again, taken):
         r.close()
     return {"ok": not failures, "failures": failures, **res}
@@ -218,8 +215,7 @@ def scenario_hf_bench(ctx) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    s = _suite()
-    work = s.WORK / "hf_bench"
+    work = WORK / "hf_bench"
     src, ckpt, out = work / "llama32-1b", work / "ckpt", work / "export"
     src.mkdir(parents=True)
     t0 = time.monotonic()
@@ -251,14 +247,14 @@ def scenario_hf_bench(ctx) -> dict:
                                 "--hf-export-only"]),
     }
     for name, a in runs.items():
-        r = s.Run(f"hf_bench_{name}", 2, a)
+        r = Run(f"hf_bench_{name}", 2, a)
         rc = r.wait(240)
-        summaries = s.trainer_summaries(r.text())
+        summaries = trainer_summaries(r.text())
         res[name] = {"rc": rc, "startup_to_first_iteration_s": [x.get("startup_to_first_iteration_s") for x in summaries],
                      "peak_rss_gib": [x.get("peak_rss_gib") for x in summaries],
                      "hf_import": [x.get("hf_import") for x in summaries],
                      "hf_export": [x.get("hf_export") for x in summaries], "load_s": [x.get("load_s") for x in summaries]}
-        s.check(rc == 0, f"{name}: exit {rc}", failures)
+        check(rc == 0, f"{name}: exit {rc}", failures)
         r.close()
     try:
         hf_s = max(res["from_hf"]["startup_to_first_iteration_s"])
@@ -270,9 +266,9 @@ def scenario_hf_bench(ctx) -> dict:
         at_import = max(x["peak_rss_gib"] for x in res["from_hf"]["hf_import"])
         res["rank_share_gib"] = round(share_gib, 3)
         res["peak_rss_at_import_end_gib"] = round(at_import, 3)
-        s.check(res["hf_vs_resume_startup_ratio"] <= 1.5, f"HF start {hf_s:.1f} s vs resume {ours_s:.1f} s", failures)
-        s.check(at_import <= 1.5 * share_gib + 1.0, f"peak RSS at the end of the import {at_import:.2f} GiB vs "
-                f"1.5 x the rank's share {1.5 * share_gib:.2f} GiB + 1 GiB", failures)
+        check(res["hf_vs_resume_startup_ratio"] <= 1.5, f"HF start {hf_s:.1f} s vs resume {ours_s:.1f} s", failures)
+        check(at_import <= 1.5 * share_gib + 1.0, f"peak RSS at the end of the import {at_import:.2f} GiB vs "
+              f"1.5 x the rank's share {1.5 * share_gib:.2f} GiB + 1 GiB", failures)
     except (TypeError, ValueError, KeyError) as e:
         failures.append(f"figures missing: {e}")
     res["export_files"] = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
@@ -289,7 +285,6 @@ def scenario_hf_pods(ctx) -> dict:
 
     import pods as P
 
-    s = _suite()
     models = P.PVC_ROOT / "models"
     shutil.rmtree(models, ignore_errors=True)
     src = models / "tiny-llama3"
@@ -298,24 +293,39 @@ def scenario_hf_pods(ctx) -> dict:
     subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)
     (models / "exports").mkdir()
     os.chown(models / "exports", 1000, 1000)  # the pods' user writes the export
-    result = s.pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "hf-llama-tp2.yaml")
+    result = pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "hf-llama-tp2.yaml")
     failures = list(result.get("failures", []))
-    logs = sorted(s.LOGS.glob("pods_hf-llama-tp2_*.log"))
+    logs = sorted(LOGS.glob("pods_hf-llama-tp2_*.log"))
     start1 = "".join(p.read_text(errors="replace") for p in logs if "_start1_" in p.name)
     start2 = "".join(p.read_text(errors="replace") for p in logs if "_start2_" in p.name)
-    s.check("hf import:" in start1, "start 1 imported from the HF PVC", failures)
-    s.check("hf import:" not in start2, "start 2 resumed from its own checkpoint (no import)", failures)
+    check("hf import:" in start1, "start 1 imported from the HF PVC", failures)
+    check("hf import:" not in start2, "start 2 resumed from its own checkpoint (no import)", failures)
     out = models / "exports" / "hf-llama-tp2"
     files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    s.check({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files),
-            f"export files {files}", failures)
-    s.check(not list((models / "exports").glob(".hf-llama-tp2.partial-*")), "no partial directory left", failures)
+    check({"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files),
+          f"export files {files}", failures)
+    check(not list((models / "exports").glob(".hf-llama-tp2.partial-*")), "no partial directory left", failures)
     if out.is_dir():
-        s.check(out.stat().st_uid == 1000, "the export belongs to the pods' user", failures)
-        check = hc.run_jobs([(str(out), str(s.WORK / "hf_pods_reexport"), "fp32")], 2, 1, "cuda", s.WORK)
-        result["export_logits"] = check
-        for r in check:
+        check(out.stat().st_uid == 1000, "the export belongs to the pods' user", failures)
+        logits = hc.run_jobs([(str(out), str(WORK / "hf_pods_reexport"), "fp32")], 2, 1, "cuda", WORK)
+        result["export_logits"] = logits
+        for r in logits:
             r["arch"] = "pods-export"
             failures += [f for f in _verdict(r) if "round trip" not in f]
     result.update(ok=not failures, failures=failures, export_files=files)
     return result
+
+
+# name -> Scenario(the function, its line in --list, rough seconds per layout); suite.py registers them.
+SCENARIOS = {
+    "hf_logits": Scenario(scenario_hf_logits, "HF fixtures imported at TP=1, TP=2, PP=2 in fp32 and bf16: logits vs "
+                          "transformers; export round trip bit-identical", 120),
+    "hf_train": Scenario(scenario_hf_train, "--hf-init, 20 iterations, --hf-export; export-only under PP=2 identical; "
+                         "resume without the HF directory", 150),
+    "hf_bench": Scenario(scenario_hf_bench, "a Llama-3.2-1B-shaped model: HF start vs torch_dist resume, peak RSS per "
+                         "rank, export time", 200),
+    "hf_pods": Scenario(scenario_hf_pods, "the rendered pods of e2e/gpu/jobs/hf-llama-tp2.yaml: import, SIGTERM, "
+                        "resume, export on the PVC", 200),
+    "hf_store": Scenario(scenario_hf_store, "hf_train's import, checkpoints and export in the object store "
+                         "(--object-store)", 200),
+}

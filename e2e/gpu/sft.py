@@ -1,4 +1,4 @@
-"""GPU scenarios of supervised fine-tuning (issue 28); registered in suite.py.
+"""GPU scenarios of supervised fine-tuning (issue 28). Registered in suite.py.
 
   sft_reverse  a tiny Llama made here with transformers (random weights, the word-level test tokenizer
                with a ChatML template): the real trainer (torchrun) fine-tunes it from --hf-init on
@@ -10,6 +10,10 @@
   sft_bench    the same Llama-architecture model and sequence length trained three ways in one call:
                pretraining on mock data, SFT padded, SFT packed (chat data of realistic length spread);
                iteration time, tokens/s over all positions and over real tokens, padding waste.
+  sft_pods     e2e/gpu/jobs/sft-tiny.yaml's rendered pods, verbatim (harness.pods_job): SIGTERM past the
+               checkpoint of 10, the restart resumes the SFT data where it stopped, then the export.
+  sft_sigterm  SIGTERM during an SFT run with a validation file and async checkpoints (torchrun, 1 GPU),
+               with and without periodic evaluation: the checkpoint is written and the run exits 0.
 """
 
 from __future__ import annotations
@@ -22,15 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 
 import hf_cpu_check as hc  # noqa: E402
+from harness import LOGS, WORK, Run, Scenario, check, pods_job  # noqa: E402
 from sft_fixtures import CHATML, chat_corpus, make_tokenizer, reversal_conversations, write_jsonl  # noqa: E402
 
 EXACT_TARGET = 0.90
-
-
-def _suite():
-    import suite
-
-    return sys.modules.get("__main__") if hasattr(sys.modules.get("__main__"), "Run") else suite
 
 
 def _make_llama(directory: Path, hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int,
@@ -127,9 +126,8 @@ def _generate_exact(model_dir: Path, held_out: list[dict]) -> dict:
 
 
 def scenario_sft_reverse(ctx) -> dict:
-    s = _suite()
     gpus = min(ctx.get("gpus", 1), 2)
-    work = s.WORK / "sft_reverse"
+    work = WORK / "sft_reverse"
     src, out = work / "src", work / "export"
     seq, iters, gbs, micro = 128, ctx.get("sft_iters", 400), 32, 8
     config = _make_llama(src, hidden=256, layers=4, heads=4, kv=2, ffn=688, vocab=64, max_pos=seq)
@@ -143,34 +141,33 @@ def scenario_sft_reverse(ctx) -> dict:
         "--hf-init", str(src), "--hf-export", str(out), "--micro-batch-size", str(micro),
         "--global-batch-size", str(gbs), "--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", "20",
         "--eval-iters", str(eval_iters), "--eval-interval", "100", *_sft_flags(src, train, valid, True)])
-    run = s.Run("sft_reverse", gpus, argv)
+    run = Run("sft_reverse", gpus, argv)
     rc = run.wait(400)
     failures: list[str] = []
     summary = run.summary() or {}
     res: dict = {"rc": rc, "gpus": gpus, "iterations": iters, "losses": run.losses(), "summary": summary}
-    s.check(rc == 0, f"sft_reverse exit {rc}", failures)
-    s.check("sft data (chat" in run.text(), "the trainer logged its SFT data counts", failures)
+    check(rc == 0, f"sft_reverse exit {rc}", failures)
+    check("sft data (chat" in run.text(), "the trainer logged its SFT data counts", failures)
     if rc == 0 and (out / "config.json").is_file():
         gen = _generate_exact(out, held_out)
         res["generate"] = gen
-        s.check(gen["exact"] >= EXACT_TARGET, f"held-out exact {gen['exact']:.2%} < {EXACT_TARGET:.0%}", failures)
+        check(gen["exact"] >= EXACT_TARGET, f"held-out exact {gen['exact']:.2%} < {EXACT_TARGET:.0%}", failures)
         ref = _answer_only_loss(out, seq, valid, eval_iters * gbs, packed=True)
         res["validation"] = {"trainer": summary.get("validation_loss"), "transformers_answer_only": ref["answer"],
                              "transformers_all_tokens": ref["all"]}
         v = summary.get("validation_loss")
-        s.check(v is not None and abs(v - ref["answer"]) <= 0.02 + 0.05 * ref["answer"],
-                f"trainer validation loss {v} vs transformers' answer-only loss {ref['answer']:.4f}", failures)
-        s.check(v is not None and abs(v - ref["all"]) > 0.1,
-                f"validation loss {v} should not be the all-token loss {ref['all']:.4f}", failures)
+        check(v is not None and abs(v - ref["answer"]) <= 0.02 + 0.05 * ref["answer"],
+              f"trainer validation loss {v} vs transformers' answer-only loss {ref['answer']:.4f}", failures)
+        check(v is not None and abs(v - ref["all"]) > 0.1,
+              f"validation loss {v} should not be the all-token loss {ref['all']:.4f}", failures)
     run.close()
     return {"ok": not failures, "failures": failures, **res}
 
 
 def scenario_sft_bench(ctx) -> dict:
     """Pretraining vs SFT padded vs SFT packed, same model and sequence length, in one call."""
-    s = _suite()
     gpus = min(ctx.get("gpus", 1), 2)
-    work = s.WORK / "sft_bench"
+    work = WORK / "sft_bench"
     src = work / "model"
     seq, iters, gbs, micro = 2048, 30, 16, 4
     # Llama-3.2-1B's shape (16 layers, 2048 hidden, GQA 32/8, SwiGLU 8192), untied, with the test vocabulary
@@ -186,7 +183,7 @@ def scenario_sft_bench(ctx) -> dict:
     res: dict = {"seq": seq, "gbs": gbs, "gpus": gpus}
     failures: list[str] = []
     for name, argv in runs.items():
-        r = s.Run(f"sft_bench_{name}", gpus, argv)
+        r = Run(f"sft_bench_{name}", gpus, argv)
         rc = r.wait(300)
         summ = r.summary() or {}
         med = summ.get("median_iteration_s")
@@ -196,7 +193,7 @@ def scenario_sft_bench(ctx) -> dict:
                      "tokens_per_s_per_gpu_positions": gbs * seq / med / gpus if med else None,
                      "tokens_per_s_per_gpu_real": gbs * seq * eff / med / gpus if med else None,
                      "peak_gib": summ.get("max_peak_allocated_gib"), "startup_s": summ.get("startup_to_first_iteration_s")}
-        s.check(rc == 0, f"{name}: exit {rc}", failures)
+        check(rc == 0, f"{name}: exit {rc}", failures)
         r.close()
     return {"ok": not failures, "failures": failures, **res}
 
@@ -210,7 +207,6 @@ def scenario_sft_pods(ctx) -> dict:
 
     import pods as P
 
-    s = _suite()
     models, data = P.PVC_ROOT / "models", P.PVC_ROOT / "sft-data"
     for d in (models, data):
         shutil.rmtree(d, ignore_errors=True)
@@ -222,19 +218,19 @@ def scenario_sft_pods(ctx) -> dict:
     subprocess.run(["chmod", "-R", "a+rX", str(models), str(data)], check=True)
     (models / "exports").mkdir()
     os.chown(models / "exports", 1000, 1000)  # the pods' user writes the export
-    result = s.pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "sft-tiny.yaml")
+    result = pods_job(ctx, REPO / "e2e" / "gpu" / "jobs" / "sft-tiny.yaml")
     failures = list(result.get("failures", []))
-    logs = sorted(s.LOGS.glob("pods_sft-tiny_*.log"))
+    logs = sorted(LOGS.glob("pods_sft-tiny_*.log"))
     start1 = "".join(p.read_text(errors="replace") for p in logs if "_start1_" in p.name)
     start2 = "".join(p.read_text(errors="replace") for p in logs if "_start2_" in p.name)
-    s.check("sft data (chat" in start1 and "hf import:" in start1, "start 1 tokenized the chat data and imported",
-            failures)
-    s.check("from the cache" in start2, "start 2 read the tokens from the data cache", failures)
-    s.check("validation at iteration" in start2, "validation loss logged", failures)
+    check("sft data (chat" in start1 and "hf import:" in start1, "start 1 tokenized the chat data and imported",
+          failures)
+    check("from the cache" in start2, "start 2 read the tokens from the data cache", failures)
+    check("validation at iteration" in start2, "validation loss logged", failures)
     out = models / "exports" / "sft-tiny"
     files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    s.check({"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files), f"export files {files}",
-            failures)
+    check({"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(files), f"export files {files}",
+          failures)
     result.update(ok=not failures, failures=failures, export_files=files)
     return result
 
@@ -248,8 +244,7 @@ def scenario_sft_sigterm(ctx) -> dict:
     import signal
     import time
 
-    s = _suite()
-    work = s.WORK / "sft_sigterm"
+    work = WORK / "sft_sigterm"
     src = work / "src"
     config = _make_llama(src, hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=64, max_pos=128)
     convs = reversal_conversations(600, seed=5)
@@ -264,7 +259,7 @@ def scenario_sft_sigterm(ctx) -> dict:
             "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "4", *extra,
             "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "10", "--async-save",
             "--use-persistent-ckpt-worker", "--exit-signal-handler", *_sft_flags(src, train, valid, True)])
-        run = s.Run(f"sft_sigterm_{name}", 1, argv)
+        run = Run(f"sft_sigterm_{name}", 1, argv)
         hit = run.wait_for(re.compile(r"iteration\s+(1[2-9]|[2-9]\d)/"), 240)
         worker = run.worker(0)
         # SIGTERM to the rank's process group, as the launcher forwards it (not through torchrun's agent,
@@ -278,6 +273,19 @@ def scenario_sft_sigterm(ctx) -> dict:
         run.kill_tree()
         res[name] = {"reached": bool(hit), "stopped": bool(stopped), "sigterm_to_exit_s": round(time.monotonic() - t0, 1),
                      "tail": run.text()[-12000:] if not stopped else run.text()[-600:]}
-        s.check(stopped is not None, f"{name}: SIGTERM -> no 'exit 0 (signal)' within 90 s", failures)
+        check(stopped is not None, f"{name}: SIGTERM -> no 'exit 0 (signal)' within 90 s", failures)
         run.close()
     return {"ok": not failures, "failures": failures, **res}
+
+
+# name -> Scenario(the function, its line in --list, rough seconds per layout); suite.py registers them.
+SCENARIOS = {
+    "sft_reverse": Scenario(scenario_sft_reverse, "fine-tune a tiny Llama on digit reversal, export: generate >= 90 % "
+                            "exact; validation loss = the answer-only loss"),
+    "sft_bench": Scenario(scenario_sft_bench, "pretraining vs SFT padded vs SFT packed on a Llama-3.2-1B shape: "
+                          "iteration time, tokens/s, padding waste"),
+    "sft_pods": Scenario(scenario_sft_pods, "the rendered pods of e2e/gpu/jobs/sft-tiny.yaml: SIGTERM, resume of the "
+                         "SFT data, export"),
+    "sft_sigterm": Scenario(scenario_sft_sigterm, "SIGTERM during SFT with validation and async saves: checkpoint, "
+                            "exit 0 (with and without evaluation)"),
+}

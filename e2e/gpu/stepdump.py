@@ -1,4 +1,5 @@
-"""The `stepdump` scenario (issue 29): where ours, run as Megatron-LM runs it, first computes something else.
+"""The `stepdump` scenario's comparison (issue 29): where ours, run as Megatron-LM runs it, first computes
+something else. The scenario itself (both runs, then this comparison per rank) is in mlm_compare.py.
 
     bash e2e/gpu/run_on_device.sh --gpus 1 --only stepdump --stepdump dp1:llama1b
 
@@ -19,22 +20,11 @@ per-tensor norm) every weight, gradient and updated parameter of steps 1-3 is id
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK = REPO / "e2e" / "gpu" / "stepdump_site" / "sitecustomize.py"
 DIGEST_KEYS = ("dtype", "numel", "bits", "bits_pos")  # equal in all four: the same bits, short of a collision
-
-
-def _suite():
-    import suite
-
-    return sys.modules.get("__main__") if hasattr(sys.modules.get("__main__"), "Run") else suite
 
 
 def same(a: dict, b: dict) -> bool:
@@ -117,69 +107,3 @@ def compare(ours: dict, mlm: dict, limit: int = 12) -> dict:
     return {"steps_recorded": {"ours": recorded[0], "megatron_lm": recorded[1]}, "first_difference": first,
             "steps": steps}
 
-
-def scenario_stepdump(ctx) -> dict:
-    """Megatron-LM's pretrain_gpt.py, then ours, on each layout:model[:mlm_variant[:ours_variant]] of --stepdump
-    (comma-separated; default dp1:llama1b; mlm_variant: one of MLM_VARIANTS, flags for Megatron-LM's run;
-    ours_variant: one of THREEWAY_VARIANTS, default mlmlike), each with the step hook; the comparison of every
-    rank's dumps.
-    At DP > 1 ours also gets the overlap flags Megatron-LM's run has (mlm_peer.sh), so that both split
-    their gradients into the same buckets and shards."""
-    s = _suite()
-    out: dict = {}
-    for spec in filter(None, (ctx.get("stepdump") or "dp1:llama1b").split(",")):
-        if time.monotonic() + 150 > s.DEADLINE[0]:
-            out[spec] = {"ok": False, "skipped": "deadline"}
-            continue
-        out[spec] = _stepdump_one(ctx, s, spec)
-    out["ok"] = bool(out) and all(r.get("ok") for r in out.values())
-    return out
-
-
-def _stepdump_one(ctx, s, spec: str) -> dict:
-    layout, model, mlm_variant, ours_variant = (spec.split(":") + ["", "", ""])[:4]
-    model, ours_variant = model or "llama1b", ours_variant or "mlmlike"
-    if layout not in s.THREEWAY or model not in s.MODELS or (mlm_variant and mlm_variant not in s.MLM_VARIANTS) \
-            or ours_variant not in s.THREEWAY_VARIANTS:
-        return {"ok": False, "error": f"unknown --stepdump {spec}; layouts {sorted(s.THREEWAY)}, "
-                                      f"models {sorted(s.MODELS)}, Megatron-LM variants {sorted(s.MLM_VARIANTS)}, "
-                                      f"ours' variants {sorted(s.THREEWAY_VARIANTS)}"}
-    tag = f"{layout}_{model}{mlm_variant}{'' if ours_variant == 'mlmlike' else '_' + ours_variant}"
-    gpus, tp, pp = s.THREEWAY[layout]
-    if gpus > ctx["gpus"]:
-        return {"ok": False, "error": f"--stepdump {layout} needs {gpus} GPUs, the suite has {ctx['gpus']}"}
-    mlm_dir = REPO / ".run" / "mlm"
-    if not (mlm_dir / "pretrain_gpt.py").is_file():
-        return {"ok": False, "error": "Megatron-LM's source (.run/mlm) not carried"}
-    gbs = s.threeway_gbs(model, gpus, tp, pp)
-    dumps = {"megatron_lm": s.WORK / f"stepdump_mlm_{tag}", "ours": s.WORK / f"stepdump_ours_{tag}"}
-    for d in dumps.values():
-        shutil.rmtree(d, ignore_errors=True)
-    placed = mlm_dir / "sitecustomize.py"  # mlm_peer.sh runs with PYTHONPATH=$MLM_DIR only
-    shutil.copy(HOOK, placed)
-    try:
-        mlm = s.run_mlm_peer(f"stepdump_mlm_{tag}", gpus, model, tp, pp, gbs, s.all_gpus(gpus),
-                             s.MLM_VARIANTS.get(mlm_variant, ()), env_extra={"STEPDUMP_DIR": str(dumps["megatron_lm"])})
-    finally:
-        placed.unlink(missing_ok=True)
-    env, extra = s.THREEWAY_VARIANTS[ours_variant]
-    if gpus // (tp * pp) > 1:
-        extra = [*extra, *s.DP_OVERLAP]
-    env = dict(env, STEPDUMP_DIR=str(dumps["ours"]),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HOOK.parent), os.environ.get("PYTHONPATH")])))
-    ours = s.run_ours_threeway(ctx, f"stepdump_ours_{tag}", model, gpus, tp, pp, gbs, extra, ours_variant, env)
-    out: dict = {"layout": layout, "model": model, "global_batch": gbs,
-                 "megatron_lm": {k: mlm.get(k) for k in ("rc", "iter_ms", "losses_1_5", "error")}
-                 | {"flags": list(s.MLM_VARIANTS.get(mlm_variant, ()))},
-                 "ours": {k: ours.get(k) for k in ("rc", "iter_ms", "losses_1_5", "flags", "env")} | {"variant": ours_variant}}
-    failures = []
-    for rank in range(gpus):
-        files = {who: d / f"rank{rank}.json" for who, d in dumps.items()}
-        missing = [who for who, f in files.items() if not f.is_file()]
-        if missing:
-            failures.append(f"rank {rank}: no dump from {', '.join(missing)} (see its log)")
-            continue
-        loaded = {who: json.loads(f.read_text()) for who, f in files.items()}
-        out[f"rank{rank}"] = compare(loaded["ours"], loaded["megatron_lm"])
-    out["ok"], out["failures"] = not failures, failures
-    return out

@@ -10,7 +10,8 @@ model back out, and every tensor must be bit-identical to the source.
     python tests/trainer/hf_cpu_check.py --tp 2 --pp 1 --arch tiny-qwen2 --out DIR
 
 Used by tests/trainer/test_hf_torch.py (skipped where torch, megatron-core or transformers is
-missing) and, on GPUs, by e2e/gpu/suite.py's `hf` scenario (same functions, NCCL, bf16 too).
+missing) and, on GPUs, by the GPU suite's `hf_logits` scenario (e2e/gpu/hf.py; same functions, NCCL,
+bf16 too).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "gpu"))
+import mlm_compare as MC
 import stepdump as SD
 
 
@@ -81,14 +82,14 @@ def test_a_shorter_dump_is_compared_as_far_as_it_goes():
 def test_suite_knows_the_scenario_and_its_default():
     import suite as S
 
-    assert S.SCENARIOS["stepdump"] is SD.scenario_stepdump
-    assert "mlmlike" in S.THREEWAY_VARIANTS and "dp1" in S.THREEWAY and "llama1b" in S.MODELS
+    assert S.SCENARIOS["stepdump"].run is MC.scenario_stepdump
+    assert "mlmlike" in MC.THREEWAY_VARIANTS and "dp1" in MC.THREEWAY and "llama1b" in MC.MODELS
 
 
 def test_unknown_layout_is_an_error_not_a_traceback():
-    r = SD.scenario_stepdump({"stepdump": "tp9:llama1b,dp2:llama1b", "gpus": 1})
+    r = MC.scenario_stepdump({"stepdump": "tp9:llama1b,dp2:llama1b", "gpus": 1})
     assert r["ok"] is False
     assert "unknown --stepdump" in r["tp9:llama1b"]["error"]
     assert "needs 2 GPUs" in r["dp2:llama1b"]["error"]
-    r = SD.scenario_stepdump({"stepdump": "dp1:llama1b:nosuch", "gpus": 1})
+    r = MC.scenario_stepdump({"stepdump": "dp1:llama1b:nosuch", "gpus": 1})
     assert "unknown --stepdump dp1:llama1b:nosuch" in r["dp1:llama1b:nosuch"]["error"]

@@ -1,5 +1,5 @@
 """The GPU suite measures and checks "the command line the operator renders by default" with its own
-builder (e2e/gpu/suite.py, trainer_args), so that the suite needs no cluster. Here that builder is
+builder (e2e/gpu/harness.py, trainer_args), so that the suite needs no cluster. Here that builder is
 compared with the operator's real rendering: every flag that changes what runs (layout, kernels,
 fusions, CUDA graph, sequence parallelism, optimizer) must be the same; only the run's own choices
 (learning-rate schedule, length, logging, sequence length) may differ."""
@@ -15,7 +15,10 @@ from megatron_operator.render import megatron_args
 from megatron_operator.validation import parse_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "gpu"))
-import suite as S
+import correctness as C
+import harness as H
+import mlm_compare as MC
+import performance as PF
 
 # the run's own choices: what the suite sets per scenario, not what the operator decides
 RUN_CHOICES = {"--lr", "--min-lr", "--lr-warmup-iters", "--log-interval", "--seq-length", "--max-position-embeddings",
@@ -42,7 +45,7 @@ def test_suite_command_line_is_the_operators_default_rendering(tp, pp, gpus):
                              model={"preset": "llama3-8b"},
                              training={"microBatchSize": 1, "globalBatchSize": 8, "trainIters": 26}))
     rendered = flags(megatron_args(job))
-    ours = flags(S.trainer_args("llama8b", tp=tp, pp=pp, mbs=1, gbs=8, iters=26))
+    ours = flags(H.trainer_args("llama8b", tp=tp, pp=pp, mbs=1, gbs=8, iters=26))
     for name, value in TRAINER_DEFAULTS.items():
         for side in (rendered, ours):
             if side.get(name) == value:
@@ -54,14 +57,14 @@ def test_suite_command_line_is_the_operators_default_rendering(tp, pp, gpus):
 
 
 def test_no_sp_marker_leaves_sequence_parallelism_out_and_never_reaches_the_trainer():
-    argv = S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=[S.NO_SP])
-    assert not [a for a in argv if a.startswith("--sequence-parallel")] and S.NO_SP not in argv
-    argv = S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=["--sequence-parallel"])
+    argv = H.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=[H.NO_SP])
+    assert not [a for a in argv if a.startswith("--sequence-parallel")] and H.NO_SP not in argv
+    argv = H.trainer_args("llama8b", tp=2, mbs=1, gbs=8, extra=["--sequence-parallel"])
     assert [a for a in argv if a.startswith("--sequence-parallel")] == ["--sequence-parallel"]
-    env, extra = S.variant_for("foreach", 2)  # the perf scenario's variants keep their meaning
-    assert not [a for a in S.trainer_args("gpt1b", tp=2, extra=extra) if a.startswith("--sequence-parallel")]
-    env, extra = S.variant_for("sp", 2)
-    assert S.trainer_args("gpt1b", tp=2, extra=extra).count("--sequence-parallel") == 1
+    env, extra = PF.variant_for("foreach", 2)  # the perf scenario's variants keep their meaning
+    assert not [a for a in H.trainer_args("gpt1b", tp=2, extra=extra) if a.startswith("--sequence-parallel")]
+    env, extra = PF.variant_for("sp", 2)
+    assert H.trainer_args("gpt1b", tp=2, extra=extra).count("--sequence-parallel") == 1
 
 
 def test_profile_breakdown_counts_exposed_communication(tmp_path):
@@ -79,16 +82,16 @@ def test_profile_breakdown_counts_exposed_communication(tmp_path):
     ]
     with gzip.open(tmp_path / "rank0.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    got = S.profile_breakdown(tmp_path)["rank0"]
+    got = MC.profile_breakdown(tmp_path)["rank0"]
     assert got["compute_busy_ms"] == 0.15 and got["nccl_exposed_ms"] == 0.09
     assert (got["gpu_span_ms"], got["gpu_busy_ms"]) == (0.34, 0.24)
-    assert S.covered(0, 10, S.merged([(2, 4), (3, 6), (8, 20)])) == 6
+    assert MC.covered(0, 10, MC.merged([(2, 4), (3, 6), (8, 20)])) == 6
 
 
 def test_profile_categories_keep_compiled_kernels_out_of_copies():
     """torch.compile's kernel names list the ops they fuse ("cat", "_to_copy"): they are "compiled", not
     copies; a real copy stays a copy."""
-    cat = {name: S.kernel_category(name) for name in ("triton_poi_fused_add_cat_mul_rsub_sigmoid_silu_split_0",
+    cat = {name: MC.kernel_category(name) for name in ("triton_poi_fused_add_cat_mul_rsub_sigmoid_silu_split_0",
                         "triton_poi_fused__to_copy_add_cat_cos_mul_neg_sin_split_0",
                         "void at::native::CatArrayBatchedCopy_vectorized", "Memcpy HtoD (Pinned -> Device)")}
     assert list(cat.values()) == ["compiled", "compiled", "copy", "copy"]
@@ -99,20 +102,20 @@ def test_megatron_lm_iteration_2_line_is_read_as_iteration_2_alone():
     after the first line). Call 17 of 2026-11-26 (docs/benchmarks.md): Megatron-LM logged 12.5837, 12.58955;
     ours with Megatron-LM's forward logged 12.5837, 12.5954 for the same two iterations."""
     logged = [12.5837, 12.58955, 7.225383, 6.792102, 1.967173]
-    assert S.mlm_losses_per_iteration(logged) == [12.5837, 12.5954, 7.225383, 6.792102, 1.967173]
+    assert H.mlm_losses_per_iteration(logged) == [12.5837, 12.5954, 7.225383, 6.792102, 1.967173]
     assert logged[1] == 12.58955  # the logged list is left as it was
-    assert S.mlm_losses_per_iteration([12.5]) == [12.5] and S.mlm_losses_per_iteration([]) == []
+    assert H.mlm_losses_per_iteration([12.5]) == [12.5] and H.mlm_losses_per_iteration([]) == []
 
 
-@pytest.mark.parametrize("name", sorted(S.THREEWAY_VARIANTS))
+@pytest.mark.parametrize("name", sorted(MC.THREEWAY_VARIANTS))
 def test_every_threeway_variant_is_a_command_line_and_environment_the_trainer_accepts(name):
     """A variant is only a measurement if the trainer runs it as named: its flags parse with the trainer's own
     parser (argparse keeps the last of a repeated flag, so mbs2's --micro-batch-size wins) and its environment
     with the trainer's own reader."""
     from megatron_trainer.config import parse_args, runtime_from_env
 
-    env, extra = S.THREEWAY_VARIANTS[name]
-    cfg = parse_args(S.trainer_args("llama8b", tp=2, mbs=1, gbs=8, iters=26, extra=extra))
+    env, extra = MC.THREEWAY_VARIANTS[name]
+    cfg = parse_args(H.trainer_args("llama8b", tp=2, mbs=1, gbs=8, iters=26, extra=extra))
     runtime = runtime_from_env(env)
     if name == "mbs2":
         assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (2, 8)
@@ -126,11 +129,11 @@ def test_every_threeway_variant_is_a_command_line_and_environment_the_trainer_ac
 
 def test_megatron_lm_variants_of_both_loops_are_variants_of_ours_too():
     """A Megatron-LM variant that changes the run's shape (mbs2) is compared with ours' variant of the same name."""
-    assert "mbs2" in S.MLM_VARIANTS and S.MLM_VARIANTS["mbs2"] == S.THREEWAY_VARIANTS["mbs2"][1]
+    assert "mbs2" in MC.MLM_VARIANTS and MC.MLM_VARIANTS["mbs2"] == MC.THREEWAY_VARIANTS["mbs2"][1]
 
 
 def test_compare_with_mlm_reproduces_the_recorded_figures_of_call_20():
-    """suite.compare_with_mlm, on call 20's recorded runs (bench/results/llama_gpu_runs_2026-11-26.json), gives the
+    """mlm_compare.compare_with_mlm, on call 20's recorded runs (bench/results/llama_gpu_runs_2026-11-26.json), gives the
     speed-ups and loss differences the suite recorded then; a run without figures sets nothing."""
     import json
 
@@ -138,12 +141,12 @@ def test_compare_with_mlm_reproduces_the_recorded_figures_of_call_20():
                           "llama_gpu_runs_2026-11-26.json").read_text())
     tp2 = next(c for c in results["calls"] if c["call"] == 20)["results"]["threeway"]["tp2"]
     out: dict = {}
-    S.compare_with_mlm(out, tp2["ours_mbs2"], tp2["megatron_lm_mbs2"], "speedup", "losses")
+    MC.compare_with_mlm(out, tp2["ours_mbs2"], tp2["megatron_lm_mbs2"], "speedup", "losses")
     assert out == {"speedup": tp2["ours_mbs2_speedup_vs_megatron_lm_mbs2"],
                    "losses": tp2["ours_mbs2_losses_1_5_max_abs_diff_vs_megatron_lm_mbs2"]}
-    S.compare_with_mlm(out := {}, tp2["ours"], tp2["megatron_lm"], "speedup", "losses")
+    MC.compare_with_mlm(out := {}, tp2["ours"], tp2["megatron_lm"], "speedup", "losses")
     assert out == {"speedup": tp2["ours_speedup_vs_megatron_lm"], "losses": tp2["losses_1_5_max_abs_diff_vs_megatron_lm"]}
-    S.compare_with_mlm(out := {}, {"rc": 1}, tp2["megatron_lm"], "speedup", "losses")
+    MC.compare_with_mlm(out := {}, {"rc": 1}, tp2["megatron_lm"], "speedup", "losses")
     assert out == {}
 
 
@@ -157,7 +160,7 @@ def test_reruns_give_ours_spread_against_itself_on_call_24():
     dp2 = next(c for c in results["calls"] if c["call"] == 24)["results"]["threeway"]["dp2"]
     runs = {k: v for k, v in dp2.items() if k.startswith("ours") and isinstance(v, dict)}
     out = dict(runs)
-    S.compare_reruns(out, {"again", "unfused", "unfusedagain"})
+    MC.compare_reruns(out, {"again", "unfused", "unfusedagain"})
     assert out["ours_again_losses_1_5_max_abs_diff_vs_ours"] == 0.00284
     assert out["ours_unfusedagain_losses_1_5_max_abs_diff_vs_ours_unfused"] == 0.0
     assert 0.99 < out["ours_again_speed_vs_ours"] < 1.01
@@ -166,18 +169,18 @@ def test_reruns_give_ours_spread_against_itself_on_call_24():
                                     "ours_unfusedagain_speed_vs_ours_unfused"}  # unfused is not a rerun
 
 
-@pytest.mark.parametrize("model", sorted(S.MODELS))
-@pytest.mark.parametrize("layout", [name for name, _, _ in S.layouts_for(2)])
+@pytest.mark.parametrize("model", sorted(H.MODELS))
+@pytest.mark.parametrize("layout", [name for name, _, _ in C.layouts_for(2)])
 def test_every_suite_model_is_a_command_line_the_trainer_accepts_at_every_2_gpu_layout(model, layout):
     """A scenario given --model runs the model at tp2, pp2 and dp2 with reference_run's batch: the trainer must
     take that command line (its parser and its checks of heads, query groups and batch against the layout),
     and a Llama model must reach the trainer with its architecture (RoPE, GQA, SwiGLU, RMSNorm)."""
     from megatron_trainer.config import parse_args, world_layout
 
-    tp, pp = {name: (t, p) for name, t, p in S.layouts_for(2)}[layout]
-    m = S.MODELS[model]
+    tp, pp = {name: (t, p) for name, t, p in C.layouts_for(2)}[layout]
+    m = H.MODELS[model]
     dp = 2 // (tp * pp)
-    cfg = parse_args(S.trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=m["mbs"] * dp * (2 * pp if pp > 1 else 1)))
+    cfg = parse_args(H.trainer_args(model, tp=tp, pp=pp, mbs=m["mbs"], gbs=m["mbs"] * dp * (2 * pp if pp > 1 else 1)))
     assert world_layout(cfg, 2).data_parallel == dp
     if m.get("arch") == "llama":
         mc = cfg.model
@@ -187,12 +190,12 @@ def test_every_suite_model_is_a_command_line_the_trainer_accepts_at_every_2_gpu_
         assert cfg.model.position_embedding_type == "learned_absolute"
 
 
-@pytest.mark.parametrize("name", sorted(S.DETCOST_VARIANTS))
+@pytest.mark.parametrize("name", sorted(PF.DETCOST_VARIANTS))
 def test_detcost_variants_are_command_lines_and_environments_the_trainer_accepts(name):
     from megatron_trainer.config import parse_args, runtime_from_env
 
-    extra, env = S.DETCOST_VARIANTS[name]
-    cfg = parse_args(S.trainer_args("gpt1b", tp=2, mbs=4, gbs=4, iters=12, extra=extra))
+    extra, env = PF.DETCOST_VARIANTS[name]
+    cfg = parse_args(H.trainer_args("gpt1b", tp=2, mbs=4, gbs=4, iters=12, extra=extra))
     runtime = runtime_from_env(env)
     assert cfg.training.deterministic_mode == (name != "default")
     assert runtime.deterministic_attention == ("math" if name == "deterministic_math" else "flash")
@@ -200,5 +203,5 @@ def test_detcost_variants_are_command_lines_and_environments_the_trainer_accepts
 
 def test_the_sdpa_kernel_line_is_read_from_a_trainer_log():
     log = "x\nINFO megatron_trainer.attention: SDPA kernel (first forward, layer 1): FLASH_ATTENTION\niteration 1/"
-    assert S.sdpa_kernel(log) == "FLASH_ATTENTION"
-    assert S.sdpa_kernel("attention=Megatron DotProductAttention (unfused, materialises s x s)") is None
+    assert H.sdpa_kernel(log) == "FLASH_ATTENTION"
+    assert H.sdpa_kernel("attention=Megatron DotProductAttention (unfused, materialises s x s)") is None

@@ -1,4 +1,4 @@
-"""Per-tensor digests of the first optimizer steps, for the `stepdump` scenario (e2e/gpu/stepdump.py).
+"""Per-tensor digests of the first optimizer steps, for the `stepdump` scenario (e2e/gpu/mlm_compare.py).
 
 Python imports this module at start-up from the first `sitecustomize` on sys.path: the suite puts this
 folder first on ours' PYTHONPATH and copies the file into Megatron-LM's tree for its run (mlm_peer.sh
