@@ -71,8 +71,8 @@ constraints-trainer:
 
 # The trainer's CPU tests that run torch and Megatron-Core (gloo): packed SFT losses, the HF converter
 # against transformers, the SDPA paths. Their own venv, pinned by constraints-torch.txt (torch's PyPI
-# wheel with its CUDA libraries: about 50 s cold from PyPI, 4.8 GB; docs/benchmarks.md). The project's
-# sources come from pytest's pythonpath (pyproject.toml), so nothing is installed from the tree.
+# wheel with its CUDA libraries: about 50 s cold from PyPI, 4.8 GB; docs/benchmarks/ci.md#2026-11-24-8b15b74).
+# The project's sources come from pytest's pythonpath (pyproject.toml), so nothing is installed from the tree.
 TORCH_VENV ?= .venv-torch
 TORCH_STAMP := $(TORCH_VENV)/.installed
 # multi-storage-client (object-storage checkpoints) comes with its own pins; the two files agree where
@@ -131,11 +131,12 @@ run: $(STAMP)
 images:
 	scripts/images.sh operator
 
-# The trainer image too (torch from the wheelhouse: several GB, not in CI; docs/benchmarks.md).
+# The trainer image too (torch from the wheelhouse: several GB, not in CI;
+# docs/benchmarks/images.md#2026-11-23-images-and-real-node).
 images-full: images
 	scripts/images.sh trainer
 
-# Benchmarks (never in CI; docs/benchmarks.md). The peer, Kubeflow Trainer's controller manager, is
+# Benchmarks (never in CI; docs/benchmarks.md#operator). The peer, Kubeflow Trainer's controller manager, is
 # built from the Go module proxy by exact version into the shared cache (about 9 minutes, once).
 bench-peer:
 	nice -n 10 bash bench/build_trainer.sh

@@ -2,7 +2,8 @@
 """Where kube-apiserver's CPU goes during a burst: its own Go CPU profile, cut into categories (issue 30).
 
 Issue 30 asks, where a target is missed, for the remaining difference as a measured fact. The API server is
-most of it (docs/benchmarks.md): ours costs it 130-142 ms of CPU per job against the peer's 72-92. Request
+most of it (docs/benchmarks/operator-latency.md#2026-11-25-start-up-cost): ours costs it 130-142 ms of CPU per
+job against the peer's 72-92. Request
 counts and per-request costs (crd_write_cost.py) explain part of it; this module measures the rest where it
 happens. `operator_latency.py --apiserver-profile DIR` records kube-apiserver's `/debug/pprof/profile` in
 5 s pieces from the first create until the burst settled, merges them (`go tool pprof -proto`) into

@@ -1,6 +1,7 @@
 """How long SFT data takes before the first iteration: tokenizing a chat JSONL on the fly (the chat template
 rendered per turn, loss masks, packing) against reading back the tokens the first start cached
-(--data-cache-path) or `preprocess --format chat` wrote. Pure CPU; docs/benchmarks.md has the figures.
+(--data-cache-path) or `preprocess --format chat` wrote. Pure CPU; the figures:
+docs/benchmarks/sft.md#2026-11-24-sft.
 
     .venv/bin/python bench/sft_data_prep.py --conversations 100000
 """

@@ -2,7 +2,8 @@
 # Build the operator and trainer images without Docker: buildah (chroot isolation, no daemon) on
 # locally assembled stand-in bases, with Python packages from a wheelhouse that pip prepares on
 # the host. The image builds themselves need no network. docs/install.md says how the stand-in
-# base differs from python:3.12-slim; docs/benchmarks.md has the measured times and sizes.
+# base differs from python:3.12-slim; docs/benchmarks/images.md#2026-11-23-images-and-real-node has the
+# measured times and sizes.
 #
 #   scripts/images.sh tools                 install buildah, podman, runc, mmdebstrap (root) or say which
 #   scripts/images.sh base                  the stand-in base image (cached tarball)

@@ -471,7 +471,8 @@ def mlm_losses_per_iteration(logged: list[float]) -> list[float]:
     first iteration without resetting its sums (`should_reset = not is_first_iteration`), so the line of
     iteration 2 is the mean of iterations 1 and 2; from iteration 3 on each line is its own iteration.
     Found on 2026-11-26: ours, with the forward pass computed as Megatron-LM's, logged 12.5837 and 12.5954
-    where Megatron-LM logged 12.5837 and 12.58955 = (12.5837 + 12.5954) / 2 (docs/benchmarks.md)."""
+    where Megatron-LM logged 12.5837 and 12.58955 = (12.5837 + 12.5954) / 2
+    (docs/benchmarks/megatron-lm.md#2026-11-26-iteration-2-log-line)."""
     losses = list(logged)
     if len(losses) >= 2:
         losses[1] = round(2 * losses[1] - losses[0], 6)

@@ -5,14 +5,14 @@ something else. The scenario itself (both runs, then this comparison per rank) i
 
 Ours' `mlmlike` variant (unfused attention, eager, Megatron's unfused RoPE, torch AdamW's foreach kernels,
 bf16 weight gradients then added) gives Megatron-LM's losses of iterations 1-2 to every printed digit and
-differs from iteration 3 on (docs/benchmarks.md, issue 29). Megatron-LM's pretrain_gpt.py and ours then
+differs from iteration 3 on (docs/benchmarks/megatron-lm.md#2026-11-26-mlmlike-3b-dp2). Megatron-LM's pretrain_gpt.py and ours then
 run the same model, layout and data once more with stepdump_site/sitecustomize.py loaded, which records a
 digest of every weight and every gradient before each of the first optimizer steps, each parameter group's
 settings, and the optimizer's parameters after each step. Compared rank by rank, the first tensor whose
 digest differs names where the two programs part: a gradient at step 1 names an op of the forward or the
 backward, equal gradients with different updated parameters name the optimizer or its settings.
 
-Found with it on 2 x H200 (2026-11-27, docs/benchmarks.md): the two programs part in three settings, the
+Found with it on 2 x H200 (docs/benchmarks/megatron-lm.md#2026-11-27-stepdump): the two programs part in three settings, the
 unfused attention's softmax precision, the per-token loss and the gradient norm's reduction order. With
 `--stepdump dp2:llama3b:oursconfig:mlmlikemt` (Megatron-LM given ours' first two, ours given Megatron-Core's
 per-tensor norm) every weight, gradient and updated parameter of steps 1-3 is identical on every rank.

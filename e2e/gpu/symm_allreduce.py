@@ -5,12 +5,12 @@ each timed alone and inside a CUDA graph, and each checked against NCCL's result
 
     SYMM_BACKEND=CUDA torchrun --nproc-per-node 2 e2e/gpu/symm_allreduce.py
 
-The question it answers: the 81-104 ms of exposed forward all-reduce per step (docs/benchmarks.md)
+The question it answers: the 81-104 ms of exposed forward all-reduce per step (docs/benchmarks/megatron-lm.md#2026-11-26-third-session-nccl-overlap)
 run at about half of NVLink's bandwidth through NCCL's ring; does a direct peer-to-peer all-reduce
 over symmetric memory (no NVLink multicast: the device's rule) take less? Rank 0 prints one line:
 SYMMAR {json}. A method that fails is reported with its error, not raised.
 
-Run once (call 38, 2 x H200, torch 2.11.0+cu130, NCCL 2.28.9; docs/benchmarks.md): with either
+Run once (call 38, 2 x H200, torch 2.11.0+cu130, NCCL 2.28.9; docs/benchmarks/megatron-lm.md#2026-11-27-tenth-session-symm-allreduce): with either
 allocation backend the processes printed their line and then did not exit (the final barrier or the
 process group's teardown after symmetric memory was used; not investigated), so run it under
 `timeout`. The figures: the two-shot kernel is about 0.03 ms faster than NCCL's all-reduce inside a

@@ -210,7 +210,8 @@ def add_immutability_rules(spec_schema: dict[str, Any]) -> list[dict[str, str]]:
     A refused change reads as a spec-level ``self.x == oldSelf.x`` would: the same message at the same path
     (``spec.x``), one error per field. On the field's node the rule does not look ``x`` up among spec's
     properties, which on the API server rebuilds the schemas of all of them (twice per lookup); every write
-    runs these rules, a status write included (issue 30, docs/benchmarks.md)."""
+    runs these rules, a status write included (issue 30,
+    docs/benchmarks/operator-latency.md#2026-11-27-cel-validator-allocations)."""
     presence = []
     required = set(spec_schema.get("required", []))
     for key in sorted(immutable_spec_fields(spec_schema)):

@@ -19,7 +19,8 @@ loss dominate. Terms, in bytes:
 
 It predicts ``torch.cuda.max_memory_allocated()``; the fit check adds what the allocator never
 sees (CUDA context, NCCL buffers, fragmentation) as ``RESERVED_OVERHEAD_GIB``. The constants were
-checked against measured runs (docs/benchmarks.md, tests/unit/test_memory.py).
+checked against measured runs (docs/benchmarks/memory-estimator.md#2026-11-21-predicted-vs-measured,
+tests/unit/test_memory.py).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ uses_te = f("training.transformerImpl").eq("transformer_engine")
 # Default: on with TP > 1 and Transformer Engine. Unset, it renders --sequence-parallel-auto and the
 # trainer, which knows whether its image has TE, keeps it on the TE path only: the local path supports
 # it (its own torch norm; Megatron's WrappedTorchNorm refuses it) but measured slower there (Llama-3-8B
-# TP=2, docs/benchmarks.md), so it stays opt-in on the local path.
+# TP=2, docs/benchmarks/megatron-lm.md#2026-11-26-second-session-sp-rope), so it stays opt-in on the local path.
 sequence_parallel = opt("parallelism.sequenceParallel", (tp > 1) & uses_te)
 mbs = f("training.microBatchSize")
 precision = f("training.precision")

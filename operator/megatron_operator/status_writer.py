@@ -4,9 +4,9 @@
 threads write it (a ``WorkQueue`` whose newest status replaces one still waiting). A job whose
 status changes again before its write went out is written once, with the newest status. In a burst
 the API server is the bottleneck (every MegatronJob write evaluates the CRD's validation rules:
-about 12 ms of API server CPU, docs/benchmarks.md), so every write spared goes to the JobSet
-controller and the scheduler instead; and the observation threads, which create the children,
-never wait behind status writes.
+about 12 ms of API server CPU, docs/benchmarks/operator-throughput.md#2026-11-23-third-run-423fe49), so
+every write spared goes to the JobSet controller and the scheduler instead; and the observation threads,
+which create the children, never wait behind status writes.
 
 A status may also be submitted with a delay (``submit(..., delay_s=)``): it waits that long, counted
 from the first such submit, unless a newer status of the job replaces it. The controller uses it for

@@ -8,7 +8,7 @@ The operator uses it twice:
   watch caches when it takes the key, so every event is accounted for. kopf's per-object workers are
   then done within microseconds and release the event bodies; when handlers blocked on the API
   instead, a burst of jobs queued every pod and JobSet event in kopf, and the operator's memory
-  tripled (docs/benchmarks.md).
+  tripled (docs/benchmarks/operator-throughput.md#2026-11-23-second-run-a59e1c5).
 - **Status writes** (``status_writer.py``): the newest status of a job replaces one still waiting.
 
 Each key carries a value; ``merge(waiting, new)`` combines a new value with one still waiting.

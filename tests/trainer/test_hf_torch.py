@@ -5,7 +5,8 @@ source (tests/trainer/hf_cpu_check.py). Skipped where torch, megatron-core or tr
 
     .venv-torch/bin/python -m pytest tests/trainer/test_hf_torch.py -q
 
-The GPU suite runs the same check on 2 x H200 in fp32 and bf16 (e2e/gpu/hf.py, docs/benchmarks.md).
+The GPU suite runs the same check on 2 x H200 in fp32 and bf16 (e2e/gpu/hf.py,
+docs/benchmarks/hf.md#2026-11-24-hf-import-export).
 """
 
 from __future__ import annotations

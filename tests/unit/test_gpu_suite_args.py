@@ -99,8 +99,9 @@ def test_profile_categories_keep_compiled_kernels_out_of_copies():
 
 def test_megatron_lm_iteration_2_line_is_read_as_iteration_2_alone():
     """Megatron-LM's line for iteration 2 is the mean of iterations 1 and 2 (its training_log does not reset
-    after the first line). Call 17 of 2026-11-26 (docs/benchmarks.md): Megatron-LM logged 12.5837, 12.58955;
-    ours with Megatron-LM's forward logged 12.5837, 12.5954 for the same two iterations."""
+    after the first line). Call 17 of 2026-11-26 (docs/benchmarks/megatron-lm.md#2026-11-26-iteration-2-log-line):
+    Megatron-LM logged 12.5837, 12.58955; ours with Megatron-LM's forward logged 12.5837, 12.5954 for the same
+    two iterations."""
     logged = [12.5837, 12.58955, 7.225383, 6.792102, 1.967173]
     assert H.mlm_losses_per_iteration(logged) == [12.5837, 12.5954, 7.225383, 6.792102, 1.967173]
     assert logged[1] == 12.58955  # the logged list is left as it was

@@ -1,5 +1,6 @@
 """The memory estimate against peak memory measured on H200s (fixtures from bench/memory_fixture.py;
-the runs are in docs/benchmarks.md). The issue's bar: within +-15% on every configuration."""
+the runs are in docs/benchmarks/memory-estimator.md#2026-11-21-measured-data). The issue's bar: within +-15%
+on every configuration."""
 
 from __future__ import annotations
 

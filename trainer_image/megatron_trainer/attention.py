@@ -23,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # --attention-backend -> SDPA kernels in priority order (None: torch's own choice). cuDNN's fused
 # flash attention comes first: on an H200 with torch 2.11 it ran causal fwd+bwd at b=4, 16 heads,
 # s=2048, d=128 in 0.86 ms against 1.27 ms for torch's FlashAttention-2 kernel (2.34 ms
-# memory-efficient, 8.8 ms unfused); docs/benchmarks.md. Both keep the s x s matrix out of memory.
+# memory-efficient, 8.8 ms unfused); docs/benchmarks/trainer-gpu.md#2026-11-21-gpt-vs-peer. Both keep the
+# s x s matrix out of memory.
 SDPA_BACKENDS = {
     "flash": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
     "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],

@@ -238,7 +238,8 @@ def compile_unfused_rope(exact: bool = True) -> bool:
     the frequencies, the rotate-half `chunk`/`neg`/`cat`, two multiplies, an add and a final `cat` with
     the (empty) pass-through part; `cat` alone was 27 ms of a 1.64 s Llama-3-8B step at TP=2 on
     2 x H200 (torch.profiler, 2026-11-26). Compiled, each call is one or two fused kernels: about
-    -60 ms per step there (docs/benchmarks.md). On by default (MEGATRON_TRAINER_COMPILE_ROPE=0 keeps it
+    -60 ms per step there (docs/benchmarks/megatron-lm.md#2026-11-26-second-session-sp-rope). On by default
+    (MEGATRON_TRAINER_COMPILE_ROPE=0 keeps it
     eager); the trainer applies it only without packed SFT, which applies RoPE per sequence, whose
     varying lengths would recompile.
     `exact` (the default; MEGATRON_TRAINER_COMPILE_ROPE=1 turns it off) compiles with Inductor's

@@ -51,7 +51,8 @@ class ParallelConfig:
     sequence_parallel_auto: bool = field(default=False, metadata=flag(
         "--sequence-parallel-auto", action="store_true",
         help="Sequence parallelism where it pays (the operator's default at TP > 1): on when the run uses "
-             "Transformer Engine, off on the local path, where it measured slower (docs/benchmarks.md). "
+             "Transformer Engine, off on the local path, where it measured slower "
+             "(docs/benchmarks/megatron-lm.md#2026-11-26-second-session-sp-rope). "
              "--sequence-parallel turns it on regardless."))
 
     def megatron_sizes(self) -> dict[str, int | None]:
@@ -486,7 +487,8 @@ class RuntimeConfig:
     tp_overlap_chunks: int = 1
     """MEGATRON_TRAINER_TP_OVERLAP_CHUNKS=N (N > 1): a row-parallel layer's forward GEMM in N pieces whose
     all-reduces overlap the next piece (local path, TP > 1, no sequence parallelism; tp_overlap.py).
-    Opt-in, for A/B runs: it measured no gain on the 8B at TP=2 (docs/benchmarks.md)."""
+    Opt-in, for A/B runs: it measured no gain on the 8B at TP=2
+    (docs/benchmarks/megatron-lm.md#2026-11-26-third-session-nccl-overlap)."""
     tp_overlap_sm_carveout: int = 0
     """MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=N: with the overlap above, the GEMM pieces that run beside an
     all-reduce leave N SMs free for NCCL (cuBLASLt's SM count target; tp_overlap.py). For A/B runs."""

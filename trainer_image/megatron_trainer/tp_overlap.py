@@ -3,8 +3,8 @@
 Without Transformer Engine, Megatron's `RowParallelLinear` (attention's output projection and the
 MLP's second layer) runs its GEMM, then all-reduces the whole output across the tensor-parallel group
 while nothing else runs: at TP=2 on the Llama-3-8B that is 512 all-reduces of 32 MiB per step, 81-104
-ms of exposed NCCL time out of about 1600 ms (docs/benchmarks.md, issue 29). In the backward pass
-Megatron already overlaps its all-reduce with the weight-gradient GEMM.
+ms of exposed NCCL time out of about 1600 ms (docs/benchmarks/megatron-lm.md#2026-11-26-third-session-nccl-overlap).
+In the backward pass Megatron already overlaps its all-reduce with the weight-gradient GEMM.
 
 `OverlappedRowParallelLinear` splits the forward GEMM along the sequence into `chunks` pieces and
 starts each piece's all-reduce as soon as the piece is computed, so the all-reduce of one piece runs
@@ -20,7 +20,8 @@ reduce-scatters instead), a trainable weight, no CPU offloading, and a sequence 
 (N > 1) sets `chunks`. On the Llama-3-8B at TP=2 on 2 x H200 it measured no gain (1614.3 ms with 2
 pieces, 1615.8 with 4, 1608.0 without, one call). The profile's exposed NCCL time stayed at 85 ms while
 both NCCL and GEMM kernel time rose: the pieces did overlap, but slowed each other. That fits cuBLAS's
-GEMMs here being persistent kernels sized for every SM (docs/benchmarks.md). Kept for A/B runs.
+GEMMs here being persistent kernels sized for every SM (docs/benchmarks/megatron-lm.md#2026-11-26-third-session-nccl-overlap).
+Kept for A/B runs.
 
 `sm_carveout` (MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=N) leaves N streaming multiprocessors free during
 the GEMM of every piece after the first, the pieces that run beside an all-reduce, so that NCCL's
