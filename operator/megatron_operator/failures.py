@@ -30,6 +30,7 @@ NON_RETRIABLE_EXIT_CODES: dict[int, str] = {
     4: "CUDA out of memory before the first iteration",
     5: "checkpoint cannot be resumed",
     7: "the object store refuses the checkpoint location (no such bucket, bad credentials, access denied)",
+    8: "the checkpoint volume is full",
 }
 #: Exit codes that blame the node: retried, on another node (the node goes to status.avoidedNodes).
 NODE_FAULT_EXIT_CODES: dict[int, str] = {

@@ -101,6 +101,7 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "ckpt-assume-constant-structure",
     "deterministic-mode",
     "disable-bias-linear",
+    "dist-ckpt-optim-dp-reshardable",
     "dist-ckpt-optim-fully-reshardable",
     "eod-mask-loss",
     "exit-on-missing-checkpoint",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 
+from megatron_trainer import ckpt_layout
 from megatron_trainer import ckpt_layout as L
 
 
@@ -117,3 +120,31 @@ def test_final_save_fits_the_sigkill_grace():
     assert L.final_save_fits(2.0, 10.0, grace_s=30)
     assert not L.final_save_fits(2.0, 26.0, grace_s=30)
     assert not L.final_save_fits(20.0, 8.0, grace_s=30)
+
+
+def test_a_full_volume_is_named_with_the_bytes_needed_and_free(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    # what the async writer reported when a 235 GiB disk filled at a 7B model's third save (issue 49)
+    short_write = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    for exc in (OSError(errno.ENOSPC, "No space left on device"), short_write):
+        problem = ckpt_layout.volume_full_problem(tmp_path, 3 * 2**30, exc)
+        assert problem.startswith(f"the checkpoint volume at {tmp_path} is full: a save needs about 3.0 GiB, ")
+        assert "\n" not in problem and " free of " in problem
+    # more needed than free is full whatever the error said
+    assert ckpt_layout.volume_full_problem(tmp_path, free * 2, RuntimeError("boom")) is not None
+    # another error with room to spare is not a full volume, nor is an object store's
+    assert ckpt_layout.volume_full_problem(tmp_path, 1024, RuntimeError("NCCL timeout")) is None
+    assert ckpt_layout.volume_full_problem("msc://p/x", 1024, OSError(errno.ENOSPC, "x")) is None
+
+
+def test_start_up_warns_when_keep_plus_one_checkpoints_cannot_fit(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    warning = ckpt_layout.space_warning(tmp_path, free // 2, keep=2)
+    assert warning is not None and "keep=2 complete checkpoints and the one being written" in warning
+    assert ckpt_layout.space_warning(tmp_path, 1024, keep=2) is None
+    assert ckpt_layout.space_warning(tmp_path, free * 2, keep=0).count("one more checkpoint") == 1
+    # checkpoints retention would delete count as room
+    (tmp_path / "iter_0000010").mkdir()
+    (tmp_path / "iter_0000010" / "metadata.json").write_text("{}")
+    (tmp_path / "iter_0000010" / "shard").write_bytes(b"x" * 4096)
+    assert ckpt_layout.tree_bytes(tmp_path / "iter_0000010") == 4098

@@ -55,7 +55,7 @@ def test_a_gpu_fault_is_found_through_the_exceptions_causes():
 
 
 def test_non_retriable_codes_are_the_documented_ones():
-    assert [int(c) for c in NON_RETRIABLE] == [2, 3, 4, 5, 7]
+    assert [int(c) for c in NON_RETRIABLE] == [2, 3, 4, 5, 7, 8]
     assert ExitCode.ERROR not in NON_RETRIABLE
 
 

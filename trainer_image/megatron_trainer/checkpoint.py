@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -128,7 +131,7 @@ class Checkpointer:
     """Saves and loads the training state; every public method is collective (all ranks)."""
 
     def __init__(self, cfg: TrainerConfig, env: DistEnv, model: list, optimizer, scheduler, keep: int,
-                 fused_adam: bool = False):
+                 fused_adam: bool = False, optim_in_place: bool = True):
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelLoadStrategyWrapper,
@@ -161,8 +164,19 @@ class Checkpointer:
                     raise Fatal(ExitCode.BAD_ARGUMENTS, problem)
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.sharding_type = None
+        self.optim_in_place = False  # the fully reshardable optimizer state saved and loaded where it lies
         if cfg.training.use_distributed_optimizer:
-            self.sharding_type = "fully_reshardable" if c.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+            self.sharding_type = "dp_reshardable" if c.dist_ckpt_optim_dp_reshardable else "fully_reshardable"
+            if self.sharding_type == "fully_reshardable" and optim_in_place:
+                from . import optim_state
+
+                reason = optim_state.supported(optimizer)
+                if reason is None:
+                    optim_state.use_model_space(optimizer)
+                    self.optim_in_place = True
+                elif env.is_rank0:
+                    log.warning("checkpoint: the optimizer state is gathered Megatron's way on every save (%s): "
+                                "saves block the loop longer", reason)
         self.save_strategy = FullyParallelSaveStrategyWrapper(
             TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=c.ckpt_assume_constant_structure,
                                          thread_count=c.dist_ckpt_workers),
@@ -175,6 +189,8 @@ class Checkpointer:
         self.stats = CheckpointStats()
         self._num_saves = 0
         self._warmed = False
+        self.checkpoint_bytes: int | None = None  # all ranks' bytes of one checkpoint, after the first step
+        self.space_warning: str | None = None
         self.on_published = None  # callback(iteration, total_seconds)
         self.on_loading = None  # callback(iteration): a resume is about to load that checkpoint
 
@@ -222,25 +238,60 @@ class Checkpointer:
             self.async_queue.close(abort=abort)
             self.async_queue = None
 
-    def warm_writer_memory(self) -> None:
-        """Collective. Once the optimizer has state (after the first step): send the writer the byte
-        sizes of this rank's checkpoint tensors to pin ahead of the first save. No device work, no
-        waiting: the writer does it in the background."""
-        if self.async_queue is None or self._warmed:
+    def after_first_step(self) -> None:
+        """Collective. Once the optimizer has state (after the first step): the size of a checkpoint (all
+        ranks), a warning where the volume cannot hold `keep` of them and the one being written, and, for
+        async saves, the byte sizes of this rank's tensors sent to the writer to pin ahead of the first
+        save (no device work, no waiting: the writer does it in the background)."""
+        if self.save_dir is None or self._warmed:
             return
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
+        sd = self._sharded_state_dict(False, self.sharding_type, with_optimizer=True, with_rng=False)
+        tensors = [v for v in nested_values(sd) if isinstance(v, ShardedTensor) and v.data is not None]
+        sizes = [v.data.numel() * v.data.element_size() for v in tensors]
+        mine = torch.tensor([sum(n for n, v in zip(sizes, tensors, strict=True) if is_main_replica(v.replica_id))],
+                            dtype=torch.float64)
+        torch.distributed.all_reduce(mine, group=self.env.cpu_group)
+        self.checkpoint_bytes = int(mine.item())
+        self._warmed = True
+        if self.env.is_rank0:
+            log.info("checkpoint: %.1f GiB per save (all ranks)", self.checkpoint_bytes / 2**30)
+            warning = ckpt_layout.space_warning(self.save_dir, self.checkpoint_bytes, self.keep)
+            if warning:
+                log.warning("checkpoint: %s", warning)
+                self.space_warning = warning
+        if self.async_queue is None:
+            return
         if self.async_strategy == "nvrx":
             from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         else:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-        sd = self._sharded_state_dict(False, self.sharding_type, with_optimizer=True, with_rng=False)
-        sizes = [v.data.numel() * v.data.element_size() for v in nested_values(sd)
-                 if isinstance(v, ShardedTensor) and v.data is not None]
         self.async_queue.schedule_async_request(AsyncRequest(_warm_pinned_memory, (sizes,), []))
-        self._warmed = True
         log.info("checkpoint: writer pins %.1f GiB for %d tensors in the background", sum(sizes) / 2**30, len(sizes))
+
+    @contextlib.contextmanager
+    def _volume_full_is_fatal(self, iteration: int | None, path: Path | str | None) -> Iterator[None]:
+        """A save that fails because the local volume is full becomes exit CHECKPOINT_VOLUME_FULL (not retried:
+        a restart would fill it again) with one line naming the volume, the bytes needed and free; the
+        failed save's directory is removed (it was never complete, so the resume point stays the newest
+        complete checkpoint)."""
+        try:
+            yield
+        except Fatal:
+            raise
+        except Exception as exc:
+            problem = ckpt_layout.volume_full_problem(self.save_dir, self.checkpoint_bytes, exc)
+            if problem is None:
+                raise
+            if self.env.is_rank0 and isinstance(path, Path):
+                shutil.rmtree(path, ignore_errors=True)
+            last = self.stats.last_published
+            raise Fatal(ExitCode.CHECKPOINT_VOLUME_FULL,
+                        f"{problem}; saving iteration {iteration if iteration is not None else '?'} failed, the newest "
+                        f"complete checkpoint ({'iteration ' + str(last) if last is not None else 'none'}) is intact. "
+                        f"Make the volume larger or keep fewer checkpoints (keep={self.keep or 'all'})") from exc
 
     # ------------------------------------------------------------------ state dict
     def _metadata(self, sharding_type: str | None) -> dict:
@@ -316,15 +367,18 @@ class Checkpointer:
                 chunk.disable_forward_pre_hook(param_sync=True)
         try:
             sd = self._sharded_state_dict(False, self.sharding_type, with_optimizer=True, with_rng=True)
+            if self.optim_in_place and self._num_saves == 0:
+                sd = self._verify_in_place_state(sd)
             sd.update(iteration=iteration, consumed_samples=consumed_samples,
                       scheduler=self.scheduler.state_dict(), format_version=FORMAT_VERSION,
                       parallel_layout=self._layout())
-            request = dist_checkpointing.save(
-                sd, str(path), self.save_strategy,
-                validate_access_integrity=self._num_saves == 0,
-                async_sharded_save=asynchronous,
-                async_strategy=self.async_strategy or "mcore",
-                content_metadata=self._clean_metadata(self._metadata(self.sharding_type)))
+            with self._volume_full_is_fatal(iteration, path):
+                request = dist_checkpointing.save(
+                    sd, str(path), self.save_strategy,
+                    validate_access_integrity=self._num_saves == 0,
+                    async_sharded_save=asynchronous,
+                    async_strategy=self.async_strategy or "mcore",
+                    content_metadata=self._clean_metadata(self._metadata(self.sharding_type)))
             self._num_saves += 1
             if asynchronous:
                 request.add_finalize_fn(partial(self._publish, iteration, path, t0))
@@ -345,6 +399,24 @@ class Checkpointer:
                  "previous save)", "async" if asynchronous else "sync", iteration,
                  "scheduled" if asynchronous else f"written to {path}", blocked, waited)
         return record
+
+    def _verify_in_place_state(self, sd: dict) -> dict:
+        """Collective, at the first save: the in-place optimizer pieces of all ranks must write every element of
+        every optimizer-state tensor exactly once. If they do not, the job goes on with Megatron's own (slower)
+        fully reshardable save rather than write a checkpoint that cannot be loaded."""
+        from . import optim_state
+
+        per_rank = [None] * self.env.world_size
+        torch.distributed.all_gather_object(per_rank, optim_state.coverage(sd), group=self.env.cpu_group)
+        problems = optim_state.coverage_problems(per_rank)
+        if not problems:
+            return sd
+        if self.env.is_rank0:
+            log.error("checkpoint: the in-place optimizer state does not cover every element (%s); saving it "
+                      "Megatron's way from now on", "; ".join(problems))
+        optim_state.restore(optim_state._distributed_optimizers(self.optimizer))
+        self.optim_in_place = False
+        return self._sharded_state_dict(False, self.sharding_type, with_optimizer=True, with_rng=True)
 
     def _publish(self, iteration: int, path: Path, started: float) -> None:
         """Runs on every rank after every rank finished writing (and after metadata.json)."""
@@ -410,7 +482,9 @@ class Checkpointer:
     def finalize(self, blocking: bool = False) -> None:
         """Collective: finish async saves whose writers are done on every rank (all of them if blocking)."""
         if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
-            self.async_queue.maybe_finalize_async_calls(blocking=blocking)
+            flight = self.in_flight
+            with self._volume_full_is_fatal(flight.iteration if flight else None, flight.path if flight else None):
+                self.async_queue.maybe_finalize_async_calls(blocking=blocking)
 
     # ------------------------------------------------------------------ load
     def load(self) -> LoadResult | None:
@@ -449,9 +523,10 @@ class Checkpointer:
         if load_optim and not same_model_grid and saved_sharding == "dp_reshardable":
             raise Fatal(
                 ExitCode.BAD_CHECKPOINT,
-                f"{path} was saved under TP/PP/VPP/CP/EP {saved_layout} with a dp_reshardable optimizer; "
-                f"this run uses {mine}. Save it with --dist-ckpt-optim-fully-reshardable, or resume with "
-                "--no-load-optim")
+                f"{path} was saved under TP/PP/VPP/CP/EP {saved_layout} with a dp_reshardable optimizer "
+                f"(--dist-ckpt-optim-dp-reshardable, or a trainer before fully reshardable saves became the "
+                f"default); this run uses {mine}. Resume under the saved layout and save again without "
+                "--dist-ckpt-optim-dp-reshardable, or resume with --no-load-optim")
         load_rng = same_model_grid and not self.cfg.checkpoint.no_load_rng
         sharding = saved_sharding if (load_optim and self.sharding_type) else self.sharding_type
         if load_optim:

@@ -215,6 +215,74 @@ def prepare_save_dir(root: str | Path, iteration: int) -> Path | str:
     return path
 
 
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under a local directory (0 where it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _says_no_space(exc: BaseException | None) -> bool:
+    """ENOSPC anywhere in the exception's causes, or the short write torch's zip writer reports for it
+    ("[enforce fail at inline_container.cc] unexpected pos"), which the async writer wraps in
+    "Worker failure: ...", as seen when a 235 GiB disk filled at a 7B model's third save (issue 49)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == 28:
+            return True
+        text = str(exc)
+        if "No space left on device" in text or ("inline_container" in text and "unexpected pos" in text):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def volume_full_problem(root: str | Path, needed_bytes: int | None, exc: BaseException | None = None) -> str | None:
+    """Why a save into the local directory `root` cannot be written for lack of space, or None.
+
+    Full: the error says so (ENOSPC, a short write), or less is free than the save needs."""
+    if not isinstance(root, Path):
+        return None  # an object store has no volume to fill (its quota errors are its own)
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return None
+    short = needed_bytes is not None and usage.free < needed_bytes
+    if not (_says_no_space(exc) or short):
+        return None
+    need = f"needs about {gib(needed_bytes)}" if needed_bytes else "could not be written"
+    return f"the checkpoint volume at {root} is full: a save {need}, {gib(usage.free)} free of {gib(usage.total)}"
+
+
+def space_warning(root: str | Path, checkpoint_bytes: int, keep: int) -> str | None:
+    """At start-up: a local volume that cannot hold `keep` complete checkpoints and the one being written
+    (keep 0 keeps them all: then one more save must fit). None when it can, or on an object store."""
+    if not isinstance(root, Path) or checkpoint_bytes <= 0:
+        return None
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return None
+    held = sum(tree_bytes(e.path) for e in list_checkpoints(root)) if keep else 0
+    need = (keep + 1) * checkpoint_bytes if keep else checkpoint_bytes
+    if usage.free + held >= need:
+        return None
+    holds = f"keep={keep} complete checkpoints and the one being written" if keep else "one more checkpoint"
+    return (f"the checkpoint volume at {root} has {gib(usage.free)} free ({gib(held)} in checkpoints that retention "
+            f"may delete) but {holds} need {gib(need)} at {gib(checkpoint_bytes)} each: a save will fail once "
+            f"it is full. Make the volume larger or keep fewer checkpoints")
+
+
 def final_save_fits(seconds_since_signal: float, last_save_seconds: float | None, grace_s: float,
                     margin_s: float = 3.0) -> bool:
     """Whether a checkpoint started now should finish before the launcher's SIGKILL.

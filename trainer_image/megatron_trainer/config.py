@@ -352,7 +352,12 @@ class CheckpointConfig:
         "--dist-ckpt-workers", type=int, help="Writer threads (and files) per rank for torch_dist saves."))
     dist_ckpt_optim_fully_reshardable: bool = field(default=False, metadata=flag(
         "--dist-ckpt-optim-fully-reshardable", action="store_true",
-        help="Save the distributed optimizer so it can be resumed under another TP/PP (slower save)."))
+        help="Accepted (Megatron-LM's flag): the distributed optimizer is saved fully reshardable by default "
+             "here, written where it lies (optim_state.py), so a job can resume under another TP/PP/DP."))
+    dist_ckpt_optim_dp_reshardable: bool = field(default=False, metadata=flag(
+        "--dist-ckpt-optim-dp-reshardable", action="store_true",
+        help="Save the distributed optimizer in Megatron's bucket layout instead (dp_reshardable, Megatron-LM's "
+             "default): a resume may change DP only."))
     no_load_optim: bool = field(default=False, metadata=flag(
         "--no-load-optim", action="store_true", help="Resume weights only, fresh optimizer state."))
     no_load_rng: bool = field(default=False, metadata=flag(
@@ -496,6 +501,12 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
+    batch_p2p_sync: bool = False
+    """MEGATRON_TRAINER_BATCH_P2P_SYNC: 1 keeps Megatron's torch.cuda.synchronize() after every pipeline send/recv
+    (`batch_p2p_sync`, a work-around for a batch_isend_irecv race in old PyTorch); off by default (for A/B runs)."""
+    optim_in_place: bool = True
+    """MEGATRON_TRAINER_OPTIM_IN_PLACE: 0 builds the fully reshardable optimizer state Megatron's way (a gather
+    of the whole state through host memory on every save) instead of in place (optim_state.py); for A/B runs."""
 
 
 _SECTIONS: tuple[tuple[str, type], ...] = (
@@ -776,6 +787,9 @@ def _validate_sft(cfg: TrainerConfig) -> None:
 
 def _validate_checkpoint(cfg: TrainerConfig) -> None:
     c = cfg.checkpoint
+    if c.dist_ckpt_optim_fully_reshardable and c.dist_ckpt_optim_dp_reshardable:
+        raise ValueError("--dist-ckpt-optim-fully-reshardable and --dist-ckpt-optim-dp-reshardable contradict "
+                         "each other: give one")
     if c.dist_ckpt_workers < 1:
         raise ValueError("--dist-ckpt-workers must be >= 1")
     if c.save_interval is not None and c.save_interval < 1:
@@ -918,6 +932,8 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         deterministic_attention_set=bool(env.get("MEGATRON_TRAINER_DETERMINISTIC_ATTENTION", "").strip()),
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
+        optim_in_place=env.get("MEGATRON_TRAINER_OPTIM_IN_PLACE", "1").strip() != "0",
+        batch_p2p_sync=env.get("MEGATRON_TRAINER_BATCH_P2P_SYNC", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
         tp_overlap_sm_carveout=num("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT", 0, int),
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,

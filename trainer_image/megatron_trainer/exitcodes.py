@@ -48,11 +48,14 @@ class ExitCode(enum.IntEnum):
     #: secret key, access denied (objstore.NON_RETRIABLE_CODES). Throttling, timeouts and 5xx answers
     #: are ERROR (retried).
     OBJECT_STORE_REFUSED = 7
+    #: The checkpoint volume is full: a save could not be written. The newest complete checkpoint is
+    #: intact; a restart would resume from it and fill the volume again at its next save.
+    CHECKPOINT_VOLUME_FULL = 8
 
 
 #: Codes that fail the job at once (the operator renders the same list; tests/test_contract.py).
 NON_RETRIABLE = (ExitCode.BAD_ARGUMENTS, ExitCode.BAD_DATA, ExitCode.OOM_AT_STARTUP, ExitCode.BAD_CHECKPOINT,
-                 ExitCode.OBJECT_STORE_REFUSED)
+                 ExitCode.OBJECT_STORE_REFUSED, ExitCode.CHECKPOINT_VOLUME_FULL)
 
 
 class Fatal(Exception):

@@ -147,6 +147,10 @@ class Trainer:
         if note:
             log.info(note)
         self.tconfig = transformer_config(cfg, self.path)
+        # Megatron syncs the device after every batched pipeline send/recv (batch_p2p_sync, for a race in old
+        # PyTorch): each of a step's 2 x micro-batches p2p calls then waits for the GPU to drain, so the host
+        # launches the next micro-batch's kernels onto an idle GPU (PP=2 ran at half its speed, issue 49).
+        self.tconfig.batch_p2p_sync = runtime.batch_p2p_sync
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod
         if cfg.data.sft_packing:  # choose_path keeps packed jobs on the local path, which honours the mask
@@ -223,7 +227,8 @@ class Trainer:
         # --- checkpoints: start the writer, resume --------------------------------------------
         self.state = TrainState()
         self.checkpointer = Checkpointer(cfg, self.env, self.model, self.optimizer, self.scheduler,
-                                         keep=runtime.checkpoint_keep, fused_adam=runtime.fused_adam)
+                                         keep=runtime.checkpoint_keep, fused_adam=runtime.fused_adam,
+                                         optim_in_place=runtime.optim_in_place)
         try:
             self._init_after_checkpointer(cfg, runtime, gbs)
         except BaseException:
@@ -552,7 +557,7 @@ class Trainer:
         self.checkpointer.finalize(blocking=False)
 
     def _after_first_iteration(self) -> None:
-        self.checkpointer.warm_writer_memory()
+        self.checkpointer.after_first_step()
         torch.cuda.synchronize()
         self.first_iteration_age_s = time.monotonic() - self.t_start
         self.lifecycle.first_iteration_done = True
