@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "e2e"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "contract")]
 
 from crd_write_cost import git_commit, variant_crd  # noqa: E402
 from k8s import load_cluster_module  # noqa: E402

@@ -42,7 +42,7 @@ import kubernetes
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "bench"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "bench"), str(ROOT / "operator"), str(ROOT / "contract")]
 
 import operator_latency  # noqa: E402
 from k8s import Cluster, load_cluster_module  # noqa: E402

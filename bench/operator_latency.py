@@ -44,7 +44,7 @@ import kubernetes
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "contract"), str(ROOT / "bench")]
 
 from k8s import GPU_TOLERATION, Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
 from megatron_operator.render import render  # noqa: E402

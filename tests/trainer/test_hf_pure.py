@@ -87,7 +87,7 @@ def _mutated(name: str, **changes) -> dict:
     (_mutated("tiny-llama3", num_local_experts=8, num_experts_per_tok=2), "mixture-of-experts"),
     (_mutated("tiny-llama3", quantization_config={"quant_method": "gptq"}), "quantization_config"),
     (_mutated("tiny-llama3", auto_map={"AutoModel": "x.Y"}), "custom code"),
-    (_mutated("tiny-llama3", some_new_knob=3), "some_new_knob: not a field this converter knows"),
+    (_mutated("tiny-llama3", some_new_knob=3), "field some_new_knob is not known to the converter"),
     (_mutated("tiny-mistral", sliding_window=64), "sliding_window: 64 tokens is shorter than the sequence (128)"),
     (_mutated("tiny-qwen2", use_sliding_window=True, sliding_window=100), "shorter than the sequence"),
     (_mutated("tiny-qwen2", layer_types=["full_attention"] * 3 + ["chunked_attention"]), "chunked_attention"),
