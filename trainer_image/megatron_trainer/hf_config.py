@@ -126,7 +126,7 @@ def generation_config(source_dir: Path | None, config: dict[str, Any]) -> dict[s
                 data = json.loads(path.read_text(encoding="utf-8"))
                 if isinstance(data, dict):
                     return data
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # unreadable, invalid or nested too deeply
             pass
     out: dict[str, Any] = {}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
