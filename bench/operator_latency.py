@@ -703,7 +703,7 @@ def main() -> int:
     state = local.up()
     cluster = Cluster(kubeconfig=Path(state["kubeconfig"]), run_dir=local.run_dir(), kubectl_path=Path(state["kubectl"]))
     if args.crd == "no-cel":
-        from crd_write_cost import variant_crd
+        from crd_variants import variant_crd
         cluster.apply(variant_crd("no-cel", None))
     else:
         cluster.apply(Path(args.crd) if args.crd else CRD_FILE)
