@@ -78,7 +78,7 @@ def render(job_file: Path, namespace: str = "default") -> dict:
     """`megatron-operator render -o json` on the file: the JobSet (and it must be the only one)."""
     p = subprocess.run([sys.executable, "-m", "megatron_operator", "render", "-o", "json", "-n", namespace,
                         str(job_file)], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "operator"),
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "operator"), str(REPO / "contract"),
                                                                          os.environ.get("PYTHONPATH", "")])))
     if p.returncode != 0:
         raise PodError(f"megatron-operator render {job_file.name}: rc={p.returncode}: {p.stderr.strip()[-600:]}")
