@@ -44,7 +44,7 @@ versitygw: $(STAMP)
 # multi-storage-client: tracker last, resume, retention, classified errors. No torch (see
 # tests/trainer/test_object_store_torch.py for the two-rank torch_dist save/load).
 s3-test: s3-venv versitygw
-	PYTHONPATH=trainer_image $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
+	PYTHONPATH=trainer_image:contract $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
 
 constraints-objstore:
 	rm -rf /tmp/mo-constraints-s3 && py=$$(scripts/find-python.sh) && "$$py" -m venv /tmp/mo-constraints-s3
@@ -90,9 +90,9 @@ torch-tests: $(TORCH_STAMP) versitygw
 	  tests/trainer/test_object_store_torch.py tests/trainer/test_optim_state_torch.py
 
 unit: helm promtool s3-venv versitygw  # helm, promtool: chart and alert tests; versitygw: object-storage tests
-	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
+	$(VENV)/bin/ruff check operator trainer_image contract tests e2e bench scripts
 	$(PY) -m pytest tests -q
-	PYTHONPATH=trainer_image $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
+	PYTHONPATH=trainer_image:contract $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
 
 cluster-build: $(STAMP)
 	$(PY) e2e/cluster/cluster.py build
@@ -145,7 +145,7 @@ bench: cluster-build bench-peer
 	$(PY) bench/operator_latency.py --jobs 100 500 --out bench/results/operator_throughput.json
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check operator trainer_image tests e2e bench scripts
+	$(VENV)/bin/ruff check operator trainer_image contract tests e2e bench scripts
 	$(VENV)/bin/lint-imports
 
 constraints:

@@ -15,7 +15,7 @@ rule runs again).
 Jobs: ``bench`` (the latency benchmark's MegatronJob: few fields, no preset) and ``llama`` (a Llama-3-8B
 preset on 16 GPUs with checkpoint and data PVCs).
 
-Variants as in crd_write_cost.py: ``shipped`` (crds/ in the working tree), ``no-cel``, ``NAME=PATH``,
+Variants as in crd_variants.py: ``shipped`` (crds/ in the working tree), ``no-cel``, ``NAME=PATH``,
 ``NAME=git:REV``. ``--per-rule VARIANT`` also prints what each spec-level rule alone allocates (create mode,
 llama job), the most expensive first.
 
@@ -43,9 +43,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "e2e"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "contract")]
 
-from crd_write_cost import git_commit, variant_crd  # noqa: E402
+from crd_variants import variant_crd  # noqa: E402
+from crd_write_cost import git_commit  # noqa: E402
 from k8s import load_cluster_module  # noqa: E402
 from operator_latency import megatron_job  # noqa: E402
 

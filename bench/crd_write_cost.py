@@ -27,7 +27,6 @@ Give variants more than once to alternate them (``main=git:REV shipped main=git:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -36,15 +35,14 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import kubernetes
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "bench"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "bench"), str(ROOT / "operator"), str(ROOT / "contract")]
 
 import operator_latency  # noqa: E402
+from crd_variants import variant_crd  # noqa: E402
 from k8s import Cluster, load_cluster_module  # noqa: E402
 from megatron_operator.kube import Kube  # noqa: E402
 from mjob import CRD_FILE, GROUP, PLURAL, VERSION  # noqa: E402
@@ -69,32 +67,6 @@ def cel_seconds(cluster: Cluster) -> tuple[float, float]:
         elif line.startswith(CEL_METRIC + "_count"):
             c += float(line.rsplit(" ", 1)[1])
     return s, c
-
-
-def variant_crd(name: str, spec: str | None) -> dict:
-    shipped = yaml.safe_load(CRD_FILE.read_text())
-    if name == "shipped":
-        return shipped
-    if name == "no-cel":
-        out = copy.deepcopy(shipped)
-
-        def strip(node: Any) -> None:
-            if isinstance(node, dict):
-                node.pop("x-kubernetes-validations", None)
-                for v in node.values():
-                    strip(v)
-            elif isinstance(node, list):
-                for v in node:
-                    strip(v)
-        strip(out["spec"]["versions"])
-        return out
-    if spec is None:
-        raise SystemExit(f"variant {name!r}: give it as NAME=PATH of a CRD file or NAME=git:REV")
-    if spec.startswith("git:"):
-        rel = CRD_FILE.resolve().relative_to(ROOT)
-        return yaml.safe_load(subprocess.run(["git", "-C", str(ROOT), "show", f"{spec[4:]}:{rel}"],
-                                             capture_output=True, text=True, check=True).stdout)
-    return yaml.safe_load(Path(spec).read_text())
 
 
 def install(cluster: Cluster, crd: dict) -> None:

@@ -38,7 +38,7 @@ def infer_vocab(r: dict) -> int | None:
     exactly the parameter count the run measured on its rank (single-GPU layouts only)."""
     import sys
 
-    sys.path.insert(0, str(ROOT / "operator"))
+    sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "contract")]
     from megatron_operator.memory import estimate
     from megatron_operator.validation import parse_job
 

@@ -44,7 +44,7 @@ import kubernetes
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "contract"), str(ROOT / "bench")]
 
 from k8s import GPU_TOLERATION, Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
 from megatron_operator.render import render  # noqa: E402
@@ -703,7 +703,7 @@ def main() -> int:
     state = local.up()
     cluster = Cluster(kubeconfig=Path(state["kubeconfig"]), run_dir=local.run_dir(), kubectl_path=Path(state["kubectl"]))
     if args.crd == "no-cel":
-        from crd_write_cost import variant_crd
+        from crd_variants import variant_crd
         cluster.apply(variant_crd("no-cel", None))
     else:
         cluster.apply(Path(args.crd) if args.crd else CRD_FILE)

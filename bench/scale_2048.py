@@ -29,7 +29,7 @@ from typing import Any
 import kubernetes
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "operator"), str(ROOT / "contract")]
 
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, Cluster, load_cluster_module, pod_runtime_annotations  # noqa: E402
 from mjob import CRD_FILE, GROUP, PLURAL, VERSION, OperatorProcess, free_port  # noqa: E402

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "tests" / "trainer")]
+sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "contract"), str(ROOT / "tests" / "trainer")]
 
 from megatron_trainer import sft  # noqa: E402
 from sft_fixtures import CHATML, chat_corpus, make_tokenizer, write_jsonl  # noqa: E402

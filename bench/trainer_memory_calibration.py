@@ -19,6 +19,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 
 from megatron_trainer.config import parse_args, world_layout

@@ -33,7 +33,7 @@ import aiohttp
 import kubernetes
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "operator"))
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "contract")]
 
 from megatron_operator.names import (  # noqa: E402
     GROUP,

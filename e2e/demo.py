@@ -52,7 +52,8 @@ def main() -> int:
     port = local.free_port()
     print(f"==> starting the operator (log: {log_path})")
     op = subprocess.Popen([sys.executable, "-m", "megatron_operator", "run", "--metrics-port", str(port)],
-                          env={**env, "PYTHONPATH": str(ROOT / "operator"), "MEGATRON_OPERATOR_RESYNC_INTERVAL_S": "2",
+                          env={**env, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}",
+                               "MEGATRON_OPERATOR_RESYNC_INTERVAL_S": "2",
                                "MEGATRON_OPERATOR_METRICS_HOST": "127.0.0.1"},
                           stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -140,7 +140,7 @@ class OperatorProcess:
 
     def start(self) -> None:
         env = self.cluster.env(
-            PYTHONPATH=f"{ROOT / 'operator'}",
+            PYTHONPATH=f"{ROOT / 'operator'}:{ROOT / 'contract'}",
             PYTHONUNBUFFERED="1",
             MEGATRON_OPERATOR_METRICS_HOST="127.0.0.1",
             **self.extra_env,

@@ -130,7 +130,7 @@ def cli_validate(doc: dict[str, Any], env: dict[str, str]) -> subprocess.Complet
     """`megatron-operator validate -` with the operator's environment from the installed Deployment."""
     return subprocess.run([sys.executable, "-m", "megatron_operator", "validate", "-"], input=yaml.safe_dump(doc),
                           capture_output=True, text=True, timeout=60, check=False,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "operator"), **env})
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}", **env})
 
 
 def test_api_server_refuses_each_guardrail_with_the_operators_message(cluster, namespace, guarded):

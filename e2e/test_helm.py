@@ -152,7 +152,7 @@ class ChartOperator(OperatorProcess):
         port = int(env["MEGATRON_OPERATOR_METRICS_PORT"])
         return cls(cluster, port, {}, argv=[str(script), *c.get("args", [])],
                    env={**base, **env, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
-                        "PYTHONPATH": str(ROOT / "operator")},
+                        "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}"},
                    log_name=log_name)
 
     def start(self) -> None:

@@ -92,6 +92,8 @@ def test_image_runs_as_65532_with_a_read_only_root_and_the_cli_works(image):
     assert "Run Megatron-Core training as Kubernetes MegatronJobs." in run_image(image, "--help").stdout
     # the image's CLI prints the same CRD as the one committed (generated from this checkout)
     assert run_image(image, "crd").stdout == (ROOT / "crds" / "megatron-operator.io_megatronjobs.yaml").read_text()
+    # hf-config's reader is megatron_contract, a source root of its own: the image installs it too
+    run_image(image, "-c", "from megatron_operator.hf_config import parse_config", entrypoint="python")
     # no pip left in the image
     pip = podman("run", "--rm", "--read-only", "--network", "none", *LIMITS, "--entrypoint", "python", image,
                  "-m", "pip", "--version", check=False)

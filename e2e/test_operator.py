@@ -18,6 +18,7 @@ import pytest
 from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL
 from mjob import Jobs, run_for, small_job, wait_gone
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 from megatron_operator.render import render_jobset
 from megatron_operator.settings import Settings

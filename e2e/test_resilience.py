@@ -84,7 +84,7 @@ def test_operator_refuses_to_start_without_the_jobset_crd(cluster, operator, job
         assert "jobset.x-k8s.io" in operator.log_path.read_text().rsplit("===== operator start", 1)[-1]
         proc = subprocess.run([sys.executable, "-m", "megatron_operator", "run", "--kubeconfig",
                                str(cluster.kubeconfig), "--metrics-port", "0"],
-                              env={**cluster.env(), "PYTHONPATH": str(ROOT / "operator")},
+                              env={**cluster.env(), "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}"},
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1
         assert "missing the JobSet CRD (sigs.k8s.io/jobset)" in proc.stderr

@@ -10,6 +10,7 @@ import kubernetes
 import pytest
 from mjob import run_for, small_job
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 from megatron_trainer.progress import Progress, ProgressWriter
 

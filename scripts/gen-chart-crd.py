@@ -20,7 +20,7 @@ import generated_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "charts" / "megatron-operator" / "files" / "crds" / "megatronjobs.spec.yaml"
-sys.path.insert(0, str(ROOT / "operator"))
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "contract")]
 
 from megatron_operator import crd  # noqa: E402  (after the sys.path entry)
 

@@ -20,7 +20,7 @@ import generated_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "charts" / "megatron-operator" / "templates" / "guardrails-policy.yaml"
-sys.path.insert(0, str(ROOT / "operator"))
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "contract")]
 
 import yaml  # noqa: E402
 from megatron_operator.guardrails import GUARDRAILS, cel_expression, cel_message  # noqa: E402

@@ -22,7 +22,7 @@ import generated_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "operator" / "megatron_operator" / "trainer_flags.py"
-sys.path.insert(0, str(ROOT / "trainer_image"))
+sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "contract")]
 
 
 def flag_table() -> tuple[list[str], list[str]]:

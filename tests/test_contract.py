@@ -328,6 +328,55 @@ def test_hf_config_output_reaches_the_trainer_as_the_config_json_model(config_pa
     assert (m.num_experts or 0) == 0
 
 
+def _trainer_config_for(config: dict):
+    """The trainer's parsed flags for the job built from hf-config's spec.model of ``config``."""
+    from megatron_operator import hf_config as operator_hf
+
+    model = operator_hf.spec_model(operator_hf.parse_config(config))
+    job = parse_job({"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+                     "metadata": {"name": "hf", "namespace": "ns"},
+                     "spec": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2}, "model": model,
+                              "training": {"trainIters": 10, "transformerImpl": "local"}}})
+    return parse_args(trainer_argv(job))
+
+
+def _entry_points(text: str, directory: Path, cfg, hf_config=None) -> tuple[int, list[str], int, str]:
+    """A config.json holding ``text`` in ``directory`` through both entry points: (``megatron-operator
+    hf-config``'s exit code and stderr lines, the exit code and message of the trainer's --hf-init
+    check). The trainer's check always ends in Fatal here: the directory has no tokenizer and no
+    weights. ``hf_config``: the CLI's parsed ``hf-config`` arguments (parsed once for many files)."""
+    import argparse
+    import contextlib
+    import io
+
+    from megatron_operator.cli import build_parser
+    from megatron_trainer.exitcodes import Fatal
+    from megatron_trainer.hf_source import validate_source
+
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(text)
+    args = argparse.Namespace(**{**vars(hf_config or build_parser().parse_args(["hf-config", "-"])),
+                                 "config": str(directory / "config.json")})
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = args.func(args)
+    with pytest.raises(Fatal) as fatal:
+        validate_source(directory, cfg)
+    return rc, err.getvalue().splitlines(), int(fatal.value.code), str(fatal.value)
+
+
+def test_operator_and_trainer_read_config_json_with_the_one_parser():
+    """One reader, megatron_contract.hf_config (a leaf both packages import, import-linter holds it):
+    the operator's and the trainer's names for it are it, not copies that can drift again."""
+    from megatron_contract import hf_config as contract
+    from megatron_operator import hf_config as operator_hf
+    from megatron_trainer import hf_config as trainer_hf
+
+    for name in ("parse_config", "HfConfigError", "HfModel"):
+        assert getattr(operator_hf, name) is getattr(trainer_hf, name) is getattr(contract, name), name
+    assert operator_hf.load_config is contract.load_config  # the trainer's takes the directory: tested below
+
+
 def _agreement_cases():
     import copy
     import json
@@ -338,26 +387,31 @@ def _agreement_cases():
 
     fixtures = {p.stem: json.loads(p.read_text()) for p in HF_FIXTURES}
     for stem, config in fixtures.items():
-        yield pytest.param(config, True, id=stem)
+        yield pytest.param(config, None, id=stem)
     for case_id, base, mutate, _ in REFUSALS:
         config = copy.deepcopy(fixtures[base])
         mutate(config)
-        yield pytest.param(config, False, id=f"refused-{case_id}")
+        yield pytest.param(config, fixtures[base], id=f"refused-{case_id}")
 
 
-@pytest.mark.parametrize("config,accepted", list(_agreement_cases()))
-def test_operator_and_trainer_agree_on_config_json(config, accepted):
-    """The operator's hf-config mapping and the trainer's --hf-init check (megatron_trainer.hf_config)
-    accept and refuse the same config.json files; for an accepted one, the job built from the
-    operator's spec.model has no mismatch in the trainer's eyes, and a changed field is one in both."""
+@pytest.mark.parametrize("config,refused_from", list(_agreement_cases()))
+def test_operator_and_trainer_agree_on_config_json(config, refused_from, tmp_path):
+    """The operator's hf-config and the trainer's --hf-init check accept and refuse the same config.json
+    files: a refusal is exit 1 with one line per problem from the first, exit 2 with the same problems
+    from the second. For an accepted file, the job built from the operator's spec.model has no mismatch
+    in the trainer's eyes, and a changed field is one in both (each side compares with its own code)."""
+    import json
+
     from megatron_operator import hf_config as operator_hf
     from megatron_trainer import hf_config as trainer_hf
 
-    if not accepted:
-        with pytest.raises(operator_hf.HfConfigError):
+    if refused_from is not None:
+        with pytest.raises(operator_hf.HfConfigError) as refusal:
             operator_hf.parse_config(config)
-        with pytest.raises(trainer_hf.HfConfigError):
-            trainer_hf.parse_config(config, seq_length=min(config.get("max_position_embeddings", 4096), 4096))
+        rc, lines, code, message = _entry_points(json.dumps(config), tmp_path, _trainer_config_for(refused_from))
+        path = tmp_path / "config.json"
+        assert (rc, lines) == (1, [f"{path}: {p}" for p in refusal.value.problems])
+        assert (code, message) == (2, "the Hugging Face model cannot be imported: " + "; ".join(refusal.value.problems))
         return
     model = operator_hf.spec_model(operator_hf.parse_config(config))
     for changed in ({}, {"hiddenSize": model["hiddenSize"] * 2, "numLayers": model["numLayers"] * 2}):
@@ -379,53 +433,155 @@ ODD_VALUES = [None, True, False, "x", "1", [], [1], {}, {"a": 1}, 0, -1, 0.5, -0
               10 ** 400, 1e308, float("inf"), float("-inf"), float("nan")]
 
 
-def test_operator_and_trainer_refuse_the_same_odd_field_values_without_a_traceback():
-    """Every field the two mappings read, in every fixture, set to each odd JSON value: the operator's
-    hf-config and the trainer's --hf-init check both accept it or both refuse it, and refuse it with
-    HfConfigError (which they print as one line; the trainer exits 2), never another exception. The
-    trainer once crashed with OverflowError on ``"rope_theta": Infinity`` and took ``pretraining_tp:
-    true``, which the operator refused."""
-    import copy
+def _nested(depth: int) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+#: Structures where a scalar or a list of strings is expected (issue 52, class 4): lists and objects
+#: inside lists (unhashable items), deep nesting (json reads about 1,500 levels), long lists, long
+#: strings, strings a terminal would break or cannot print.
+ODD_STRUCTURES = [[[]], [{}], [[1, 2], 3], [None], ["full_attention", ["sliding_attention"]],
+                  {"a": [1, {"b": {}}]}, _nested(1000), list(range(20_000)), ["x"] * 10_000, "x" * 50_000,
+                  {str(i): i for i in range(2_000)}, "line\nbreak", "\ud800", "\x1b[2J"]
+#: Field names: a newline, a lone surrogate, an escape sequence, empty, long, and many of them.
+ODD_KEYS = ["a\nb", "\ud800", "\x1b[31mred", "", "k" * 100_000]
+#: Bounds on what a refusal prints: one line of at most this many characters per problem, at most
+#: this many problems (each value is echoed shortened, unknown fields are counted after ten).
+MAX_PROBLEM_CHARS = 400
+MAX_PROBLEMS = 40
+#: The fixtures whose cases also go through both entry points as files (the rest through the parser,
+#: whose problems the entry points print verbatim): both layouts (transformers 5 with llama3 RoPE, 4.x
+#: with top-level rope_theta and sliding-window fields) and an explicit head_dim.
+ENTRY_POINT_FIXTURES = ("tiny-llama3", "qwen25-05b-published", "tiny-qwen3")
+
+
+def _odd_cases(base: dict):
+    """(case name, mutated config) for every field the parser reads, with odd values and structures."""
+    from megatron_contract.hf_config import MAPPED
+
+    keys = sorted(MAPPED | {"rope_parameters.rope_theta", "rope_parameters.factor", "rope_parameters.rope_type",
+                            "rope_parameters.low_freq_factor", "rope_scaling.factor", "rope_scaling.rope_theta",
+                            "rope_scaling.type"})
+    for key in keys:
+        *parents, leaf = key.split(".")
+        holder = base
+        for parent in parents:
+            holder = holder.get(parent) if isinstance(holder, dict) else None
+        if not isinstance(holder, dict):
+            continue
+        for value in ODD_VALUES + ODD_STRUCTURES:
+            original = holder.get(leaf, ...)
+            holder[leaf] = value
+            yield f"{key}={value!r:.40}", base
+            if original is ...:
+                del holder[leaf]
+            else:
+                holder[leaf] = original
+    layers = base["num_hidden_layers"]
+    small = [v for v in ODD_VALUES + ODD_STRUCTURES if len(repr(v)) < 1000]
+    for item in small:  # the right length: the items themselves are read
+        yield f"layer_types=[{item!r:.30}] * {layers}", {**base, "layer_types": [item] * layers}
+        yield f"architectures=[{item!r:.30}]", {**base, "architectures": [item]}
+    for key in ODD_KEYS:
+        yield f"field {key!r:.30}", {**base, key: 1}
+    yield "20,000 unknown fields", {**base, **{f"unknown_{i}": i for i in range(20_000)}}
+
+
+def _one_short_line_each(problems: list[str]) -> bool:
+    return len(problems) <= MAX_PROBLEMS and all(p.isprintable() and len(p) <= MAX_PROBLEM_CHARS for p in problems)
+
+
+def test_odd_values_and_structures_are_one_line_refusals_in_both_entry_points(tmp_path):
+    """Every field the parser reads, in every fixture, set to each odd JSON value and structure, and
+    odd field names: the parser accepts the file or refuses it with HfConfigError, each problem one
+    short printable line, never another exception; ``megatron-operator hf-config`` and the trainer's
+    --hf-init check both print exactly those problems (exit 1 from the first, 2 from the second). The
+    trainer once crashed with OverflowError on ``"rope_theta": Infinity``, took ``pretraining_tp:
+    true``, which the operator refused, and crashed with TypeError on lists inside ``layer_types``
+    (two parsers then)."""
+    import json
+    import shutil
+
+    from megatron_contract.hf_config import MAX_CONFIG_BYTES, HfConfigError, parse_config
+    from megatron_operator.cli import build_parser
+
+    findings, cases = [], 0
+    hf_config = build_parser().parse_args(["hf-config", "-"])
+    for fixture in HF_FIXTURES:
+        base = json.loads(fixture.read_text())
+        cfg = _trainer_config_for(base)
+        for name, config in _odd_cases(base):
+            cases += 1
+            text = json.dumps(config)
+            assert len(text) <= MAX_CONFIG_BYTES, f"{name}: the case itself is larger than a config.json may be"
+            try:
+                try:
+                    parse_config(json.loads(text))
+                    problems = None
+                except HfConfigError as exc:
+                    problems = exc.problems
+                if fixture.stem not in ENTRY_POINT_FIXTURES:
+                    if problems is not None and not _one_short_line_each(problems):
+                        findings.append(f"{fixture.stem} {name}: parser {problems!s:.300}")
+                    continue
+                # a new file each time (overwriting or removing one costs ms on a disk mounted with
+                # discard); only the large ones are removed
+                directory = tmp_path / str(cases)
+                path = directory / "config.json"
+                rc, lines, code, message = _entry_points(text, directory, cfg, hf_config)
+                if len(text) > 1 << 16:
+                    shutil.rmtree(directory)
+            except Exception as exc:  # the finding itself: reported with the case below
+                findings.append(f"{fixture.stem} {name}: {type(exc).__name__}: {exc!s:.200}")
+                continue
+            if problems is None:  # accepted by the parser: spec.model's own bounds may still refuse it, and
+                # the trainer compares the file with its flags (exit 2) or finds no weights (exit 5)
+                ok = rc == 0 or (rc == 1 and lines and all(line.startswith(f"{path}: spec.model.") for line in lines))
+                ok = ok and code in (2, 5) and "\n" not in message
+            else:
+                ok = (rc, lines) == (1, [f"{path}: {p}" for p in problems]) and code == 2
+                ok = ok and message == "the Hugging Face model cannot be imported: " + "; ".join(problems)
+                ok = ok and _one_short_line_each(problems)
+            if not ok:
+                findings.append(f"{fixture.stem} {name}: parser {problems!s:.300}; operator exit {rc} "
+                                f"{lines!s:.300}; trainer exit {code} {message:.300}")
+    assert cases > 2000
+    assert not findings, "\n".join(findings[:40])
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{", "invalid JSON: line 1, column 2"),
+    ("[1, 2]", "not a JSON object (got list)"),
+    ('{"a": 1, "a": 2}', "key 'a' is given twice"),
+    ("[" * 100000 + "]" * 100000, "invalid JSON: nested too deeply"),
+    ('{"hidden_size": ' + "1" * 5000 + "}", "invalid JSON: a number of more than 4300 digits"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+    (" " * (1 << 20) + "{}", "larger than 1048576 bytes"),
+], ids=["truncated", "list", "duplicate-key", "deep", "long-integer", "binary", "too-large"])
+def test_a_bad_file_is_one_line_from_both_entry_points(tmp_path, content, fragment):
+    """The trainer's --hf-init check reads config.json as hf-config does: the same one-line reason,
+    exit 5 (the files are bad) from the trainer, exit 1 from the CLI."""
+    import contextlib
+    import io
     import json
 
-    from megatron_operator import hf_config as operator_hf
-    from megatron_trainer import hf_config as trainer_hf
+    from megatron_operator.cli import main
+    from megatron_trainer.exitcodes import Fatal
+    from megatron_trainer.hf_source import validate_source
 
-    def verdict(module, config):
-        try:
-            module.parse_config(copy.deepcopy(config), seq_length=256)
-            return "accepted"
-        except module.HfConfigError:
-            return "refused"
-        except Exception as exc:  # the finding itself: reported with the case below
-            return f"{type(exc).__name__}: {exc}"[:120]
-
-    keys = sorted(operator_hf.MAPPED | {"rope_parameters.rope_theta", "rope_parameters.factor",
-                                        "rope_scaling.factor", "rope_scaling.rope_theta"})
-    assert operator_hf.MAPPED == trainer_hf.MAPPED and operator_hf.INFO_ONLY == trainer_hf.INFO_ONLY
-    disagreements, cases = [], 0
-    for path in HF_FIXTURES:
-        base = json.loads(path.read_text())
-        for key in keys:
-            *parents, leaf = key.split(".")
-            holder = base
-            for parent in parents:
-                holder = holder.get(parent) if isinstance(holder, dict) else None
-            if not isinstance(holder, dict):
-                continue
-            for value in ODD_VALUES:
-                original = holder.get(leaf, ...)
-                holder[leaf] = value
-                ours, trainers = verdict(operator_hf, base), verdict(trainer_hf, base)
-                cases += 1
-                if ours != trainers or ours not in ("accepted", "refused"):
-                    disagreements.append(f"{path.stem} {key}={value!r:.40}: operator {ours}, trainer {trainers}")
-                if original is ...:
-                    del holder[leaf]
-                else:
-                    holder[leaf] = original
-    assert cases > 1000
-    assert not disagreements, "\n".join(disagreements)
+    path = tmp_path / "config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["hf-config", str(path)]) == 1
+    assert err.getvalue().count("\n") == 1 and err.getvalue().startswith(f"{path}: ") and fragment in err.getvalue()
+    with pytest.raises(Fatal) as fatal:
+        validate_source(tmp_path, _trainer_config_for(json.loads(HF_FIXTURES[0].read_text())))
+    assert fatal.value.code == 5 and "\n" not in str(fatal.value)
+    assert str(fatal.value).startswith(f"--hf-init: {path}: ") and fragment in str(fatal.value)
 
 
 def test_operator_and_trainer_refuse_a_config_json_with_a_key_given_twice(tmp_path):

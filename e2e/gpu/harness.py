@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "contract"))  # megatron_contract, which megatron_trainer.hf_config imports
 sys.path.insert(0, str(REPO / "trainer_image"))  # megatron_trainer's torch-free helpers (flops, ckpt_layout, config)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pods.py
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"

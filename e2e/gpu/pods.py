@@ -78,7 +78,7 @@ def render(job_file: Path, namespace: str = "default") -> dict:
     """`megatron-operator render -o json` on the file: the JobSet (and it must be the only one)."""
     p = subprocess.run([sys.executable, "-m", "megatron_operator", "render", "-o", "json", "-n", namespace,
                         str(job_file)], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "operator"),
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "operator"), str(REPO / "contract"),
                                                                          os.environ.get("PYTHONPATH", "")])))
     if p.returncode != 0:
         raise PodError(f"megatron-operator render {job_file.name}: rc={p.returncode}: {p.stderr.strip()[-600:]}")
@@ -291,14 +291,16 @@ IMAGE_SITE = Path(os.environ.get("POD_IMAGE_SITE", "/opt/megatron-image-site"))
 
 def image_env() -> dict[str, str]:
     """What the trainer image provides (its ENV and installed packages), here from the device's python:
-    the trainer package is copied into a site directory every user can read (as the image's pip install)."""
+    the trainer package and the leaf it imports (megatron_contract) are copied into a site directory every
+    user can read (as the image's pip install)."""
     shutil.rmtree(IMAGE_SITE, ignore_errors=True)
-    shutil.copytree(REPO / "trainer_image" / "megatron_trainer", IMAGE_SITE / "megatron_trainer",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for root, package in (("trainer_image", "megatron_trainer"), ("contract", "megatron_contract")):
+        shutil.copytree(REPO / root / package, IMAGE_SITE / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["chmod", "-R", "a+rX", str(IMAGE_SITE)], check=True)
     keep = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM_", "NVSHMEM_", "HF_",
                                                                  "TRANSFORMERS_", "LD_LIBRARY_PATH", "CUDA_HOME"))}
-    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "trainer_image" not in p]
+    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and "trainer_image" not in p and Path(p).resolve() != REPO / "contract"]
     for p in site:
         if p.startswith("/tmp"):
             raise PodError(f"PYTHONPATH entry {p} is under /tmp, which each pod mounts over")

@@ -33,7 +33,7 @@ if ls .whl/multi_storage_client-*.whl >/dev/null 2>&1; then
     chmod -R a+rX $objstore_site
   fi
 fi
-export PYTHONPATH="/opt/megatron-site${objstore_site:+:$objstore_site}:$PWD/trainer_image${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/opt/megatron-site${objstore_site:+:$objstore_site}:$PWD/trainer_image:$PWD/contract${PYTHONPATH:+:$PYTHONPATH}"
 # NVLink multicast stays off on shared hosts (device README / KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

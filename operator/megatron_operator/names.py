@@ -12,6 +12,16 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "MegatronJob"
 PLURAL = "megatronjobs"
+# The longest MegatronJob name: the JobSet, its Jobs and pod hostnames are built from it
+# (``<name>-<replicated job>-<job index>-<pod index>``, e.g. ``<name>-tp3-0-1``, must stay a
+# 63-character DNS label).
+MAX_NAME_LENGTH = 40
+# What a MegatronJob's name must match, besides MAX_NAME_LENGTH (rules.NAME_RULE, and the spec model's field).
+RFC1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+#: The service-account annotations of workload identity an objectStore may set (IRSA, GKE, Azure).
+WORKLOAD_IDENTITY_ANNOTATIONS = ("eks.amazonaws.com/role-arn", "eks.amazonaws.com/sts-regional-endpoints",
+                                 "eks.amazonaws.com/token-expiration", "iam.gke.io/gcp-service-account",
+                                 "azure.workload.identity/client-id", "azure.workload.identity/tenant-id")
 
 # JobSet (sigs.k8s.io/jobset), the child every MegatronJob runs as
 JOBSET_GROUP = "jobset.x-k8s.io"

@@ -37,8 +37,8 @@ from .expr import (
     optionals,
     rebase,
 )
+from .names import MAX_NAME_LENGTH, RFC1035_LABEL, WORKLOAD_IDENTITY_ANNOTATIONS
 from .presets import MODEL_PRESETS
-from .spec import MAX_NAME_LENGTH, RFC1035_LABEL, WORKLOAD_IDENTITY_ANNOTATIONS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
 
 # --------------------------------------------------------------------------------------------

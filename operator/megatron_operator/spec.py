@@ -22,16 +22,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from .names import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401  (re-exported: the API's identity)
+from . import rules
+from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: re-exported, the API's identity)
+    API_VERSION,
+    GROUP,
+    KIND,
+    MAX_NAME_LENGTH,
+    PLURAL,
+    RFC1035_LABEL,
+    VERSION,
+    WORKLOAD_IDENTITY_ANNOTATIONS,
+)
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
 
-# The longest MegatronJob name: the JobSet, its Jobs and pod hostnames are built from it
-# (``<name>-<replicated job>-<job index>-<pod index>``, e.g. ``<name>-tp3-0-1``, must stay a
-# 63-character DNS label).
-MAX_NAME_LENGTH = 40
-
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-RFC1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # A relative path inside a volume: no leading slash, no empty components, and no component that is
 # only dots: "../tmp/ckpt" would leave the volume for the pod's ephemeral /tmp (resume silently
 # lost), "." would put a job's checkpoints beside every other job's (retention deletes them).
@@ -315,10 +319,6 @@ class DataSpec(ApiModel):
 S3_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 S3_ENDPOINT = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
 S3_REGION = r"^[a-z0-9-]{1,32}$"
-#: The service-account annotations of workload identity an objectStore may set (IRSA, GKE, Azure).
-WORKLOAD_IDENTITY_ANNOTATIONS = ("eks.amazonaws.com/role-arn", "eks.amazonaws.com/sts-regional-endpoints",
-                                 "eks.amazonaws.com/token-expiration", "iam.gke.io/gcp-service-account",
-                                 "azure.workload.identity/client-id", "azure.workload.identity/tenant-id")
 
 
 class ObjectStoreSpec(ApiModel):
@@ -544,9 +544,7 @@ class MegatronJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _check_rules(self) -> MegatronJobSpec:
-        from .rules import evaluate_spec_rules
-
-        problems = evaluate_spec_rules(self.wire())
+        problems = rules.evaluate_spec_rules(self.wire())
         if problems:
             raise PydanticCustomError(
                 "megatron_rules", "{summary}",

@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "trainer_image"))
+sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "contract")]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 SEQ, BATCH = 24, 2
 

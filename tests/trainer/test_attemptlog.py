@@ -23,7 +23,7 @@ raise SystemExit(0 if path else 3)
 
 def run(save: str, attempt: int, rank: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", SCRIPT, save, str(attempt), str(rank)], capture_output=True,
-                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT / "trainer_image"), "HOSTNAME": "pod-0"})
+                          text=True, timeout=60, env={"PYTHONPATH": f"{ROOT / 'trainer_image'}:{ROOT / 'contract'}", "HOSTNAME": "pod-0"})
 
 
 def test_each_attempt_and_rank_gets_its_own_file_and_the_container_log_is_unchanged(tmp_path):

@@ -215,11 +215,11 @@ def test_pure_modules_do_not_import_torch():
     code = ("import sys; import megatron_trainer.config, megatron_trainer.ckpt_layout, megatron_trainer.progress, "
             "megatron_trainer.preprocess, megatron_trainer.flops, megatron_trainer.sampler, megatron_trainer.metrics, "
             "megatron_trainer.hf_config, megatron_trainer.hf_mapping, megatron_trainer.hf_source, "
-            "megatron_trainer.safetensors_io; "
+            "megatron_trainer.safetensors_io, megatron_contract.hf_config; "
             "print('torch' in sys.modules)")
-    root = Path(__file__).resolve().parents[2] / "trainer_image"
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(root)})
+                         env={"PYTHONPATH": f"{root / 'trainer_image'}:{root / 'contract'}"})
     assert out.stdout.strip() == "False"
 
 

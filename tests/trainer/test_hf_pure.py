@@ -15,7 +15,13 @@ import pytest
 from conftest import without
 from megatron_trainer.config import parse_args
 from megatron_trainer.exitcodes import ExitCode, Fatal
-from megatron_trainer.hf_config import HfConfigError, export_config, mismatches, parse_config
+from megatron_trainer.hf_config import (
+    HfConfigError,
+    export_config,
+    generation_config,
+    mismatches,
+    parse_config,
+)
 from megatron_trainer.hf_mapping import exported_by, hf_tensor_shapes, megatron_names, param_plan
 from megatron_trainer.hf_source import MARKER, PARTIAL_MARKER, prepare_export_dir, validate_source
 from megatron_trainer.safetensors_io import (
@@ -87,7 +93,7 @@ def _mutated(name: str, **changes) -> dict:
     (_mutated("tiny-llama3", num_local_experts=8, num_experts_per_tok=2), "mixture-of-experts"),
     (_mutated("tiny-llama3", quantization_config={"quant_method": "gptq"}), "quantization_config"),
     (_mutated("tiny-llama3", auto_map={"AutoModel": "x.Y"}), "custom code"),
-    (_mutated("tiny-llama3", some_new_knob=3), "some_new_knob: not a field this converter knows"),
+    (_mutated("tiny-llama3", some_new_knob=3), "field some_new_knob is not known to the converter"),
     (_mutated("tiny-mistral", sliding_window=64), "sliding_window: 64 tokens is shorter than the sequence (128)"),
     (_mutated("tiny-qwen2", use_sliding_window=True, sliding_window=100), "shorter than the sequence"),
     (_mutated("tiny-qwen2", layer_types=["full_attention"] * 3 + ["chunked_attention"]), "chunked_attention"),
@@ -142,6 +148,19 @@ def test_config_written_from_the_flags_describes_the_same_model(name):
     assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
     # Mistral without a sliding window is Llama's math: written as LlamaForCausalLM
     assert a.family == (b.family if b.family != "mistral" else "llama") and a.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("content", ['{"do_sample": true, "temperature": 0.6}', "{", "[1]", "[" * 100000 + "]" * 100000],
+                         ids=["valid", "truncated", "not-an-object", "deep"])
+def test_generation_config_is_the_sources_else_the_token_ids(tmp_path, content):
+    """An export copies the source's generation_config.json; one that cannot be read (a deeply nested one
+    raised RecursionError out of the export) gives way to config.json's token ids."""
+    (tmp_path / "generation_config.json").write_text(content)
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+    expected = {"do_sample": True, "temperature": 0.6} if content.startswith('{"') else {"bos_token_id": 1,
+                                                                                          "eos_token_id": 2}
+    assert generation_config(tmp_path, ids) == expected
+    assert generation_config(None, ids) == {"bos_token_id": 1, "eos_token_id": 2}
 
 
 # ------------------------------------------------------------------------------------ safetensors

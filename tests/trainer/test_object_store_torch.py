@@ -48,7 +48,7 @@ def _scratch(tmp_path) -> str:
 def _env(server, tmp_path) -> dict:
     return {**os.environ, "AWS_SHARED_CREDENTIALS_FILE": str(server.credentials_file(tmp_path / "credentials")),
             "AWS_CONFIG_FILE": str(tmp_path / "no-config"), "TMPDIR": _scratch(tmp_path),
-            "PYTHONPATH": os.pathsep.join([str(REPO / "trainer_image"), str(HERE)])}
+            "PYTHONPATH": os.pathsep.join([str(REPO / "trainer_image"), str(REPO / "contract"), str(HERE)])}
 
 
 def _run(scenario: str, url: str, server, tmp_path, *extra: str) -> list[dict]:

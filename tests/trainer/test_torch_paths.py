@@ -382,7 +382,7 @@ def _in_gloo_child(tmp_path, body: str, timeout: float = 180) -> dict:
     script = tmp_path / "child.py"
     script.write_text(f"""
 import os, sys, json, socket, torch
-sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
+sys.path[:0] = [{str(Path(__file__).resolve().parents[2] / "trainer_image")!r}, {str(Path(__file__).resolve().parents[2] / "contract")!r}]
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -686,7 +686,7 @@ def test_overlapped_row_parallel_linear_matches_megatron_at_tp2(tmp_path):
     script = tmp_path / "tp2.py"
     script.write_text(f"""
 import os, sys, json, torch
-sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "trainer_image")!r})
+sys.path[:0] = [{str(Path(__file__).resolve().parents[2] / "trainer_image")!r}, {str(Path(__file__).resolve().parents[2] / "contract")!r}]
 rank = int(sys.argv[1])
 torch.distributed.init_process_group("gloo", rank=rank, world_size=2, init_method="file://{tmp_path / 'rdzv'}")
 from megatron.core import parallel_state

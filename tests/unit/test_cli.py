@@ -12,12 +12,14 @@ import yaml
 from factory import make_job
 
 ROOT = Path(__file__).parents[2]
+# The operator's source roots: its package and the leaf it shares with the trainer (pyproject.toml)
+OPERATOR_PATH = f"{ROOT / 'operator'}:{ROOT / 'contract'}"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_operator", *args], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin"},
+                          text=True, cwd=ROOT, env={"PYTHONPATH": OPERATOR_PATH, "PATH": "/usr/bin:/bin"},
                           timeout=120)
 
 
@@ -316,7 +318,7 @@ def test_validate_applies_the_clusters_guardrails_from_the_operators_environment
     assert_refused(r, "spec.terminationGracePeriodSeconds: 3601 is above this cluster's maximum 3600")
     assert "spec.image" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "megatron_operator", "validate", path], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin",
+                       cwd=ROOT, timeout=120, env={"PYTHONPATH": OPERATOR_PATH, "PATH": "/usr/bin:/bin",
                                                    "MEGATRON_OPERATOR_ALLOWED_IMAGE_REGISTRIES": "nvcr.io",
                                                    "MEGATRON_OPERATOR_MAX_TERMINATION_GRACE_PERIOD_S": "0"})
     assert_refused(r, "spec.image: this cluster runs images only from nvcr.io; use one of them")

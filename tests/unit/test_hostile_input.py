@@ -113,7 +113,7 @@ def run_bounded(args: list[str], path: Path) -> tuple[subprocess.CompletedProces
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "megatron_operator", *args, str(path)], capture_output=True,
                           text=True, errors="replace", cwd=ROOT, timeout=TIME_LIMIT_S, preexec_fn=_limits,
-                          env={"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}", "PATH": "/usr/bin:/bin"})
     return proc, time.monotonic() - start
 
 

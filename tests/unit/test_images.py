@@ -257,8 +257,21 @@ def test_everything_copied_is_in_the_build_context(dockerfile):
         assert (ROOT / path).exists(), f"{dockerfile} copies {src}, which does not exist"
         assert not dockerignore_excludes(path), f".dockerignore excludes {src}, which {dockerfile} copies"
     for needed in ("operator/megatron_operator/cli.py", "trainer_image/megatron_trainer/main.py",
-                   "pyproject.toml", "README.md"):
+                   "contract/megatron_contract/hf_config.py", "pyproject.toml", "README.md"):
         assert not dockerignore_excludes(needed), needed
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.operator", "Dockerfile.trainer"])
+def test_every_source_root_is_copied_into_the_image_and_on_the_tests_path(dockerfile):
+    """pyproject.toml's package finder builds the wheel from its source roots: an image that does not
+    copy one installs a package that fails on its first import of it (megatron_contract, the leaf both
+    the operator and the trainer import)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    roots = pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
+    assert {"operator", "trainer_image", "contract"} <= set(roots)
+    assert pyproject["tool"]["pytest"]["ini_options"]["pythonpath"] == roots
+    copied = {src.rstrip("/") for src in copy_sources(dockerfile)}
+    assert set(roots) <= copied, f"{dockerfile} does not copy {sorted(set(roots) - copied)}"
 
 
 @pytest.mark.parametrize("path", [".venv/bin/python", ".git/HEAD", "tests/unit/test_chart.py", "e2e/k8s.py",

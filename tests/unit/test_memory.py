@@ -94,7 +94,7 @@ def test_fit_report_and_json():
 
 
 def test_estimate_cli_json_and_exit_code(tmp_path):
-    env = {"PYTHONPATH": str(ROOT / "operator"), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}", "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-m", "megatron_operator", "estimate", "-o", "json",
                         str(ROOT / "examples" / "llama3-70b-checkpoint.yaml")], capture_output=True, text=True,
                        env=env, timeout=60)

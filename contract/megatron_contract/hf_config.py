@@ -1,0 +1,320 @@
+"""A Hugging Face ``config.json`` of a dense Llama-family model -> the architecture it describes (pure).
+
+The one reader of config.json: the operator's ``megatron-operator hf-config`` (spec.model from the
+file, or a job checked against it) and the trainer's ``--hf-init`` check (the file against its
+flags) both call ``load_config`` and ``parse_config`` here, so they accept and refuse the same files
+with the same words. What each side compares the model with stays on its side
+(``megatron_operator.hf_config``, ``megatron_trainer.hf_config``).
+
+Architectures: Llama 2/3/3.1/3.2 (RoPE ``default`` or ``llama3``), Mistral, Qwen2/2.5 (QKV bias),
+Qwen3 (QK norm). Both layouts: transformers 5 (``rope_parameters``, ``dtype``) and 4.x (top-level
+``rope_theta``/``rope_scaling``, ``torch_dtype``). Every field that changes the math is mapped or
+refused by name; a field not known here is refused too (it may change the math). Any JSON value,
+of any type or shape, is either accepted or refused with HfConfigError, one line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: config.json files are a few kB; a larger one is refused before it is parsed.
+MAX_CONFIG_BYTES = 1 << 20
+#: The sequence length when the caller gives none: the model's context, at most this.
+DEFAULT_MAX_SEQ_LENGTH = 4096
+#: Values echoed in a problem are cut to this many characters (a config.json value may be a long list).
+MAX_ECHO = 80
+#: Unknown fields named one by one; the rest are counted in one line.
+MAX_UNKNOWN_NAMED = 10
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+# Megatron-Core 0.19 implements only Llama 3.1-style RoPE scaling, with these fixed
+# (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Fields that describe the file or generation, not the network's math.
+INFO_ONLY = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+    "pad_token_id", "initializer_range", "use_cache", "max_window_layers", "_name_or_path", "output_attentions",
+    "output_hidden_states", "return_dict"})
+# Fields read below (mapped, or accepted only with the values the converter can represent).
+MAPPED = frozenset({
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "rms_norm_eps", "head_dim", "tie_word_embeddings", "hidden_act",
+    "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "mlp_bias", "pretraining_tp",
+    "attention_dropout", "sliding_window", "use_sliding_window", "layer_types", "partial_rotary_factor"})
+
+
+class HfConfigError(ValueError):
+    """config.json cannot be represented; ``problems``: one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class HfModel:
+    """The architecture a config.json describes."""
+
+    family: str  # llama | mistral | qwen2 | qwen3
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    head_dim: int
+    norm_epsilon: float
+    rope_theta: int  # Megatron's --rotary-base (spec.model.rotaryBase) is an integer
+    rope_scaling_factor: float | None  # llama3-style scaling, else None
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    attention_dropout: float
+    seq_length: int  # the training sequence the sliding-window check used
+    dtype: str | None  # the file's dtype (torch_dtype in 4.x), when it names one
+
+    @property
+    def explicit_head_dim(self) -> bool:
+        """Megatron's kv_channels default (hidden / heads) is not the head dimension."""
+        return self.hidden_size % self.num_heads != 0 or self.head_dim != self.hidden_size // self.num_heads
+
+
+def _shorten(text: str, limit: int = MAX_ECHO) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _show(value: Any) -> str:
+    """``value`` as one short line: repr escapes newlines and other unprintable characters."""
+    return _shorten(repr(value))
+
+
+def _key(key: str) -> str:
+    """A field name as one short line: as written when printable, else its repr."""
+    return _shorten(key if key.isprintable() else repr(key), 64)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # JSON readers disagree on which one wins
+            raise _DuplicateKey(f"key {_show(key)} is given twice")
+        out[key] = value
+    return out
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The config.json at ``path`` as a dict; HfConfigError (one line) for an unreadable, large or invalid file."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise HfConfigError([f"cannot read: {exc.strerror or exc}"]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise HfConfigError([f"larger than {MAX_CONFIG_BYTES} bytes; a config.json is a few kB"])
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+    except UnicodeDecodeError:
+        raise HfConfigError(["not UTF-8 text"]) from None
+    except RecursionError:
+        raise HfConfigError(["invalid JSON: nested too deeply"]) from None
+    except json.JSONDecodeError as exc:
+        raise HfConfigError([f"invalid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}"]) from None
+    except _DuplicateKey as exc:
+        raise HfConfigError([f"invalid JSON: {exc}"]) from None
+    except ValueError:  # json.loads raises no other: an integer longer than Python converts to a number
+        digits = sys.get_int_max_str_digits()
+        raise HfConfigError([f"invalid JSON: a number of more than {digits} digits"]) from None
+    if not isinstance(data, dict):
+        raise HfConfigError([f"not a JSON object (got {type(data).__name__})"])
+    return data
+
+
+def _int(d: dict[str, Any], key: str, problems: list[str], default: int | None = None) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        problems.append(f"config.json {key}: expected an integer >= 1, got {_show(v)}")
+        return 1
+    return v
+
+
+def _number(v: Any) -> float | None:
+    """``v`` as a finite float, else None: not a bool, not infinite or NaN, and not an integer too large for
+    a float (JSON allows any number of digits)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _float(d: dict[str, Any], key: str, problems: list[str], default: float) -> float:
+    v = d.get(key, default)
+    if _number(v) is None:
+        problems.append(f"config.json {key}: expected a number, got {_show(v)}")
+        return default
+    return float(v)
+
+
+def _rope(d: dict[str, Any], problems: list[str]) -> tuple[int, float | None]:
+    """(rope_theta, llama3 scaling factor or None) from either layout."""
+    params, scaling = d.get("rope_parameters"), d.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        problems.append(f"config.json rope_parameters: expected an object, got {_show(params)}")
+        params = None
+    if scaling is not None and not isinstance(scaling, dict):
+        problems.append(f"config.json rope_scaling: expected an object or null, got {_show(scaling)}")
+        scaling = None
+    merged: dict[str, Any] = {**(scaling or {}), **(params or {})}
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    if _number(theta) is None or theta <= 0:
+        problems.append(f"config.json rope_theta: expected a positive number, got {_show(theta)}")
+        theta = 10000
+    elif float(theta) != int(theta):
+        problems.append(f"config.json rope_theta: {theta} is not a whole number (rotaryBase, Megatron's "
+                        "--rotary-base, is an integer)")
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind in (None, "default"):
+        return int(theta), None
+    if kind != "llama3":
+        problems.append(f"config.json rope scaling type {_show(kind)}: the converter cannot represent it (only "
+                        "default and llama3 RoPE; Megatron-Core implements no linear, dynamic, yarn or longrope "
+                        "scaling)")
+        return int(theta), None
+    for key, want in LLAMA3_FIXED.items():
+        got = merged.get(key)
+        if isinstance(got, bool) or got != want:
+            problems.append(f"config.json rope scaling {key}: {_show(got)}, but Megatron-Core's llama3 RoPE "
+                            f"scaling is fixed at {want:g}; the converter cannot represent it")
+    factor = merged.get("factor")
+    if _number(factor) is None or factor < 1:
+        problems.append(f"config.json rope scaling factor: expected a number >= 1, got {_show(factor)}")
+        return int(theta), None
+    return int(theta), float(factor)
+
+
+def _unknown_key_problem(key: str) -> str:
+    if "expert" in key or "moe" in key or key.startswith("router") or key == "num_local_experts":
+        return f"config.json {_key(key)}: mixture-of-experts models: the converter cannot represent them (dense only)"
+    if key == "quantization_config":
+        return ("config.json quantization_config: quantized checkpoints: the converter cannot represent them; "
+                "start from the unquantized weights")
+    if key == "auto_map":
+        return "config.json auto_map: the model needs custom code (trust_remote_code); the converter cannot represent it"
+    return (f"config.json field {_key(key)} is not known to the converter; it may change the model's math; "
+            "remove it only if you know it does not")
+
+
+def _unknown_keys(d: dict[str, Any]) -> list[str]:
+    unknown = sorted(set(d) - INFO_ONLY - MAPPED)
+    problems = [_unknown_key_problem(k) for k in unknown[:MAX_UNKNOWN_NAMED]]
+    if len(unknown) > MAX_UNKNOWN_NAMED:
+        problems.append(f"config.json: {len(unknown) - MAX_UNKNOWN_NAMED} more fields not known to the converter")
+    return problems
+
+
+def _layer_types(d: dict[str, Any], layers: int, problems: list[str]) -> bool:
+    """Whether ``layer_types`` has sliding-attention layers; what it cannot represent goes to ``problems``."""
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        return False
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        problems.append(f"config.json layer_types: expected a list of {_show(layers)} entries")
+        return False
+    # items may be any JSON value, lists and objects too: compared, never hashed
+    unknown = sorted({_show(t) for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        problems.append(f"config.json layer_types: {', '.join(unknown[:5])}"
+                        f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}: the converter cannot "
+                        "represent them (only full_attention, and sliding_attention with a window of at least "
+                        "the sequence)")
+    return "sliding_attention" in layer_types
+
+
+def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
+    """The model ``d`` describes; HfConfigError naming every field the converter cannot represent.
+
+    ``seq_length``: the training sequence length (default: min(max_position_embeddings, 4096)); a
+    sliding window at least that long never masks anything, a shorter one is refused."""
+    problems: list[str] = []
+    archs = d.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str) else None
+    family = ARCHITECTURES.get(arch or "")
+    if arch is None or family is None:
+        raise HfConfigError([f"config.json architectures: {_show(archs)} is not supported; the converter handles "
+                             f"{', '.join(sorted(ARCHITECTURES))} (dense Llama-family models)"])
+    if d.get("model_type") != family:
+        problems.append(f"config.json model_type: {_show(d.get('model_type'))} does not match architecture {arch} "
+                        f"(expected {family!r})")
+    problems += _unknown_keys(d)
+    layers = _int(d, "num_hidden_layers", problems)
+    hidden = _int(d, "hidden_size", problems)
+    heads = _int(d, "num_attention_heads", problems)
+    kv_heads = _int(d, "num_key_value_heads", problems, default=heads)
+    ffn = _int(d, "intermediate_size", problems)
+    vocab = _int(d, "vocab_size", problems)
+    max_pos = _int(d, "max_position_embeddings", problems)
+    if d.get("head_dim") is None:
+        head_dim = hidden // heads
+        if hidden % heads:
+            problems.append(f"config.json hidden_size {_show(hidden)} is not divisible by num_attention_heads "
+                            f"{_show(heads)} and head_dim is not given")
+    else:
+        head_dim = _int(d, "head_dim", problems)
+    if heads % kv_heads:
+        problems.append(f"config.json num_key_value_heads {_show(kv_heads)} does not divide num_attention_heads "
+                        f"{_show(heads)}")
+    eps = _float(d, "rms_norm_eps", problems, default=1e-6)  # bounds: spec.model.normEpsilon's, in the CLI
+    theta, factor = _rope(d, problems)
+    if d.get("hidden_act", "silu") != "silu":
+        problems.append(f"config.json hidden_act: {_show(d.get('hidden_act'))}; only silu (SwiGLU) is supported")
+    if d.get("attention_bias", False) is not False:
+        problems.append(f"config.json attention_bias: {_show(d.get('attention_bias'))}; biases on every attention "
+                        "projection (output included): the converter cannot represent them")
+    if d.get("mlp_bias", False) is not False:
+        problems.append(f"config.json mlp_bias: {_show(d.get('mlp_bias'))}; MLP biases: the converter cannot "
+                        "represent them")
+    if d.get("pretraining_tp", 1) != 1 or isinstance(d.get("pretraining_tp"), bool):
+        problems.append(f"config.json pretraining_tp: {_show(d.get('pretraining_tp'))}; the converter cannot "
+                        "represent it (only 1)")
+    if d.get("partial_rotary_factor", 1.0) != 1.0 or isinstance(d.get("partial_rotary_factor"), bool):
+        problems.append(f"config.json partial_rotary_factor: {_show(d.get('partial_rotary_factor'))}; the "
+                        "converter cannot represent it (only 1.0: RoPE on the whole head)")
+    tie = d.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        problems.append(f"config.json tie_word_embeddings: expected true or false, got {_show(tie)}")
+        tie = False
+    dropout = _float(d, "attention_dropout", problems, default=0.0)
+    seq = seq_length if seq_length is not None else min(max_pos, DEFAULT_MAX_SEQ_LENGTH)
+    sliding_layers = _layer_types(d, layers, problems)
+    window = d.get("sliding_window")
+    if window is not None and (family == "mistral" or bool(d.get("use_sliding_window")) or sliding_layers):
+        if isinstance(window, bool) or not isinstance(window, int):
+            problems.append(f"config.json sliding_window: expected an integer or null, got {_show(window)}")
+        elif window < seq:
+            problems.append(f"config.json sliding_window: {_show(window)} tokens is shorter than the sequence ({seq}); "
+                            "sliding-window attention: the converter cannot represent it (train with a sequence "
+                            "of at most the window)")
+    elif sliding_layers:
+        problems.append("config.json layer_types: sliding_attention layers without a sliding_window")
+    if problems:
+        raise HfConfigError(problems)
+    dtype = d.get("dtype", d.get("torch_dtype"))
+    return HfModel(family=family, architecture=arch, num_layers=layers, hidden_size=hidden, num_heads=heads,
+                   num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_pos,
+                   head_dim=head_dim, norm_epsilon=eps, rope_theta=theta, rope_scaling_factor=factor, tied=tie,
+                   qkv_bias=family == "qwen2", qk_norm=family == "qwen3", attention_dropout=dropout,
+                   seq_length=seq, dtype=dtype if isinstance(dtype, str) else None)
