@@ -594,3 +594,28 @@ def test_operator_and_trainer_refuse_a_config_json_with_a_key_given_twice(tmp_pa
         operator_hf.load_config(tmp_path / "config.json")
     with pytest.raises(trainer_hf.HfConfigError, match="given twice"):
         trainer_hf.load_config(tmp_path)
+
+
+def test_every_field_the_trainer_writes_to_status_progress_is_in_the_crd():
+    """progress.build_patch (the trainer) against the operator's Progress model, which the CRD's structural
+    schema is generated from: a field the schema lacks would be pruned by the API server, silently."""
+    from datetime import UTC, datetime
+
+    from megatron_operator.spec import Goodput, MegatronJobStatus, Progress
+    from megatron_trainer.progress import Progress as TrainerProgress
+    from megatron_trainer.progress import build_patch
+
+    figures = {"ratio": 0.5, "wallSeconds": 10.0, "productiveSeconds": 5.0, "startupSeconds": 1.0,
+               "saveBlockedSeconds": 1.0, "lostSeconds": 1.0, "restartSeconds": 1.0, "otherSeconds": 1.0,
+               "attempts": 2}
+    full = TrainerProgress(iteration=3, train_iters=10, loss=1.0, tokens_per_second=2.0, tflops_per_gpu=3.0,
+                           mfu=0.4, last_checkpoint_iteration=2, stage="training", validation_loss=1.5,
+                           data={"lines": 4, "used": 3}, goodput=figures, save_warning="w",
+                           last_save_blocked_seconds=0.5, last_save_seconds=30.0)
+    written = build_patch("j", "ns", full, datetime(2026, 11, 27, tzinfo=UTC))["status"]["progress"]
+    known = {f.alias or n for n, f in Progress.model_fields.items()}
+    assert set(written) <= known, set(written) - known
+    assert set(figures) <= {f.alias or n for n, f in Goodput.model_fields.items()}
+    parsed = MegatronJobStatus.model_validate({"progress": written}).model_dump(by_alias=True, exclude_none=True,
+                                                                                mode="json")
+    assert parsed["progress"]["goodput"] == figures and parsed["progress"]["saveWarning"] == "w"

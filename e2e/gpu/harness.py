@@ -198,13 +198,19 @@ class Run:
     """One torchrun launch with its log; helpers to wait for log lines, signal and parse."""
 
     def __init__(self, name: str, nproc: int, args: list[str], env: dict | None = None, gpus: str | None = None,
-                 module: bool = True, script: str | None = None):
+                 module: bool = True, script: str | None = None, grace_period_s: float | None = None):
+        """`grace_period_s`: start the workers with the pods' launcher (`python -m megatron_trainer.launch`, which
+        waits that long after SIGTERM, where torchrun SIGKILLs after 30 s) instead of torchrun."""
         self.name = name
         self.log_path = LOGS / f"{name}.log"
         LOGS.mkdir(parents=True, exist_ok=True)
         target = ["-m", "megatron_trainer"] if module else [script]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-               "--max-restarts=0", f"--master-port={free_port()}", *target, *args]
+        if grace_period_s is not None:
+            cmd = [sys.executable, "-m", "megatron_trainer.launch", f"--nproc-per-node={nproc}",
+                   f"--master-port={free_port()}", f"--grace-period-s={grace_period_s:g}", *target, *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+                   "--max-restarts=0", f"--master-port={free_port()}", *target, *args]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", MEGATRON_METRICS_PORT="0")
         if gpus is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = gpus

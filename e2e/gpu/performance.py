@@ -486,7 +486,7 @@ def scenario_disk(ctx) -> dict:
     usage = shutil.disk_usage(target)
     df = subprocess.run(["df", "-hT", str(target)], capture_output=True, text=True).stdout
     out = {"free_gib": round(usage.free / 2**30, 1), "total_gib": round(usage.total / 2**30, 1), "df": df.strip(),
-           "direct": dd_write(target / "dd.direct", 16, True), "buffered": dd_write(target / "dd.buffered", 16, False)}
+           "direct": dd_write(target / "dd.direct", 8, True), "buffered": dd_write(target / "dd.buffered", 8, False)}
     out["ok"] = out["direct"]["rc"] == 0 and out["buffered"]["rc"] == 0
     return out
 

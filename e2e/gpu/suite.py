@@ -14,6 +14,8 @@ documented in its module's docstring:
   performance.py  bench, perf, memory, detcost, objbench, collectives, rope, disk: speed, memory and I/O
                   against the peers and the hardware
   mlm_compare.py  threeway, stepdump: ours against Megatron-LM's own pretrain_gpt.py
+  scale.py        goodput, diskfull: what a job loses to saves, starts, failures and layout changes; a full
+                  checkpoint volume
   hf.py           hf_logits, hf_train, hf_bench, hf_pods, hf_store: Hugging Face import and export
   sft.py          sft_reverse, sft_bench, sft_pods, sft_sigterm: supervised fine-tuning
   harness.py      what the families share (Run, trainer_args, MODELS, checks, peers, pods_job, the
@@ -43,6 +45,7 @@ from pathlib import Path
 import correctness
 import mlm_compare
 import performance
+import scale
 from correctness import POD_JOBS, layouts_for
 from harness import (
     DEADLINE,
@@ -70,7 +73,7 @@ def optional_family(name: str):
 
 
 # The scenario families, each a module with a SCENARIOS table: a new family is its module and one line here.
-FAMILIES = [correctness, performance, mlm_compare, optional_family("hf"), optional_family("sft")]
+FAMILIES = [correctness, performance, mlm_compare, scale, optional_family("hf"), optional_family("sft")]
 
 # The order a run without --only takes (and --list shows): the suite's order before the families were split out,
 # so that indexed's data and layouts' reference runs come before the scenarios that use them (resume, sigterm,
@@ -140,6 +143,9 @@ def main() -> int:
                     "profile over iteration 22 on the first and last rank")
     ap.add_argument("--threeway-fallback", default=None, choices=sorted(MODELS),
                     help="threeway's model where Megatron-LM runs out of memory on --bench-model")
+    ap.add_argument("--goodput-gbs", type=int, default=None, help="goodput's global batch (default 16)")
+    ap.add_argument("--goodput-interval", type=int, default=None, help="goodput's save interval (default 10)")
+    ap.add_argument("--diskfull-mib", type=int, default=None, help="diskfull's volume, MiB (default 700)")
     ap.add_argument("--threeway-gbs", type=int, default=None,
                     help="threeway's global batch (default: 4 micro-batches per pipeline, or the model's accum)")
     ap.add_argument("--threeway-iters", type=int, default=None,
@@ -190,6 +196,8 @@ def main() -> int:
            "threeway_fallback": args.threeway_fallback, "stepdump": args.stepdump,
            "threeway_gbs": args.threeway_gbs, "threeway_iters": args.threeway_iters,
            "threeway_skip_overlap": args.threeway_skip_overlap,
+           "goodput_gbs": args.goodput_gbs, "goodput_interval": args.goodput_interval,
+           "diskfull_mib": args.diskfull_mib,
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model

@@ -301,6 +301,7 @@ class Controller:
         for ev in events:
             emit(ev)
         self.metrics.set_phase(ns, name, phase)
+        self.metrics.set_goodput(ns, name, (previous.get("progress") or {}).get("goodput"))
 
     def workload(self, ns: str, jobset: dict[str, Any] | None, spec: MegatronJobSpec | None) -> WorkloadView | None:
         """Kueue's Workload of the JobSet, read only while it matters: the JobSet is suspended (queued,

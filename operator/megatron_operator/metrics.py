@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import threading
 from datetime import UTC, datetime
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+#: megatron_operator_job_time_seconds{kind} -> the status.progress.goodput field
+GOODPUT_KINDS = {"wall": "wallSeconds", "productive": "productiveSeconds", "startup": "startupSeconds",
+                 "save_blocked": "saveBlockedSeconds", "lost": "lostSeconds", "restart": "restartSeconds",
+                 "other": "otherSeconds"}
 
 
 class Metrics:
@@ -36,6 +41,15 @@ class Metrics:
             ["resource"], registry=self.registry)
         self.job_phase = Gauge("megatron_operator_job_phase", "1 for the current phase of each MegatronJob",
                                ["namespace", "name", "phase"], registry=self.registry)
+        self.job_goodput = Gauge("megatron_operator_job_goodput_ratio",
+                                 "Productive training time / wall time of each MegatronJob over all its attempts "
+                                 "(status.progress.goodput.ratio, the trainer's goodput ledger)",
+                                 ["namespace", "name"], registry=self.registry)
+        self.job_time = Gauge("megatron_operator_job_time_seconds",
+                              "Where each MegatronJob's wall time went, over all its attempts: productive, startup, "
+                              "save_blocked, lost, restart, other (status.progress.goodput)",
+                              ["namespace", "name", "kind"], registry=self.registry)
+        self._goodput: set[tuple[str, str]] = set()
         self._phases: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         for p in PHASES:
@@ -61,11 +75,37 @@ class Metrics:
             self._phases[(ns, name)] = phase
             self._refresh()
 
+    def set_goodput(self, ns: str, name: str, goodput: Any) -> None:
+        """The trainer's goodput figures (status.progress.goodput) as gauges; figures that are not numbers
+        are skipped (the status is the trainer's to write)."""
+        if not isinstance(goodput, dict):
+            return
+        with self._lock:
+            ratio = goodput.get("ratio")
+            if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+                self.job_goodput.labels(namespace=ns, name=name).set(ratio)
+            for kind, field in GOODPUT_KINDS.items():
+                value = goodput.get(field)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.job_time.labels(namespace=ns, name=name, kind=kind).set(value)
+            self._goodput.add((ns, name))
+
     def forget(self, ns: str, name: str) -> None:
         with self._lock:
             old = self._phases.pop((ns, name), None)
             if old is not None:
                 self.job_phase.remove(ns, name, old)
+            if (ns, name) in self._goodput:
+                self._goodput.discard((ns, name))
+                try:
+                    self.job_goodput.remove(ns, name)
+                except KeyError:
+                    pass
+                for kind in GOODPUT_KINDS:
+                    try:
+                        self.job_time.remove(ns, name, kind)
+                    except KeyError:
+                        pass
             self._refresh()
 
     def _refresh(self) -> None:

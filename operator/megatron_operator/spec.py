@@ -603,6 +603,23 @@ class DataProgress(StatusModel):
     loss_tokens: int | None = Field(None, ge=0, description="Answer tokens the loss is taken on (one pass).")
 
 
+class Goodput(StatusModel):
+    """Where the job's time went, over all its attempts (the trainer's goodput ledger; docs/operations.md,
+    "Goodput"): from its first trainer process's start, less the time it was stopped cleanly (suspended,
+    preempted), in seconds."""
+
+    ratio: float | None = Field(None, ge=0, le=1, description="productiveSeconds / wallSeconds.")
+    wall_seconds: float | None = Field(None, ge=0)
+    productive_seconds: float | None = Field(None, ge=0, description="Training steps the job keeps.")
+    startup_seconds: float | None = Field(None, ge=0, description="Process start -> first iteration, every attempt.")
+    save_blocked_seconds: float | None = Field(None, ge=0, description="The loop held by checkpoint saves.")
+    lost_seconds: float | None = Field(None, ge=0, description="Iterations redone after a failure.")
+    restart_seconds: float | None = Field(None, ge=0, description="A failed attempt's last report -> the next "
+                                          "attempt's start.")
+    other_seconds: float | None = Field(None, ge=0)
+    attempts: int | None = Field(None, ge=1)
+
+
 class Progress(StatusModel):
     """Written by the trainer (field manager megatron-trainer); the operator only reads it."""
 
@@ -615,9 +632,16 @@ class Progress(StatusModel):
     last_checkpoint_iteration: int | None = Field(None, ge=0)
     validation_loss: float | None = Field(None, description="Last validation loss (SFT with a validation file).")
     data: DataProgress | None = None
+    goodput: Goodput | None = None
+    save_warning: str | None = Field(None, max_length=1024, description="Saves come faster than one is written "
+                                     "(the loop waits: the interval that works), or the checkpoint volume cannot "
+                                     "hold keep + 1 checkpoints.")
+    last_save_blocked_seconds: float | None = Field(None, ge=0, description="The loop held by the last save.")
+    last_save_seconds: float | None = Field(None, ge=0, description="The last published save, start to published.")
     stage: str | None = Field(None, max_length=256, description="What the trainer is doing: initialising, "
-                              "building the model, loading checkpoint N, building the data index, running the "
-                              "first iteration, capturing the CUDA graph, training.")
+                              "building the model, building the optimizer, starting the checkpoint writer, "
+                              "loading checkpoint N, building the data index, running the first iteration, "
+                              "capturing the CUDA graph, training.")
     update_time: datetime | None = None
 
 

@@ -47,6 +47,9 @@ class ConditionType:
     #: Jobs with ``spec.queueName`` only: True while Kueue has not admitted the job (queued, or
     #: preempted and queued again), with Kueue's own message.
     QUEUED = "Queued"
+    #: Set once the trainer warns about its checkpoints (status.progress.saveWarning): saves come faster
+    #: than one is written, or the volume cannot hold keep + 1 of them. True while the warning stands.
+    CHECKPOINT_WARNING = "CheckpointWarning"
 
 
 class Reason:
@@ -77,6 +80,8 @@ class Reason:
     PROGRESSING = "Progressing"
     FITS = "Fits"
     PREDICTED_OUT_OF_MEMORY = "PredictedOutOfMemory"
+    SAVE_WARNING = "SaveWarning"
+    NO_SAVE_WARNING = "NoSaveWarning"
     # event-only reasons
     JOBSET_RECREATED = "JobSetRecreated"
     SPEC_WARNING = "SpecWarning"  # admitted, but may not run as meant (advice.spec_warnings)
@@ -540,6 +545,16 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
         else:
             conditions.set(ConditionType.STALLED, False, Reason.PROGRESSING,
                            f"iteration {last_it}" if last_it is not None else "waiting for the first progress report")
+
+    # The trainer's checkpoint warning (status.progress.saveWarning) as a condition and, when it first comes
+    # up, an event: a slow save interval or a volume too small for keep + 1 checkpoints must not go unseen.
+    save_warning = progress.get("saveWarning") if isinstance(progress.get("saveWarning"), str) else None
+    if save_warning:
+        if not conditions.was_true(ConditionType.CHECKPOINT_WARNING):
+            events.append(Event("Warning", Reason.SAVE_WARNING, save_warning))
+        conditions.set(ConditionType.CHECKPOINT_WARNING, True, Reason.SAVE_WARNING, save_warning)
+    elif ConditionType.CHECKPOINT_WARNING in conditions.previous:
+        conditions.set(ConditionType.CHECKPOINT_WARNING, False, Reason.NO_SAVE_WARNING)
 
     memory = None
     if o.fit is not None:

@@ -148,3 +148,12 @@ def test_start_up_warns_when_keep_plus_one_checkpoints_cannot_fit(tmp_path):
     (tmp_path / "iter_0000010" / "metadata.json").write_text("{}")
     (tmp_path / "iter_0000010" / "shard").write_bytes(b"x" * 4096)
     assert ckpt_layout.tree_bytes(tmp_path / "iter_0000010") == 4098
+
+
+def test_saves_cut_short_are_removed_and_complete_ones_kept(tmp_path):
+    make_ckpt(tmp_path, 10)
+    make_ckpt(tmp_path, 20, complete=False)
+    make_ckpt(tmp_path, 5, complete=False)
+    removed = ckpt_layout.remove_incomplete(tmp_path)
+    assert sorted(e.iteration for e in removed) == [5, 20]
+    assert [(e.iteration, e.complete) for e in L.list_checkpoints(tmp_path)] == [(10, True)]

@@ -141,3 +141,12 @@ def test_lifecycle_reports_each_stage():
     for stage in ("initialising", "loading checkpoint 500", "training"):
         life.enter(stage)
     assert seen == ["initialising", "loading checkpoint 500", "training"] and life.stage == "training"
+
+
+def test_goodput_and_save_figures_reach_status_progress():
+    figures = {"ratio": 0.9, "wallSeconds": 100.0, "productiveSeconds": 90.0, "attempts": 2}
+    body = build_patch("j", "ns", Progress(iteration=3, train_iters=10, goodput=figures, save_warning="w" * 2000,
+                                           last_save_blocked_seconds=1.23456, last_save_seconds=float("nan")), NOW)
+    progress = body["status"]["progress"]
+    assert progress["goodput"] == figures and len(progress["saveWarning"]) == 1024
+    assert progress["lastSaveBlockedSeconds"] == 1.235 and "lastSaveSeconds" not in progress

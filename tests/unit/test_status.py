@@ -445,3 +445,20 @@ def test_on_stall_without_any_progress_report_does_not_loop():
     again, _ = derive(obs(jobset=js(), pods=pods(2), previous=s, stall_timeout_s=1800, restart_on_stall=True),
                       NOW + timedelta(seconds=30))
     assert again["stallRestarts"] == 1
+
+
+def test_a_checkpoint_warning_of_the_trainer_becomes_a_condition_and_one_event():
+    warning = ("saves every 10 iterations (~12 s) come faster than one is written (the save of iteration 20 took "
+               "95 s): the loop waited 83.0 s for it. A save interval of at least 96 iterations avoids it.")
+    running = {"progress": {"iteration": 30, "saveWarning": warning}}
+    s, events = derive(obs(jobset=js(), pods=pods(2), previous=running), NOW)
+    assert cond(s, "CheckpointWarning") | {"lastTransitionTime": None} == {
+        "type": "CheckpointWarning", "status": "True", "reason": "SaveWarning", "message": warning,
+        "lastTransitionTime": None, "observedGeneration": 1}
+    assert [e.reason for e in events].count("SaveWarning") == 1
+    again, events = derive(obs(jobset=js(), pods=pods(2), previous={**s, "progress": running["progress"]}), NOW)
+    assert "SaveWarning" not in [e.reason for e in events]  # one event per warning, not per derivation
+    cleared, _ = derive(obs(jobset=js(), pods=pods(2), previous={**again, "progress": {"iteration": 40}}), NOW)
+    assert cond(cleared, "CheckpointWarning")["status"] == "False"
+    plain, _ = derive(obs(jobset=js(), pods=pods(2), previous={"progress": {"iteration": 5}}), NOW)
+    assert all(c["type"] != "CheckpointWarning" for c in plain["conditions"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import shutil
 import time
@@ -191,6 +192,7 @@ class Checkpointer:
         self._warmed = False
         self.checkpoint_bytes: int | None = None  # all ranks' bytes of one checkpoint, after the first step
         self.space_warning: str | None = None
+        self.interval_warning: str | None = None  # saves come faster than they are written (maybe_save)
         self.on_published = None  # callback(iteration, total_seconds)
         self.on_loading = None  # callback(iteration): a resume is about to load that checkpoint
 
@@ -244,6 +246,9 @@ class Checkpointer:
         async saves, the byte sizes of this rank's tensors sent to the writer to pin ahead of the first
         save (no device work, no waiting: the writer does it in the background)."""
         if self.save_dir is None or self._warmed:
+            return
+        if self.sharding_type == "fully_reshardable" and not self.optim_in_place:
+            self._warmed = True  # Megatron's gather builds the state on every call: not twice per save
             return
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
@@ -449,12 +454,22 @@ class Checkpointer:
         if self.on_published:
             self.on_published(iteration, total)
 
-    def maybe_save(self, iteration: int, consumed_samples: int) -> SaveRecord | None:
-        """The periodic save, every --save-interval iterations (async where enabled); None if not due."""
+    def maybe_save(self, iteration: int, consumed_samples: int,
+                   seconds_per_iteration: float | None = None) -> SaveRecord | None:
+        """The periodic save, every --save-interval iterations (async where enabled); None if not due. When the
+        loop had to wait for the previous save, says so (log, `interval_warning`) with an interval that works."""
         interval = self.cfg.checkpoint.save_interval
         if self.save_dir is None or not interval or iteration % interval:
             return None
-        return self.save(iteration, consumed_samples)
+        record = self.save(iteration, consumed_samples)
+        waited = self.stats.saves[-1]["waited_for_previous_s"] if self.stats.saves else 0.0
+        previous = self.stats.saves[-2] if len(self.stats.saves) > 1 else None
+        if waited > 1.0 and previous is not None and previous.get("total_s"):
+            self.interval_warning = interval_warning(interval, previous["iteration"], previous["total_s"], waited,
+                                                     seconds_per_iteration)
+            if self.env.is_rank0:
+                log.warning("checkpoint: %s", self.interval_warning)
+        return record
 
     def save_final(self, iteration: int, consumed_samples: int, signal_age_s: float | None = None,
                    grace_s: float = 30.0) -> None:
@@ -497,6 +512,9 @@ class Checkpointer:
         t0 = time.monotonic()
         choice = [None]
         if self.env.is_rank0:
+            if self.save_dir is not None and self.save_dir == self.load_dir:
+                for entry in ckpt_layout.remove_incomplete(self.save_dir):
+                    log.info("checkpoint: removed %s, a save cut short (never complete)", entry.path)
             choice[0] = ckpt_layout.find_resume_checkpoint(self.load_dir)
         torch.distributed.broadcast_object_list(choice, src=0, group=self.env.cpu_group)
         chosen = choice[0]
@@ -572,6 +590,18 @@ class Checkpointer:
         log.info("checkpoint: resumed from %s (iteration %d, %s, layout %s -> %s) in %.2f s", path,
                  result.iteration, chosen.reason, saved_layout, mine, seconds)
         return result
+
+
+def interval_warning(interval: int, previous_iteration: int, write_s: float, waited_s: float,
+                     seconds_per_iteration: float | None) -> str:
+    """The loop waited for the previous save: how long, why, and the save interval (in iterations) that would
+    let a save finish before the next one is due (its write time and 20 % more)."""
+    every = f" (~{interval * seconds_per_iteration:.0f} s)" if seconds_per_iteration else ""
+    text = (f"saves every {interval} iterations{every} come faster than one is written (the save of iteration "
+            f"{previous_iteration} took {write_s:.0f} s): the loop waited {waited_s:.1f} s for it.")
+    if seconds_per_iteration:
+        text += f" A save interval of at least {math.ceil(1.2 * write_s / seconds_per_iteration)} iterations avoids it."
+    return text
 
 
 def tracker_states_as_tensors(states: dict) -> dict:

@@ -96,6 +96,35 @@ def write_tracker(root: str | Path, iteration: int) -> None:
     _fsync_dir(root)
 
 
+def write_small_file(root: str | Path, name: str, text: str) -> None:
+    """A small file at the checkpoint root (the goodput ledger), replaced atomically: temp file + rename
+    locally, one PUT on an object store. No fsync: losing the last write to a crash costs one report."""
+    store = _store(root)
+    if store is not None:
+        store.write_text(name, text)
+        return
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}.tmp.{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, root / name)
+
+
+def read_small_file(root: str | Path, name: str, limit: int = 1 << 20) -> str | None:
+    """A small file at the checkpoint root, or None when it is missing, larger than `limit` or not text."""
+    store = _store(root)
+    if store is not None:
+        text = store.read_text(name)
+        return text if text is not None and len(text) <= limit else None
+    try:
+        path = Path(root) / name
+        if path.stat().st_size > limit:
+            return None
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def is_complete(path: str | Path) -> bool:
     """A torch_dist checkpoint directory whose metadata.json (written last) is present and valid."""
     store = _store(path)
@@ -195,6 +224,24 @@ def delete_checkpoint(entry: CheckpointEntry) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def remove_incomplete(root: str | Path) -> list[CheckpointEntry]:
+    """Delete the `iter_*` directories that are not complete checkpoints: saves a failure cut short. None of them
+    can ever be resumed from or completed (a resume picks the newest complete one, and a later save of the same
+    iteration starts afresh), and each can hold a whole checkpoint's bytes: left alone, they filled the volume of
+    a job that failed during saves. Called at start-up, when no save of this job is in flight."""
+    removed = []
+    for entry in list_checkpoints(root):
+        if entry.complete:
+            continue
+        if isinstance(entry.path, str):
+            parent, name = _split(entry.path)
+            _store(parent).delete_tree(name)
+        else:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry)
+    return removed
 
 
 def prepare_save_dir(root: str | Path, iteration: int) -> Path | str:

@@ -18,9 +18,10 @@ import contextlib
 import enum
 import fcntl
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Where the kubelet reads the container's termination message (the pod's default path).
 TERMINATION_LOG = "/dev/termination-log"
@@ -74,11 +75,22 @@ class Lifecycle:
     stage: str = "start-up"
     first_iteration_done: bool = False
     on_stage: Callable[[str], None] | None = None  # rank 0: writes the stage to status.progress
+    marks: list[tuple[str, float]] = field(default_factory=list)  # (stage, time.monotonic() it began)
 
     def enter(self, stage: str) -> None:
         self.stage = stage
+        self.marks.append((stage, time.monotonic()))
         if self.on_stage is not None:
             self.on_stage(stage)
+
+    def breakdown(self, started: float, until: float) -> list[tuple[str, float]]:
+        """Seconds per start-up stage from `started` (the process's start, monotonic) to `until`: the time
+        before the first stage is the interpreter and imports; a stage entered twice is summed."""
+        out: dict[str, float] = {}
+        edges = [("interpreter and imports", started)] + [m for m in self.marks if m[1] <= until]
+        for (stage, t0), (_, t1) in zip(edges, edges[1:] + [("", until)], strict=True):
+            out[stage] = out.get(stage, 0.0) + max(0.0, t1 - t0)
+        return list(out.items())
 
 
 #: Errors that mean the data or tokenizer files are missing or malformed (not a storage hiccup).

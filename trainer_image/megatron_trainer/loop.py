@@ -62,6 +62,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     iteration_times_s: list[float] = field(default_factory=list)
+    productive_s: float = 0.0  # this attempt's step time after its first step (goodput.py)
     losses: dict[int, float] = field(default_factory=dict)
     skipped_iterations: int = 0
 
@@ -162,6 +163,7 @@ class Trainer:
         self.mem_after_model = torch.cuda.memory_allocated()
 
         # --- optimizer and LR schedule (Megatron's; steps counted in samples like Megatron-LM) ---
+        self.lifecycle.enter("building the optimizer")
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
@@ -237,6 +239,7 @@ class Trainer:
 
     def _init_after_checkpointer(self, cfg: TrainerConfig, runtime: RuntimeConfig, gbs: int) -> None:
         t, m = cfg.training, cfg.model
+        self.lifecycle.enter("starting the checkpoint writer")
         self.checkpointer.start_workers()
         from .distributed import start_compile_workers
 
@@ -286,6 +289,7 @@ class Trainer:
         if self.loaded is not None:
             self.metrics.set("checkpoint_load_seconds", self.loaded.seconds)
         self.progress_cadence = Cadence(runtime.progress_interval_s)
+        self._begin_goodput()
         self.tensorboard = None
         if cfg.logging.tensorboard_dir and self.is_logging_rank:
             from .tensorboard import TensorBoardWriter
@@ -519,7 +523,12 @@ class Trainer:
                 if capture:
                     self.lifecycle.enter("training")
                 self._advance(loss, ok, window)
-                self.state.iteration_times_s.append(time.monotonic() - t0)
+                step_s = time.monotonic() - t0
+                self.state.iteration_times_s.append(step_s)
+                if len(self.state.iteration_times_s) > 1:  # the first step is the end of start-up
+                    self.state.productive_s += step_s
+                if self.goodput is not None and self.goodput_cadence.due():
+                    self._report_goodput(write=True)
                 profiler.step(self.state.iteration)
                 if self.first_iteration_age_s is None:
                     self._after_first_iteration()
@@ -530,7 +539,9 @@ class Trainer:
                     self.evaluate()
                 if self.should_collect_garbage():
                     gc.collect()
-                if saved := self.checkpointer.maybe_save(self.state.iteration, self.state.consumed_samples):
+                recent = self.state.iteration_times_s[-20:]
+                if saved := self.checkpointer.maybe_save(self.state.iteration, self.state.consumed_samples,
+                                                         sorted(recent)[len(recent) // 2]):
                     self.metrics.set("checkpoint_save_blocked_seconds", saved.blocked_s)
                 if stop_reason := self.should_stop():
                     if window.iterations:  # iterations since the last log line would go unreported (collective)
@@ -545,8 +556,57 @@ class Trainer:
             self.state.iteration, self.state.consumed_samples,
             signal_age_s=None if signal_at is None else time.monotonic() - signal_at,
             grace_s=self.runtime.shutdown_grace_s)
-        self._write_progress(force=True)
+        self._write_progress(force=True, ended_cleanly=True)
         return stop_reason or "done"
+
+    # ------------------------------------------------------------------------- goodput
+    def _begin_goodput(self) -> None:
+        """Rank 0: this attempt's goodput ledger, closing the previous attempt's from the checkpoint root
+        (goodput.py). Without --save there is no durable place: the ledger covers this attempt only."""
+        from . import ckpt_layout, goodput
+
+        self.goodput = None
+        self.goodput_cadence = Cadence(min(10.0, self.runtime.progress_interval_s or 10.0))
+        if not self.env.is_rank0:
+            return
+        # beside the checkpoints: the --save directory, or --load's when nothing is saved
+        root = self.goodput_root = self.checkpointer.save_dir or self.checkpointer.load_dir
+        previous = goodput.Ledger.from_json(ckpt_layout.read_small_file(root, goodput.LEDGER_NAME)) \
+            if root is not None else None
+        started = time.time() - (time.monotonic() - self.t_start)
+        self.goodput = goodput.begin(previous, started, self.state.iteration)
+        if previous is not None:
+            g = goodput.summary(self.goodput, started)
+            log.info("goodput: attempt %d; before it: %.1f %% of %.0f s productive (lost %.0f s, restart %.0f s)",
+                     self.goodput.attempts, 100 * g["ratio"], g["wallSeconds"], g["lostSeconds"],
+                     g["restartSeconds"])
+
+    def _report_goodput(self, write: bool = False, ended_cleanly: bool = False) -> dict | None:
+        """Rank 0: the current attempt's figures into the ledger, written to the checkpoint root if `write`
+        (the loop does every 10 s, and at the end); returns status.progress.goodput."""
+        if self.goodput is None:
+            return None
+        from . import ckpt_layout, goodput
+
+        cur, now = self.goodput.current, time.time()
+        cur.iteration = self.state.iteration
+        cur.productive = self.state.productive_s
+        cur.startup = self.first_iteration_age_s or 0.0
+        cur.save_blocked = sum(s["blocked_s"] for s in self.checkpointer.stats.saves)
+        cur.report_time = now
+        cur.ended_cleanly = ended_cleanly
+        if write and self.goodput_root is not None:
+            try:
+                ckpt_layout.write_small_file(self.goodput_root, goodput.LEDGER_NAME, self.goodput.to_json())
+            except Exception as exc:  # goodput is reporting: it never stops training
+                log.warning("goodput: could not write the ledger (%s: %s)", type(exc).__name__, exc)
+        return goodput.summary(self.goodput, now)
+
+    def _goodput_now(self) -> dict | None:
+        """The ledger's figures as of now, as last reported (rank 0; None elsewhere)."""
+        from . import goodput
+
+        return goodput.summary(self.goodput, time.time()) if self.goodput is not None else None
 
     def _advance(self, loss: torch.Tensor | None, update_ok: bool, window: _LogWindow) -> None:
         """Count the step just taken; let async saves whose writers are done publish."""
@@ -559,13 +619,16 @@ class Trainer:
     def _after_first_iteration(self) -> None:
         self.checkpointer.after_first_step()
         torch.cuda.synchronize()
-        self.first_iteration_age_s = time.monotonic() - self.t_start
+        now = time.monotonic()
+        self.first_iteration_age_s = now - self.t_start
+        self.startup_breakdown = self.lifecycle.breakdown(self.t_start, now)
         self.lifecycle.first_iteration_done = True
         self.lifecycle.enter("training")
         self.mem_after_first_step = torch.cuda.memory_allocated()
         if self.env.is_rank0:
-            log.info("startup: process start -> first %siteration done: %.1f s",
-                     "resumed " if self.loaded else "", self.first_iteration_age_s)
+            log.info("startup: process start -> first %siteration done: %.1f s (%s)",
+                     "resumed " if self.loaded else "", self.first_iteration_age_s,
+                     ", ".join(f"{stage} {s:.1f} s" for stage, s in self.startup_breakdown))
 
     # ------------------------------------------------------------------------- observability
     def log_iterations(self, pending: list[tuple[int, torch.Tensor]], seconds_per_iteration: float,
@@ -615,10 +678,24 @@ class Trainer:
         self.progress.submit(Progress(iteration=None if self.loaded_iteration is None else self.state.iteration,
                                       train_iters=self.cfg.training.train_iters, stage=stage))
 
-    def _write_progress(self, force: bool = False) -> None:
+    def _write_progress(self, force: bool = False, ended_cleanly: bool = False) -> None:
+        if force:  # the final report: the ledger too, whether or not there is a status to write
+            g = self._report_goodput(write=True, ended_cleanly=ended_cleanly)
+            if g:
+                log.info("goodput: %.1f %% of %.0f s over %d attempt(s): productive %.0f s, start-up %.0f s, "
+                         "save-blocked %.1f s, lost %.0f s, restart %.0f s, other %.0f s", 100 * g["ratio"],
+                         g["wallSeconds"], g["attempts"], g["productiveSeconds"], g["startupSeconds"],
+                         g["saveBlockedSeconds"], g["lostSeconds"], g["restartSeconds"], g["otherSeconds"])
         if self.progress is None or not (force or self.progress_cadence.due()):
             return
+        figures = self._report_goodput(ended_cleanly=ended_cleanly)
+        ck = self.checkpointer
+        last_save = ck.stats.saves[-1] if ck.stats.saves else {}
         snapshot = Progress(iteration=self.state.iteration, train_iters=self.cfg.training.train_iters,
+                            goodput=figures, save_warning=ck.interval_warning or ck.space_warning,
+                            last_save_blocked_seconds=last_save.get("blocked_s"),
+                            last_save_seconds=next((s["total_s"] for s in reversed(ck.stats.saves) if s.get("total_s")),
+                                                   None),
                             loss=self.last_log["loss"], tokens_per_second=self.last_log["tokens_per_second"],
                             tflops_per_gpu=self.last_log["tflops_per_gpu"], mfu=self.last_log["mfu"],
                             last_checkpoint_iteration=self.checkpointer.stats.last_published,
@@ -654,6 +731,9 @@ class Trainer:
                "load_s": self.loaded.seconds if self.loaded else None,
                "resumed_from": self.loaded.iteration if self.loaded else None,
                "startup_to_first_iteration_s": self.first_iteration_age_s,
+               "startup_breakdown_s": dict(getattr(self, "startup_breakdown", [])),
+               "goodput": self._goodput_now(),
+               "checkpoint_bytes": self.checkpointer.checkpoint_bytes,
                "hf_import": self.hf_import, "hf_export": getattr(self, "hf_export", None),
                "validation_loss": self.validation_loss,
                "sft_data": self.sft_data.status() if self.sft_data is not None else None,

@@ -46,6 +46,10 @@ class Progress:
     stage: str | None = None  # what the trainer is doing: "loading checkpoint 500", "training", ...
     validation_loss: float | None = None
     data: Mapping[str, int | float] | None = None  # SFT data counts (status.progress.data)
+    goodput: Mapping[str, int | float] | None = None  # goodput.summary (status.progress.goodput)
+    save_warning: str | None = None  # saves come faster than written, or the volume cannot hold them
+    last_save_blocked_seconds: float | None = None  # the loop held by the last save (its wait included)
+    last_save_seconds: float | None = None  # the last published save, start to published
 
 
 def _finite(value: float | None, digits: int) -> float | None:
@@ -68,6 +72,10 @@ def build_patch(name: str, namespace: str, progress: Progress, now: datetime | N
         "lastCheckpointIteration": progress.last_checkpoint_iteration,
         "validationLoss": _finite(progress.validation_loss, 6),
         "data": dict(progress.data) if progress.data else None,
+        "goodput": dict(progress.goodput) if progress.goodput else None,
+        "saveWarning": progress.save_warning[:1024] if progress.save_warning else None,
+        "lastSaveBlockedSeconds": _finite(progress.last_save_blocked_seconds, 3),
+        "lastSaveSeconds": _finite(progress.last_save_seconds, 1),
         "updateTime": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     return {
