@@ -150,6 +150,8 @@ def main() -> int:
                     help="threeway's global batch (default: 4 micro-batches per pipeline, or the model's accum)")
     ap.add_argument("--threeway-iters", type=int, default=None,
                     help="iterations of each threeway run (default 26; the median is over 4 .. N-6)")
+    ap.add_argument("--threeway-skip-mlm", action="store_true",
+                    help="threeway without Megatron-LM (ours alone: a profile or a variant), recorded as not run")
     ap.add_argument("--threeway-skip-overlap", action="store_true",
                     help="at DP > 1, leave out the run of ours with Megatron-LM's overlap flags (ours' default only)")
     ap.add_argument("--stepdump", default="dp1:llama1b",
@@ -195,7 +197,7 @@ def main() -> int:
            "threeway_profile": set(filter(None, args.threeway_profile.split(","))),
            "threeway_fallback": args.threeway_fallback, "stepdump": args.stepdump,
            "threeway_gbs": args.threeway_gbs, "threeway_iters": args.threeway_iters,
-           "threeway_skip_overlap": args.threeway_skip_overlap,
+           "threeway_skip_overlap": args.threeway_skip_overlap, "threeway_skip_mlm": args.threeway_skip_mlm,
            "goodput_gbs": args.goodput_gbs, "goodput_interval": args.goodput_interval,
            "diskfull_mib": args.diskfull_mib,
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}

@@ -157,3 +157,14 @@ def test_saves_cut_short_are_removed_and_complete_ones_kept(tmp_path):
     removed = ckpt_layout.remove_incomplete(tmp_path)
     assert sorted(e.iteration for e in removed) == [5, 20]
     assert [(e.iteration, e.complete) for e in L.list_checkpoints(tmp_path)] == [(10, True)]
+
+
+def test_enospc_inside_a_dcp_style_failure_table_is_found():
+    class Wrapped(BaseException):  # torch.distributed.checkpoint's CheckpointException keeps {rank: (exc, tb)}
+        failures = {3: (OSError(errno.ENOSPC, "No space left on device"), [])}
+
+        def __str__(self):
+            raise TypeError("str() of this one fails")
+
+    assert ckpt_layout._says_no_space(Wrapped())
+    assert not ckpt_layout._says_no_space(RuntimeError("NCCL watchdog timeout"))

@@ -286,10 +286,16 @@ class Checkpointer:
             yield
         except Fatal:
             raise
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
             problem = ckpt_layout.volume_full_problem(self.save_dir, self.checkpoint_bytes, exc)
             if problem is None:
-                raise
+                if isinstance(exc, Exception):
+                    raise
+                # an ordinary error (exit 1, retried, its message in the termination log), not an escape past
+                # the trainer's error handling with a bare traceback
+                raise RuntimeError(f"checkpoint save failed: {exc}") from exc
             if self.env.is_rank0 and isinstance(path, Path):
                 shutil.rmtree(path, ignore_errors=True)
             last = self.stats.last_published

@@ -282,15 +282,27 @@ def _says_no_space(exc: BaseException | None) -> bool:
     """ENOSPC anywhere in the exception's causes, or the short write torch's zip writer reports for it
     ("[enforce fail at inline_container.cc] unexpected pos"), which the async writer wraps in
     "Worker failure: ...", as seen when a 235 GiB disk filled at a 7B model's third save (issue 49)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno == 28:
             return True
-        text = str(exc)
+        try:
+            text = str(exc)
+        except Exception:
+            text = ""
         if "No space left on device" in text or ("inline_container" in text and "unexpected pos" in text):
             return True
-        exc = exc.__cause__ or exc.__context__
+        todo += [exc.__cause__, exc.__context__]
+        # torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)}
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()
+                     if isinstance(f, (tuple, BaseException))]
     return False
 
 

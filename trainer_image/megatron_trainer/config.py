@@ -501,9 +501,6 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
-    batch_p2p_sync: bool = False
-    """MEGATRON_TRAINER_BATCH_P2P_SYNC: 1 keeps Megatron's torch.cuda.synchronize() after every pipeline send/recv
-    (`batch_p2p_sync`, a work-around for a batch_isend_irecv race in old PyTorch); off by default (for A/B runs)."""
     optim_in_place: bool = True
     """MEGATRON_TRAINER_OPTIM_IN_PLACE: 0 builds the fully reshardable optimizer state Megatron's way (a gather
     of the whole state through host memory on every save) instead of in place (optim_state.py); for A/B runs."""
@@ -933,7 +930,6 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         compile_norm=env.get("MEGATRON_TRAINER_COMPILE_NORM", "0").strip() == "1",
         ce_fusion=env.get("MEGATRON_TRAINER_CE_FUSION", "0").strip() == "1",
         optim_in_place=env.get("MEGATRON_TRAINER_OPTIM_IN_PLACE", "1").strip() != "0",
-        batch_p2p_sync=env.get("MEGATRON_TRAINER_BATCH_P2P_SYNC", "0").strip() == "1",
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
         tp_overlap_sm_carveout=num("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT", 0, int),
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,

@@ -148,10 +148,6 @@ class Trainer:
         if note:
             log.info(note)
         self.tconfig = transformer_config(cfg, self.path)
-        # Megatron syncs the device after every batched pipeline send/recv (batch_p2p_sync, for a race in old
-        # PyTorch): each of a step's 2 x micro-batches p2p calls then waits for the GPU to drain, so the host
-        # launches the next micro-batch's kernels onto an idle GPU (PP=2 ran at half its speed, issue 49).
-        self.tconfig.batch_p2p_sync = runtime.batch_p2p_sync
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod
         if cfg.data.sft_packing:  # choose_path keeps packed jobs on the local path, which honours the mask
