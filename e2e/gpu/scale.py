@@ -232,7 +232,8 @@ def scenario_diskfull(ctx) -> dict:
     try:
         save = vol / "ckpt"
         args = trainer_args("small", tp=1, pp=1, mbs=4, gbs=4, iters=40, save=str(save), save_interval=10)
-        run = Run("diskfull", 1, args, env={"MEGATRON_CHECKPOINT_KEEP": "2"}, gpus="0")
+        # the pods' launcher, which exits with the failed worker's code (torchrun exits 1 for any failure)
+        run = Run("diskfull", 1, args, env={"MEGATRON_CHECKPOINT_KEEP": "2"}, gpus="0", grace_period_s=30)
         rc = run.wait(240)
         run.close()
         text = run.text()
