@@ -135,7 +135,7 @@ def threeway_layout(ctx, layout: str) -> dict:
         # ours on the model Megatron-LM could not fit: does the default configuration fit, and how fast is it
         big = models[0]
         out["ours_on_" + big] = run_ours_threeway(ctx, f"threeway_ours_{layout}_{big}", big, gpus, tp, pp,
-                                                  threeway_gbs(big, gpus, tp, pp), [], "default")
+                                                  ctx.get("threeway_gbs") or threeway_gbs(big, gpus, tp, pp), [], "default")
     ours_ms, rc = out["ours"]["iter_ms"], out["ours"]["rc"]
     for key in ["ours", "ours_overlap"] + [f"ours_{v}" for v in THREEWAY_VARIANTS]:  # each run of ours vs Megatron-LM
         prefix = "" if key == "ours" else f"{key}_"
