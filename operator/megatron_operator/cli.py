@@ -156,8 +156,18 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_figures(job) -> dict:
+    """One save's size and what `keep` of them plus the one being written need on the volume."""
+    from .memory import checkpoint_bytes, model_parameters
+
+    size = checkpoint_bytes(job) / 2**30
+    keep = job.spec.checkpoint.keep if job.spec.checkpoint else 0
+    return {"parameters": model_parameters(job), "checkpointGiB": round(size, 2),
+            "checkpointVolumeGiB": round((keep + 1) * size, 2) if keep else None}
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from .memory import fit_report
+    from .memory import CHECKPOINT_BYTES_PER_PARAM, fit_report
 
     jobs, failures = _jobs(args.files, sys.stderr)
     if failures:
@@ -171,12 +181,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         assert report is not None
         results.append((where, job, report))
     if args.output == "json":
-        out = [r.as_json() for _, _, r in results]
+        out = [{**r.as_json(), **checkpoint_figures(job)} for _, job, r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
         for where, job, r in results:
             print(f"{where}: {job.metadata.name}")
             print(r.table())
+            c = checkpoint_figures(job)
+            keep = job.spec.checkpoint.keep if job.spec.checkpoint else 0
+            held = (f"; keep={keep} and the one being written: {c['checkpointVolumeGiB']:.1f} GiB on the volume"
+                    if keep else "; keep=0 keeps them all")
+            print(f"  checkpoint: {c['checkpointGiB']:.1f} GiB per save ({c['parameters'] / 1e9:.2f} B parameters "
+                  f"x {CHECKPOINT_BYTES_PER_PARAM} bytes){held}")
     return 0 if all(r.fits is not False for _, _, r in results) else 1
 
 

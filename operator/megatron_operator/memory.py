@@ -246,6 +246,39 @@ def estimate(job: MegatronJob) -> Estimate:
     return first if first.total >= last.total else last
 
 
+#: Bytes one parameter takes in a checkpoint: bf16 weights (fp8 keeps bf16 parameters here), the fp32 main copy
+#: and Adam's two fp32 moments, with the distributed optimizer or without.
+CHECKPOINT_BYTES_PER_PARAM = 2 + 4 + 8
+
+
+def model_parameters(job: MegatronJob) -> int:
+    """Parameters of the whole model (every TP/PP/EP shard once; the vocabulary padded as this layout pads it)."""
+    wire = job.spec.wire()
+    m = resolved_model(wire)
+    tp = derived_layout(wire)["tensor"]
+    h, a, L = m["hiddenSize"], m["numAttentionHeads"], m["numLayers"]
+    g, ffn = m["numQueryGroups"], m["ffnHiddenSize"]
+    head_dim = m["kvChannels"] or h / a
+    q, kv = a * head_dim, g * head_dim
+    bias, swiglu, experts = m["addBiasLinear"], m["activation"] == "swiglu", m["numExperts"] or 0
+    attn = (h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if bias else 0)
+            + (q + 2 * kv if m["addQkvBias"] and not bias else 0))
+    mlp_one = (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
+    mlp = experts * mlp_one + h * experts if experts else mlp_one
+    norms = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
+    v = padded_vocab(m["vocabSize"], tp)
+    embed = v * h + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)
+    output = v * h if m["untieEmbeddings"] else 0
+    final_norm = (2 if m["normalization"] == "LayerNorm" else 1) * h
+    return int(L * (attn + mlp + norms) + embed + output + final_norm)
+
+
+def checkpoint_bytes(job: MegatronJob) -> int:
+    """The size of one checkpoint (all ranks): weights, fp32 main copy and Adam moments. On a 4 x H100 run the
+    7B GPT of the GPU suite (6.72 B parameters) wrote 94.06 GB per save; this gives 94.1 GB."""
+    return model_parameters(job) * CHECKPOINT_BYTES_PER_PARAM
+
+
 def capacity_gib(job: MegatronJob) -> float | None:
     r = job.spec.resources
     if r.gpu_memory_gib is not None:

@@ -143,3 +143,18 @@ def test_moe_example_states_what_estimate_predicts():
         r = fit_report(parse_job(doc), always=True)
         predicted.append((round(r.per_gpu_gib + RESERVED_OVERHEAD_GIB, 1), r.capacity_gib))
     assert quoted == predicted
+
+
+def test_checkpoint_size_of_the_7b_gpt_is_what_it_wrote_on_the_gpus():
+    """The GPU suite's gpt7b (32 x 4096, FFN 16384, seq 2048, vocabulary 32768, LayerNorm, learned positions,
+    untied, biases) wrote 94.06 GB per save on 4 x H100 (docs/benchmarks/scale.md#2026-11-27-first-4-gpu-calls)."""
+    from megatron_operator.memory import checkpoint_bytes, model_parameters
+
+    job = parse_job(make_job(model={"numLayers": 32, "hiddenSize": 4096, "numAttentionHeads": 32,
+                                    "ffnHiddenSize": 16384, "seqLength": 2048, "vocabSize": 32768,
+                                    "untieEmbeddings": True, "positionEmbedding": "learned_absolute",
+                                    "normalization": "LayerNorm", "addBiasLinear": True},
+                             parallelism={"tensor": 2, "pipeline": 2}, numNodes=1, gpusPerNode=4,
+                             training={"trainIters": 1, "microBatchSize": 1, "globalBatchSize": 16}))
+    assert abs(model_parameters(job) - 6.72e9) / 6.72e9 < 0.005
+    assert abs(checkpoint_bytes(job) - 94.06e9) / 94.06e9 < 0.005
