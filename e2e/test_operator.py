@@ -238,6 +238,43 @@ def test_suspend_and_resume(cluster, operator, jobs):
     jobs.wait_phase("pause", "Running")
 
 
+def test_a_layout_change_while_suspended_makes_a_jobset_for_the_new_layout(cluster, operator, jobs):
+    """issue 49: suspend, edit spec.parallelism, resume, as a user does it, at the real API server (the CRD's rules)
+    and JobSet. The trainer's side (the job resumes from its last checkpoint under the new layout, loss continuing)
+    ran on 4 x H100: docs/benchmarks/scale.md#2026-11-27-first-4-gpu-calls."""
+    jobs.create(small_job("relayout", podMetadata=run_for(120)))  # 2 pods x 1 GPU: DP=2
+    jobs.wait_phase("relayout", "Running")
+    with pytest.raises(kubernetes.client.ApiException) as e:  # a running job keeps its layout
+        jobs.patch_spec("relayout", {"parallelism": {"pipeline": 2}})
+    assert e.value.status == 422 and "spec.parallelism may change only while the job is suspended" in e.value.body
+    jobs.patch_spec("relayout", {"suspend": True})
+    jobs.wait_phase("relayout", "Suspended")
+    before = jobs.jobset("relayout")
+    assert before["metadata"]["annotations"]["megatron-operator.io/parallelism"] == \
+        '{"context":1,"expert":1,"pipeline":1,"tensor":1}'
+    with pytest.raises(kubernetes.client.ApiException) as e:  # the layout rules check the new layout
+        jobs.patch_spec("relayout", {"parallelism": {"tensor": 3}})
+    assert e.value.status == 422 and "may change only while" not in e.value.body
+    jobs.patch_spec("relayout", {"parallelism": {"pipeline": 2}})  # PP=2, DP=1 on the same 2 GPUs
+
+    def remade():
+        js = jobs.jobset("relayout")
+        return js if js and js["metadata"]["uid"] != before["metadata"]["uid"] else None
+
+    js = cluster.wait_for(remade, 60, "a new JobSet for the new layout", namespace=jobs.ns,
+                          kinds=("megatronjobs", "jobsets", "events"))
+    assert js["spec"]["suspend"] is True  # still suspended until the user resumes
+    assert js["metadata"]["annotations"]["megatron-operator.io/parallelism"] == \
+        '{"context":1,"expert":1,"pipeline":2,"tensor":1}'
+    container = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--pipeline-model-parallel-size 2" in " ".join(container.get("command", []) + container.get("args", []))
+    (ev,) = [e for e in jobs.events("relayout") if e.reason == "LayoutChanged"]
+    assert '"pipeline":2' in ev.message and "resumes from its last checkpoint" in ev.message
+    jobs.patch_spec("relayout", {"suspend": False})
+    st = jobs.wait_phase("relayout", "Running")
+    assert st["layout"] == "1/2/1" and st["parallelism"]["pipeline"] == 2
+
+
 def test_operator_killed_mid_burst_leaves_exactly_one_jobset_each(cluster, operator, jobs):
     n = 50
     for i in range(n):

@@ -27,7 +27,7 @@ from .kube import Kube, NotOwned, PermanentApiError, TransientError, controller_
 from .kueue import WorkloadView
 from .memory import FitReport, fit_report
 from .metrics import Metrics
-from .render import render
+from .render import parallelism_key, render
 from .rules import Problem, derived_layout
 from .settings import Settings
 from .spec import MegatronJob, MegatronJobSpec
@@ -280,7 +280,17 @@ class Controller:
                     obs.not_owned = self.not_owned(meta)
                     desired, events = st.derive(obs)
             elif js_view is not None:
-                if phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
+                wanted = parallelism_key(job)
+                if phase not in st.TERMINAL and js_view.suspended and js_view.parallelism not in (None, wanted):
+                    # spec.parallelism changed while the job was suspended (the CRD allows it only then): the
+                    # pods of a new JobSet start with the new layout and resume from the last checkpoint.
+                    self.kube.delete_jobset(ns, js_view.name)
+                    self._created.pop(key, None)
+                    emit(st.Event("Normal", st.Reason.LAYOUT_CHANGED,
+                                  f"spec.parallelism changed while suspended ({js_view.parallelism} -> {wanted}): "
+                                  f"the JobSet is created again; the job resumes from its last checkpoint under the "
+                                  f"new layout"))
+                elif phase == st.Phase.FAILED and desired["reason"] == st.Reason.DEADLINE_EXCEEDED:
                     self.kube.delete_jobset(ns, js_view.name)
                 elif _new_gang_wanted(previous, desired, phase):
                     self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes

@@ -28,6 +28,10 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 # spec fields that may change on a live MegatronJob (everything else feeds the JobSet).
 MUTABLE_SPEC_FIELDS = ("suspend", "activeDeadlineSeconds")
+# spec fields that may change while the job is suspended (spec.suspend true before and after the change): a layout
+# change at the same GPU count (TP/PP/CP/EP/VPP; DP follows). The operator then creates the JobSet again, and the
+# trainer resumes from the last checkpoint under the new layout (its optimizer state is saved fully reshardable).
+RESHAPE_WHILE_SUSPENDED = ("parallelism",)
 
 # Lists keyed by a field (server-side apply merges them per key); all other lists are atomic.
 LIST_MAP_KEYS = {("spec", "env"): ["name"], ("status", "conditions"): ["type"]}
@@ -128,7 +132,8 @@ def _convert(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
             out["additionalProperties"] = _convert(addl, path + ("*",))
             if key_schema:  # no structural equivalent of propertyNames: check the keys with CEL
                 key_rules = _key_rules(key_schema, where)
-                if path[:1] == ("spec",) and len(path) > 1 and path[1] not in MUTABLE_SPEC_FIELDS:
+                if path[:1] == ("spec",) and len(path) > 1 and path[1] not in MUTABLE_SPEC_FIELDS \
+                        and path[1] not in RESHAPE_WHILE_SUSPENDED:
                     key_rules = [create_only(r) for r in key_rules]  # inside an immutable field
                 out["x-kubernetes-validations"] = key_rules
         elif addl is False or addl is None:
@@ -201,6 +206,12 @@ def immutable_message(key: str) -> str:
             f"(it can resume from the same checkpoint.path) instead")
 
 
+def reshape_message(key: str) -> str:
+    return (f"spec.{key} may change only while the job is suspended: set spec.suspend: true, change spec.{key} "
+            f"in a later update (spec.suspend still true), then set spec.suspend: false; the job resumes from its "
+            f"last checkpoint under the new layout")
+
+
 def add_immutability_rules(spec_schema: dict[str, Any]) -> list[dict[str, str]]:
     """Make every spec field but the mutable ones immutable: ``self == oldSelf`` on the field's own node, and for
     a field that may be absent (neither required nor defaulted) ``has(self.x) == has(oldSelf.x)`` on spec, since
@@ -214,6 +225,12 @@ def add_immutability_rules(spec_schema: dict[str, Any]) -> list[dict[str, str]]:
     docs/benchmarks/operator-latency.md#2026-11-27-cel-validator-allocations)."""
     presence = []
     required = set(spec_schema.get("required", []))
+    for key in RESHAPE_WHILE_SUSPENDED:  # on spec: the rule reads spec.suspend too
+        prop = spec_schema["properties"][key]
+        same = (f"self.{key} == oldSelf.{key}" if key in required or "default" in prop else
+                f"has(self.{key}) == has(oldSelf.{key}) && (!has(self.{key}) || self.{key} == oldSelf.{key})")
+        presence.append({"rule": f"{same} || (oldSelf.suspend && self.suspend)", "message": reshape_message(key),
+                         "fieldPath": f".{key}", "reason": "FieldValueForbidden"})
     for key in sorted(immutable_spec_fields(spec_schema)):
         prop = spec_schema["properties"][key]
         prop.setdefault("x-kubernetes-validations", []).append(
@@ -276,7 +293,17 @@ def create_only(cel_rule: dict[str, Any]) -> dict[str, Any]:
 
 def immutable_spec_fields(spec: dict[str, Any]) -> set[str]:
     """The top-level spec fields that an immutability rule keeps equal on every update."""
-    return set(spec["properties"]) - set(MUTABLE_SPEC_FIELDS)
+    return set(spec["properties"]) - set(MUTABLE_SPEC_FIELDS) - set(RESHAPE_WHILE_SUSPENDED)
+
+
+def while_suspended(cel_rule: dict[str, Any]) -> dict[str, Any]:
+    """A rule that reads only immutable fields and fields that change only while the job is suspended: checked at
+    create and on the updates of a job that was suspended (the only ones that can change such a field), not on the
+    others (the status writes of a running job among them; issue 30's create-only rules, widened)."""
+    if "oldSelf" in cel_rule["rule"]:
+        raise CrdConversionError(f"already a transition rule: {cel_rule['rule'][:80]}")
+    return {**cel_rule, "rule": f"(oldSelf.hasValue() && !oldSelf.value().suspend) || ({cel_rule['rule']})",
+            "optionalOldSelf": True}
 
 
 def spec_schema() -> dict[str, Any]:
@@ -286,7 +313,10 @@ def spec_schema() -> dict[str, Any]:
     create, so it is not evaluated again (issue 30: most of a status write's CEL time)."""
     schema = _schema_for(MegatronJobSpec, ("spec",))
     immutable = immutable_spec_fields(schema)
-    spec_rules = [create_only(r.to_cel()) if is_create_only(r, immutable) else r.to_cel() for r in rules.SPEC_RULES]
+    reshapeable = immutable | set(RESHAPE_WHILE_SUSPENDED)
+    spec_rules = [create_only(r.to_cel()) if is_create_only(r, immutable)
+                  else while_suspended(r.to_cel()) if is_create_only(r, reshapeable) else r.to_cel()
+                  for r in rules.SPEC_RULES]
     schema["x-kubernetes-validations"] = spec_rules + add_immutability_rules(schema)
     return schema
 

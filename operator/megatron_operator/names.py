@@ -39,6 +39,9 @@ MANAGED_BY = "megatron-operator"
 MANAGED_LABELS = {LABEL_MANAGED_BY: MANAGED_BY}
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 LABEL_JOB_NAME = f"{GROUP}/job-name"
+#: On the JobSet: the spec.parallelism it was rendered for (compact JSON). spec.parallelism may change while the
+#: job is suspended; a suspended JobSet whose value differs is deleted and created again for the new layout.
+ANNOTATION_PARALLELISM = f"{GROUP}/parallelism"
 LABEL_TP_GROUP = f"{GROUP}/tp-group"
 TRAINER_CONTAINER = "trainer"
 

@@ -9,11 +9,13 @@ run the same job.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from .failures import FAIL_MESSAGE_PATTERN, FAIL_RULE_NAME, NON_RETRIABLE_EXIT_CODES
 from .names import (
+    ANNOTATION_PARALLELISM,
     API_VERSION,
     EFA_RESOURCE,
     GPU_RESOURCE,
@@ -518,6 +520,12 @@ def replicated_job_plan(spec: MegatronJobSpec) -> list[tuple[str, int, int | Non
     return [(f"tp{g}", pods_per_group, g) for g in range(spec.num_nodes // pods_per_group)]
 
 
+def parallelism_key(job: MegatronJob) -> str:
+    """spec.parallelism as the JobSet's ANNOTATION_PARALLELISM records it (compact JSON, sorted keys, no nulls)."""
+    wire = job.spec.wire().get("parallelism") or {}
+    return json.dumps({k: v for k, v in sorted(wire.items()) if v is not None}, separators=(",", ":"))
+
+
 def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = None,
                   avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
     """The JobSet; ``avoid_nodes``: nodes its pods must not be scheduled on (status.avoidedNodes)."""
@@ -573,10 +581,12 @@ def render_jobset(job: MegatronJob, settings: Settings, owner_uid: str | None = 
         labels[KUEUE_QUEUE_LABEL] = spec.queue_name
     if spec.workload_priority_class:
         labels[KUEUE_PRIORITY_CLASS_LABEL] = spec.workload_priority_class
+    meta = _meta(job, name, owner_uid, labels)
+    meta["annotations"] = {ANNOTATION_PARALLELISM: parallelism_key(job)}
     return {
         "apiVersion": JOBSET_API_VERSION,
         "kind": "JobSet",
-        "metadata": _meta(job, name, owner_uid, labels),
+        "metadata": meta,
         "spec": {
             # With Kueue the JobSet is created suspended and Kueue un-suspends it on admission.
             "suspend": bool(spec.suspend or spec.queue_name),

@@ -16,7 +16,13 @@ from typing import Any
 from .failures import JOBSET_FAIL_ACTION_REASON, PodFailure
 from .kueue import WorkloadView
 from .memory import FitReport
-from .names import FIELD_MANAGER, JOBSET_RESTART_ATTEMPT_LABEL, JOBSET_UID_LABEL, TRAINER_CONTAINER
+from .names import (
+    ANNOTATION_PARALLELISM,
+    FIELD_MANAGER,
+    JOBSET_RESTART_ATTEMPT_LABEL,
+    JOBSET_UID_LABEL,
+    TRAINER_CONTAINER,
+)
 from .rules import Problem
 from .spec import MAX_AVOIDED_NODES, Condition, MegatronJobStatus
 
@@ -84,6 +90,7 @@ class Reason:
     NO_SAVE_WARNING = "NoSaveWarning"
     # event-only reasons
     JOBSET_RECREATED = "JobSetRecreated"
+    LAYOUT_CHANGED = "LayoutChanged"  # spec.parallelism changed while suspended: the JobSet is made again
     SPEC_WARNING = "SpecWarning"  # admitted, but may not run as meant (advice.spec_warnings)
     POD_FAILED = "PodFailed"
     STALLED = "Stalled"
@@ -212,6 +219,7 @@ class JobSetView:
     conditions: dict[str, dict[str, str]]
     created: str | None
     disruptions: int = 0  # restarts JobSet did not count towards maxRestarts (status.restartsCountTowardsMax)
+    parallelism: str | None = None  # the spec.parallelism it was rendered for (None: rendered before it was recorded)
 
     @classmethod
     def from_jobset(cls, js: dict[str, Any]) -> JobSetView:
@@ -224,6 +232,7 @@ class JobSetView:
             conditions={c["type"]: {"status": c.get("status", ""), "reason": c.get("reason", ""),
                                     "message": c.get("message", "")} for c in status.get("conditions") or []},
             created=js["metadata"].get("creationTimestamp"),
+            parallelism=(js["metadata"].get("annotations") or {}).get(ANNOTATION_PARALLELISM),
         )
 
     def condition_true(self, kind: str) -> dict[str, str] | None:

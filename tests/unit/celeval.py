@@ -70,6 +70,13 @@ def _has_value(optional: Any) -> Any:
     return celpy.celtypes.BoolType(len(optional) > 0)
 
 
+def _value(optional: Any) -> Any:
+    """CEL's ``optional.value()`` (an error when empty): the list's one value."""
+    if len(optional) != 1:
+        raise ValueError("optional.none() dereference")
+    return optional[0]
+
+
 _OPTIONAL_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\.\?([A-Za-z_][A-Za-z0-9_]*)\.orValue\(")
 
 
@@ -101,7 +108,7 @@ def without_optionals(expr: str) -> str:
 def _program(expr: str) -> Any:
     if expr not in _CACHE:
         _CACHE[expr] = _ENV.program(_ENV.compile(without_optionals(expr)),
-                                    functions={"format": _format, "hasValue": _has_value})
+                                    functions={"format": _format, "hasValue": _has_value, "value": _value})
     return _CACHE[expr]
 
 

@@ -485,3 +485,45 @@ def test_on_stall_deletes_the_jobset_once_so_that_it_is_recreated(ctl, kube, on_
     assert any(e.reason == "StallRestart" for e in events) is on_stall
     observe(ctl, b, jobset(created=long_ago), running_pods())  # the own-write cache: no second restart
     assert len(kube.of("delete")) == deletes
+
+
+def test_a_layout_changed_while_suspended_gets_a_new_jobset_for_it(ctl, kube):
+    """spec.parallelism may change while the job is suspended (the CRD's rule): a suspended JobSet rendered for
+    another parallelism is deleted once, with an event, and the next pass creates one for the new layout."""
+    from megatron_operator.names import ANNOTATION_PARALLELISM
+    from megatron_operator.render import parallelism_key
+    from megatron_operator.validation import parse_job
+
+    created: list[dict] = []
+    create = kube.create
+    kube.create = lambda obj: (created.append(obj), create(obj))[1]  # type: ignore[method-assign]
+    kube.existing |= {("ServiceAccount", "job-trainer"), ("Role", "job-trainer"), ("RoleBinding", "job-trainer")}
+    suspended = {"phase": "Suspended", "reason": "Suspended", "jobSetName": "job"}
+    old = body(status=suspended, suspend=True)
+    new = body(status=suspended, suspend=True, parallelism={"tensor": 1, "pipeline": 2})
+    new["metadata"]["generation"] = 2  # a spec change
+    old_key, new_key = parallelism_key(parse_job(old)), parallelism_key(parse_job(new))
+    assert old_key != new_key and '"tensor":1' in new_key
+
+    def js(key: str, suspend: bool = True) -> dict:
+        j = jobset(suspended=suspend)
+        j["metadata"]["annotations"] = {ANNOTATION_PARALLELISM: key}
+        return j
+
+    assert observe(ctl, old, js(old_key)) == [] and kube.of("delete") == []  # the layout it was made for
+    events = observe(ctl, new, js(old_key))
+    assert kube.of("delete") == [("delete", "job")]
+    (ev,) = [e for e in events if e.reason == "LayoutChanged"]
+    assert old_key in ev.message and new_key in ev.message
+    observe(ctl, new, None)  # gone: made again, still suspended, for the new layout
+    (made,) = [o for o in created if o["kind"] == "JobSet"]
+    assert made["metadata"]["annotations"][ANNOTATION_PARALLELISM] == new_key and made["spec"]["suspend"] is True
+    container = made["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--pipeline-model-parallel-size 2" in " ".join(container.get("command", []) + container.get("args", []))
+    # a running JobSet is never deleted for it (the CRD allows the change only while suspended), nor one made
+    # before the annotation existed
+    kube.calls.clear()
+    observe(ctl, new, js(old_key, suspend=False), running_pods())
+    legacy = jobset(suspended=True)
+    observe(ctl, new, legacy)
+    assert kube.of("delete") == []

@@ -18,12 +18,15 @@ from spec_table import CASES
 ROOT = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC = ROOT["properties"]["spec"]
 IMMUTABLE = crd.immutable_spec_fields(SPEC)
+RESHAPE = set(crd.RESHAPE_WHILE_SUSPENDED)
 PREFIX = "oldSelf.hasValue() || ("
+SUSPENDED_PREFIX = "(oldSelf.hasValue() && !oldSelf.value().suspend) || ("
 
 
 def test_immutable_fields_are_every_spec_field_but_the_mutable_ones():
-    assert IMMUTABLE == set(SPEC["properties"]) - set(crd.MUTABLE_SPEC_FIELDS)
-    assert set(crd.MUTABLE_SPEC_FIELDS) <= set(SPEC["properties"])
+    assert IMMUTABLE == set(SPEC["properties"]) - set(crd.MUTABLE_SPEC_FIELDS) - RESHAPE
+    assert set(crd.MUTABLE_SPEC_FIELDS) | RESHAPE <= set(SPEC["properties"])
+    assert RESHAPE == {"parallelism"}  # a layout change at the same GPU count; numNodes/gpusPerNode stay
 
 
 def test_fields_read_follow_self_and_comprehension_variables():
@@ -56,18 +59,25 @@ def _without_string_literals(cel: str) -> str:
 def test_generated_create_only_rules_read_only_immutable_fields():
     """An independent check on the CEL text the API server gets: every `self.x` of a create-only
     rule (condition and message) names an immutable field; the others keep their form."""
-    create_only = 0
+    create_only = while_suspended = 0
     for v in SPEC["x-kubernetes-validations"]:
         if v.get("optionalOldSelf"):
-            create_only += 1
-            assert v["rule"].startswith(PREFIX) and v["rule"].endswith(")")
-            text = _without_string_literals(v["rule"].removeprefix(PREFIX) + " " + v.get("messageExpression", ""))
+            prefix = SUSPENDED_PREFIX if v["rule"].startswith(SUSPENDED_PREFIX) else PREFIX
+            assert v["rule"].startswith(prefix) and v["rule"].endswith(")")
+            text = _without_string_literals(v["rule"].removeprefix(prefix) + " " + v.get("messageExpression", ""))
             assert "oldSelf" not in text
-            roots = re.findall(r"\bself\b(\.[A-Za-z_]\w*)?", text)
-            assert roots and all(r and r[1:] in IMMUTABLE for r in roots), v["rule"][:120]
-        else:
-            assert "immutable" in v.get("message", ""), v["rule"][:120]  # only the transition rules
-    assert create_only == len(SPEC_RULES)  # today every layout rule reads only immutable fields
+            roots = {r[1:] for r in re.findall(r"\bself\b(\.[A-Za-z_]\w*)?", text)}
+            if prefix == PREFIX:  # create-only: immutable fields alone
+                create_only += 1
+                assert roots and "" not in roots and roots <= IMMUTABLE, v["rule"][:120]
+            else:  # checked again on the updates of a suspended job: it reads a field that may change then
+                while_suspended += 1
+                assert roots & RESHAPE and "" not in roots and roots <= IMMUTABLE | RESHAPE, v["rule"][:120]
+        else:  # only the transition rules
+            assert "immutable" in v.get("message", "") or "only while the job is suspended" in v.get("message", ""), \
+                v["rule"][:120]
+    assert create_only and while_suspended
+    assert create_only + while_suspended == len(SPEC_RULES)  # every layout rule reads only those fields
 
 
 def test_key_rules_inside_immutable_fields_are_create_only():
@@ -87,6 +97,7 @@ def test_key_rules_inside_immutable_fields_are_create_only():
     assert key_rules
     for path, v in key_rules:
         assert path[0] in IMMUTABLE and v.get("optionalOldSelf") is True and v["rule"].startswith(PREFIX), path
+    assert not any(path[0] in RESHAPE for path, _ in found)  # no node rule keeps spec.parallelism equal
 
 
 def test_the_name_rule_on_the_object_is_evaluated_always():
@@ -104,9 +115,27 @@ def test_at_create_refused_and_on_update_not_evaluated(case_id, doc, rule):
     same spec (a status write; suspend) it is not evaluated, as on the API server."""
     spec = apply_defaults(ROOT, copy.deepcopy(doc))["spec"]
     assert cel_errors(SPEC, spec)
-    assert cel_errors(SPEC, spec, old=spec) == []
-    suspended = {**spec, "suspend": not spec.get("suspend", False)}
-    assert cel_errors(SPEC, suspended, old=spec) == []
+    running = {**spec, "suspend": False}
+    assert cel_errors(SPEC, running, old=running) == []
+    assert cel_errors(SPEC, {**running, "suspend": True}, old=running) == []
+
+
+def test_parallelism_changes_while_suspended_and_only_then():
+    spec = apply_defaults(ROOT, make_job())["spec"]
+    tp = spec["parallelism"]["tensor"]
+    other = {**spec["parallelism"], "tensor": tp * 2 if spec["gpusPerNode"] % (tp * 2) == 0 else 1}
+    assert other != spec["parallelism"]
+    suspended = {**spec, "suspend": True}
+    # while suspended, before and after: accepted, and the layout rules check the new layout
+    assert cel_errors(SPEC, {**suspended, "parallelism": other}, old=suspended) == []
+    bad = {**suspended, "parallelism": {**other, "tensor": 3}}
+    assert cel_errors(SPEC, bad, old=suspended) and all("only while" not in e for e in cel_errors(SPEC, bad,
+                                                                                                  old=suspended))
+    # a running job, or one resumed in the same update: refused, saying how
+    for new, old in (({**spec, "parallelism": other}, spec), ({**spec, "parallelism": other}, suspended),
+                     ({**suspended, "parallelism": other}, spec)):
+        errors = cel_errors(SPEC, new, old=old)
+        assert errors and any("spec.parallelism may change only while the job is suspended" in e for e in errors)
 
 
 def test_an_update_of_a_valid_job_changing_suspend_passes_and_an_immutable_change_is_refused():
