@@ -43,3 +43,13 @@ def test_another_write_failure_is_an_ordinary_error(tmp_path):
     with pytest.raises(RuntimeError, match="^checkpoint save failed: "), \
             Checkpointer._volume_full_is_fatal(me, 20, tmp_path / "iter_0000020"):
         raise CheckpointException("write", {0: (RuntimeError("connection reset"), [])})
+
+
+def test_the_interval_warning_says_how_long_the_loop_waited_and_what_interval_works():
+    from megatron_trainer.checkpoint import interval_warning
+
+    text = interval_warning(10, 20, 78.6, 62.0, 1.56)
+    assert text == ("saves every 10 iterations (~16 s) come faster than one is written (the save of iteration 20 took "
+                    "79 s): the loop waited 62.0 s for it. A save interval of at least 61 iterations avoids it.")
+    assert "(~0.07 s)" in interval_warning(10, 10, 12.0, 6.0, 0.007)
+    assert "avoids" not in interval_warning(10, 10, 12.0, 6.0, None)

@@ -602,7 +602,8 @@ def interval_warning(interval: int, previous_iteration: int, write_s: float, wai
                      seconds_per_iteration: float | None) -> str:
     """The loop waited for the previous save: how long, why, and the save interval (in iterations) that would
     let a save finish before the next one is due (its write time and 20 % more)."""
-    every = f" (~{interval * seconds_per_iteration:.0f} s)" if seconds_per_iteration else ""
+    seconds = interval * seconds_per_iteration if seconds_per_iteration else None
+    every = "" if seconds is None else f" (~{seconds:.0f} s)" if seconds >= 10 else f" (~{seconds:.2g} s)"
     text = (f"saves every {interval} iterations{every} come faster than one is written (the save of iteration "
             f"{previous_iteration} took {write_s:.0f} s): the loop waited {waited_s:.1f} s for it.")
     if seconds_per_iteration:
