@@ -404,7 +404,7 @@ def test_pod_metadata_reaches_the_pods_and_cannot_override_ours():
 
 
 def test_non_retriable_exit_codes_fail_the_jobset_at_once():
-    """Exit codes 2-5 and 7 (failures.py, the trainer's exitcodes.py) fail the pod's Job by podFailurePolicy;
+    """Exit codes 2-5, 7 and 8 (failures.py, the trainer's exitcodes.py) fail the pod's Job by podFailurePolicy;
     a JobSet rule matching the Job controller's message for an exit-code rule (not the eviction rule's
     "has condition DisruptionTarget") fails the JobSet before the eviction rule is looked at."""
     import re
@@ -413,7 +413,7 @@ def test_non_retriable_exit_codes_fail_the_jobset_at_once():
     pfp = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
     assert pfp[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     assert pfp[1] == {"action": "FailJob",
-                      "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2, 3, 4, 5, 7]}}
+                      "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2, 3, 4, 5, 7, 8]}}
     fail, disruption = js["spec"]["failurePolicy"]["rules"]
     assert fail["name"] == "nonRetriableExitCode" and fail["onJobFailureReasons"] == ["PodFailurePolicy"]
     (pattern,) = fail["onJobFailureMessagePatterns"]
