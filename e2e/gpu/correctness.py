@@ -68,7 +68,6 @@ from harness import (
     trainer_summaries,
 )
 
-
 # Switches of the trainer that Megatron-LM's pretrain_gpt.py does not have (docs/trainer-contract.md), left out of the
 # line the probe gives Megatron-LM's parser.
 TRAINER_ONLY_FLAGS = ("--sequence-parallel-auto",)
