@@ -2,13 +2,15 @@
 (RLIMIT_AS) and a time limit, its exit code classified the way main.py classifies a worker's failure
 (exitcodes.classify, fatal_message). Used by the adversarial tests of issue 52.
 
-`python bounded.py KIND ARGS...` is the driver; `run(kind, *args)` runs it and returns (exit code, stderr).
+`python bounded.py KIND ARGS...` is the driver; `run(kind, *args)` runs it and returns (exit code, stderr,
+seconds).
 Kinds: `sft` (tokenize a JSONL file as load_sft_data does), `tokenizer` (build_tokenizer, as the trainer's
 start does for --tokenizer-model), `hf-source` (--hf-init's check), `safetensors` (one file's header).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
@@ -47,13 +49,16 @@ def reason(stderr: str) -> str:
 
 
 def _sft(tokenizer_dir: str, path: str, fmt: str, invalid_lines: str, template: str = "") -> None:
-    from megatron_trainer import sft
+    from megatron_trainer import chat_template, sft
 
+    # lower bounds for the tests (the trainer runs with the module's own): {"RENDER_TIMEOUT_S": 3, ...}
+    for name, value in json.loads(os.environ.get("CHAT_TEMPLATE_LIMITS", "{}")).items():
+        setattr(chat_template, name, value)
     with sft.bad_input_is_fatal():
         tokenizer = sft.SFTTokenizer(tokenizer_dir, sft.SFTOptions(fmt, 64, invalid_lines=invalid_lines,
                                                                    chat_template=template or None))
         docs, stats = tokenizer.tokenize_file(path)
-    print(f"ok: {len(docs)} documents; {sft.describe(stats.as_dict())}")
+    print(f"ok: {len(docs)} documents; {sft.describe(stats.as_dict())}", file=sys.stderr)
 
 
 def _tokenizer(directory: str) -> None:
@@ -62,7 +67,7 @@ def _tokenizer(directory: str) -> None:
 
     with data_errors_are_fatal("--tokenizer-model"):  # as loop.Trainer builds it
         tok = build_tokenizer("HuggingFaceTokenizer", directory, None)
-    print(f"ok: {tok.vocab_size} tokens, eod {tok.eod}")
+    print(f"ok: {tok.vocab_size} tokens, eod {tok.eod}", file=sys.stderr)
 
 
 def _safetensors(path: str) -> None:
@@ -73,7 +78,7 @@ def _safetensors(path: str) -> None:
         header = read_header(Path(path))
     except SafetensorsError as e:  # as hf_source.validate_source reports it
         raise Fatal(ExitCode.BAD_CHECKPOINT, f"--hf-init: {e}") from None
-    print(f"ok: {len(header)} tensors")
+    print(f"ok: {len(header)} tensors", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
