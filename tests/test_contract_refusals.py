@@ -62,6 +62,8 @@ OPERATOR_ONLY = {
     "object-store-identity-annotations": "the job's ServiceAccount",
     "object-store-one-identity": "the pod's credentials (a Secret volume, or the ServiceAccount)",
     "env-no-literal-credentials": "pod environment",
+    "env-no-url-credentials": "pod environment",
+    "env-endpoint-url": "pod environment",
 }
 
 
@@ -86,3 +88,32 @@ def test_the_trainer_refuses_what_the_operator_refuses(manifest, rule, monkeypat
         world_layout(parse_args(argv), world)
     if refused.type is SystemExit:
         assert refused.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+
+# ------------------------------------------------------------------ object-store endpoint (issue 52)
+ENDPOINTS = [
+    "https://s3.example.com", "http://127.0.0.1:9000", "https://h:1", "https://h:65535", "https://h:65536",
+    "https://h:0", "https://h:0443", "https://h:99999", "https://h:", "https://KEY:SECRET@h", "https://h/path",
+    "https://h/", "https://h?x=y", "ftp://h", "https://${AWS_SECRET_ACCESS_KEY}.example.com", "https://h:443\n",
+    "https://[::1]:9000", "https://h h", "https://h:-1", "https://h:\uff11\uff12", "https://h.:80",
+]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_the_endpoint_field_and_the_trainer_flag_agree(endpoint, capsys):
+    """spec.checkpoint.objectStore.endpoint (its schema pattern, as the API server runs it) and
+    --object-store-endpoint (the trainer's check) accept and refuse the same endpoints."""
+    import re2
+    from megatron_operator.names import S3_ENDPOINT
+
+    manifest = next(m for case_id, m, _ in CASES if case_id == "object-store")
+    argv = megatron_args(parse_job(manifest))
+    argv[argv.index("--object-store-endpoint") + 1] = endpoint
+    try:
+        parse_args(argv)
+        trainer_accepts = True
+    except SystemExit:
+        trainer_accepts = False
+        assert "--object-store-endpoint" in capsys.readouterr().err
+    assert (re2.search(S3_ENDPOINT, endpoint) is not None) == trainer_accepts

@@ -37,7 +37,7 @@ from .expr import (
     optionals,
     rebase,
 )
-from .names import MAX_NAME_LENGTH, RFC1035_LABEL, WORKLOAD_IDENTITY_ANNOTATIONS
+from .names import MAX_NAME_LENGTH, RFC1035_LABEL, S3_ENDPOINT, WORKLOAD_IDENTITY_ANNOTATIONS
 from .presets import MODEL_PRESETS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
 
@@ -616,8 +616,21 @@ ckpt_prefix = f("checkpoint.objectStore.prefix")
 sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
 WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
 # Environment variables that hold an object-store credential: never as a literal value in the spec
-# (it would show in the JobSet, the pods and `kubectl get -o yaml`).
-CREDENTIAL_ENV_RE = r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN)$"
+# (it would show in the JobSet, the pods and `kubectl get -o yaml`). AWS_CONTAINER_AUTHORIZATION_TOKEN is the
+# token botocore sends to AWS_CONTAINER_CREDENTIALS_FULL_URI, AWS_BEARER_TOKEN_<SERVICE> a service's bearer
+# token (botocore.utils.get_token_from_environment). docs/object-storage.md lists every variable boto3 and
+# multi-storage-client read, and what is refused.
+CREDENTIAL_ENV_RE = (r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN|"
+                     r"AWS_CONTAINER_AUTHORIZATION_TOKEN|AWS_BEARER_TOKEN_[A-Z0-9_]+)$")
+# A URL with user info (scheme://user[:password]@host): a credential in the URL, in any variable. Proxy
+# variables (read by botocore, urllib and requests) also take the URL without its scheme (user:pass@host:3128).
+URL_USERINFO_RE = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
+PROXY_ENV_RE = r"(?i)^(http|https|all|ftp)_proxy$"
+PROXY_USERINFO_RE = r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@"
+# botocore's endpoint variables: AWS_ENDPOINT_URL, and AWS_ENDPOINT_URL_<SERVICE> (S3, STS, ...). A literal
+# value takes the shape of spec.checkpoint.objectStore.endpoint (the field's pattern): the variable is
+# another way to set the same thing, and must not go around the field's rules.
+ENDPOINT_ENV_RE = r"^AWS_ENDPOINT_URL(_[A-Z0-9_]+)?$"
 
 SPEC_RULES += [
     Rule("checkpoint-one-location", "checkpoint",
@@ -662,6 +675,29 @@ SPEC_RULES += [
                           cond(StartsWith(export_path, ckpt_prefix + "/"), " is inside", " contains")),
                      " spec.checkpoint.objectStore.prefix ", ckpt_prefix,
                      "; export to a prefix apart from the checkpoints, e.g. exports/<name>")),
+    Rule("env-no-url-credentials", "env",
+         All(f("env"), "e", ~(Has(Field("value", "e")) & (
+             Matches(Field("value", "e"), URL_USERINFO_RE)
+             | (Matches(Field("name", "e"), PROXY_ENV_RE) & Matches(Field("value", "e"), PROXY_USERINFO_RE))))),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e")) & (
+                         Matches(Field("value", "e"), URL_USERINFO_RE)
+                         | (Matches(Field("name", "e"), PROXY_ENV_RE)
+                            & Matches(Field("value", "e"), PROXY_USERINFO_RE)))), 0), "name"),
+                     " holds a URL with user info (user:password@host), a credential in plain sight of the pods and "
+                     "`kubectl get -o yaml`; drop it from the URL and use spec.checkpoint.objectStore."
+                     "credentialsSecret, or take the whole value from a Secret (valueFrom.secretKeyRef)")),
+    Rule("env-endpoint-url", "env",
+         All(f("env"), "e", ~(Has(Field("value", "e")) & Matches(Field("name", "e"), ENDPOINT_ENV_RE))
+             | Matches(Field("value", "e"), S3_ENDPOINT)
+             | Matches(Field("value", "e"), URL_USERINFO_RE)),  # env-no-url-credentials says it
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e"))
+                                       & Matches(Field("name", "e"), ENDPOINT_ENV_RE)
+                                       & ~Matches(Field("value", "e"), S3_ENDPOINT)
+                                       & ~Matches(Field("value", "e"), URL_USERINFO_RE)), 0), "name"),
+                     " must be http(s)://HOST[:PORT] (a port 1-65535; no path, no user info), as "
+                     "spec.checkpoint.objectStore.endpoint, which sets the same thing")),
     Rule("env-no-literal-credentials", "env",
          All(f("env"), "e", ~(Matches(Field("name", "e"), CREDENTIAL_ENV_RE) & Has(Field("value", "e")))),
          message=fmt("spec.env: ",

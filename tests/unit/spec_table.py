@@ -288,6 +288,26 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "env-no-literal-credentials"),
     ("bad-env-credentials-file", make_job(env=[{"name": "AWS_SHARED_CREDENTIALS_FILE", "value": "/x"}]),
      "env-not-reserved"),
+    # ---------------------------------------------------------------- object-store settings (issue 52)
+    ("env-endpoint-proxy-email", make_job(env=[{"name": "AWS_ENDPOINT_URL", "value": "https://s3.example.com:9000"},
+                                               {"name": "HTTPS_PROXY", "value": "http://proxy.example.com:3128"},
+                                               {"name": "GIT_AUTHOR_EMAIL", "value": "me@example.com"}]), None),
+    ("bad-env-endpoint-userinfo", make_job(env=[{"name": "AWS_ENDPOINT_URL",
+                                                 "value": "https://AKIAEXAMPLE:wJalrXUtnFEMI@s3.example.com"}]),
+     "env-no-url-credentials"),
+    ("bad-env-proxy-userinfo", make_job(env=[{"name": "https_proxy", "value": "user:secret@proxy.example.com:3128"}]),
+     "env-no-url-credentials"),
+    ("bad-env-metadata-userinfo", make_job(env=[{"name": "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                                                 "value": "http://user:secret@169.254.170.23/creds"}]),
+     "env-no-url-credentials"),
+    ("bad-env-container-token", make_job(env=[{"name": "AWS_CONTAINER_AUTHORIZATION_TOKEN", "value": "Bearer x"}]),
+     "env-no-literal-credentials"),
+    ("bad-env-bearer-token", make_job(env=[{"name": "AWS_BEARER_TOKEN_BEDROCK", "value": "x"}]),
+     "env-no-literal-credentials"),
+    ("bad-env-endpoint-port", make_job(env=[{"name": "AWS_ENDPOINT_URL_S3", "value": "https://s3.example.com:70000"}]),
+     "env-endpoint-url"),
+    ("bad-env-endpoint-path", make_job(env=[{"name": "AWS_ENDPOINT_URL", "value": "https://s3.example.com/x?y=z"}]),
+     "env-endpoint-url"),
     ("bad-extra-args-object-store-endpoint", make_job(training__extraArgs=["--object-store-endpoint", "http://h:80"]),
      "extra-args-not-managed"),
 ]
@@ -331,6 +351,12 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("object-store-endpoint-userinfo", make_job(checkpoint={"objectStore": {
         "bucket": "ckpt-bucket", "endpoint": "https://AKIA:secret@s3.example.com"}}),
      "spec.checkpoint.objectStore.endpoint"),
+    ("object-store-endpoint-port-zero", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "endpoint": "https://s3.example.com:0"}}), "spec.checkpoint.objectStore.endpoint"),
+    ("object-store-endpoint-port-65536", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "endpoint": "https://s3.example.com:65536"}}), "spec.checkpoint.objectStore.endpoint"),
+    ("object-store-endpoint-port-leading-zero", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "endpoint": "https://s3.example.com:0443"}}), "spec.checkpoint.objectStore.endpoint"),
     ("object-store-endpoint-path", make_job(checkpoint={"objectStore": {
         "bucket": "ckpt-bucket", "endpoint": "https://s3.example.com/x?token=y"}}),
      "spec.checkpoint.objectStore.endpoint"),
