@@ -737,4 +737,16 @@ class MegatronJob(BaseModel):
     kind: Literal["MegatronJob"]
     metadata: ObjectMeta
     spec: MegatronJobSpec
+
+    @model_validator(mode="after")
+    def _check_object_rules(self) -> MegatronJob:
+        from .rules import evaluate_object_rules
+
+        problems = evaluate_object_rules({"metadata": {"name": self.metadata.name}, "spec": self.spec.wire()})
+        if problems:
+            raise PydanticCustomError(
+                "megatron_rules", "{summary}",
+                {"summary": "; ".join(p.message for p in problems), "problems": [p.as_dict() for p in problems]},
+            )
+        return self
     status: MegatronJobStatus | None = None

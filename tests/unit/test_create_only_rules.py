@@ -89,8 +89,10 @@ def test_key_rules_inside_immutable_fields_are_create_only():
         assert path[0] in IMMUTABLE and v.get("optionalOldSelf") is True and v["rule"].startswith(PREFIX), path
 
 
-def test_the_name_rule_on_the_object_is_evaluated_always():
-    assert ROOT["x-kubernetes-validations"] == [crd.rules.NAME_RULE]
+def test_the_name_rule_on_the_object_is_evaluated_always_the_object_rules_at_create():
+    assert ROOT["x-kubernetes-validations"] == [crd.rules.NAME_RULE] + [
+        crd.create_only(r.to_cel()) for r in crd.rules.OBJECT_RULES]
+    assert all(v["rule"].startswith(PREFIX) and v["optionalOldSelf"] for v in ROOT["x-kubernetes-validations"][1:])
 
 
 def test_create_only_refuses_a_rule_that_is_already_a_transition_rule():
@@ -102,11 +104,16 @@ def test_create_only_refuses_a_rule_that_is_already_a_transition_rule():
 def test_at_create_refused_and_on_update_not_evaluated(case_id, doc, rule):
     """At create the rule refuses the spec (test_spec_rules checks the message); on an update of the
     same spec (a status write; suspend) it is not evaluated, as on the API server."""
-    spec = apply_defaults(ROOT, copy.deepcopy(doc))["spec"]
-    assert cel_errors(SPEC, spec)
-    assert cel_errors(SPEC, spec, old=spec) == []
-    suspended = {**spec, "suspend": not spec.get("suspend", False)}
-    assert cel_errors(SPEC, suspended, old=spec) == []
+    job = apply_defaults(ROOT, copy.deepcopy(doc))
+    if rule in {r.name for r in crd.rules.OBJECT_RULES}:  # a rule on the whole object (it reads metadata.name)
+        schema, value = ROOT, job
+        suspended = {**job, "spec": {**job["spec"], "suspend": not job["spec"].get("suspend", False)}}
+    else:
+        schema, value = SPEC, job["spec"]
+        suspended = {**value, "suspend": not value.get("suspend", False)}
+    assert cel_errors(schema, value)
+    assert cel_errors(schema, value, old=value) == []
+    assert cel_errors(schema, suspended, old=value) == []
 
 
 def test_an_update_of_a_valid_job_changing_suspend_passes_and_an_immutable_change_is_refused():
