@@ -235,6 +235,26 @@ def _host_volume(core, ns: str, claim: str, root: Path, files: dict[str, str], o
     return pv
 
 
+def _admit(cluster, namespace: str, doc: dict[str, Any], objs: list[dict[str, Any]]) -> None:
+    """What the API server accepts: the MegatronJob (CRD schema + CEL), the rendered JobSet (server-side dry
+    run: the JobSet controller would otherwise start it on the kwok nodes), the job's identity (created)."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
+    custom.create_namespaced_custom_object("megatron-operator.io", "v1alpha1", namespace, "megatronjobs", doc,
+                                           dry_run="All")
+    jobset = next(o for o in objs if o["kind"] == "JobSet")
+    group, version = jobset["apiVersion"].split("/")
+    custom.create_namespaced_custom_object(group, version, namespace, "jobsets", jobset, dry_run="All")
+    for o in objs:
+        if o["kind"] == "ServiceAccount":
+            core.create_namespaced_service_account(namespace, o)
+        elif o["kind"] == "Role":
+            rbac.create_namespaced_role(namespace, o)
+        elif o["kind"] == "RoleBinding":
+            rbac.create_namespaced_role_binding(namespace, o)
+
+
 def _mount_check(cluster, core, node: dict[str, Any], namespace: str, image: str, jobset: dict[str, Any],
                  files: list[str], dirs: list[str], export_parent: str) -> tuple[dict[str, Any], Any]:
     """MOUNT_CHECK in the JobSet's rendered pod template, on the real node (its securityContext, env and
@@ -282,7 +302,6 @@ def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, im
     from megatron_operator.validation import parse_job
 
     core = kubernetes.client.CoreV1Api(cluster.api_client())
-    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
     access, secret = "AKIA" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     credentials = f"[default]\naws_access_key_id = {access}\naws_secret_access_key = {secret}\n"
     doc = {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
@@ -307,20 +326,7 @@ def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, im
     train, hf_init, hf_export = flag("--sft-train-path"), flag("--hf-init"), flag("--hf-export")
     assert (train, hf_init, hf_export) == ("/data/sft/train.jsonl", "/hf-init/llama/tiny", "/hf-export/ft/tiny")
 
-    # What the API server accepts: the MegatronJob (CRD schema + CEL), the JobSet (server-side dry run:
-    # the JobSet controller would otherwise start it on the kwok nodes), the job's identity (created).
-    custom.create_namespaced_custom_object("megatron-operator.io", "v1alpha1", namespace, "megatronjobs", doc,
-                                           dry_run="All")
-    group, version = jobset["apiVersion"].split("/")
-    custom.create_namespaced_custom_object(group, version, namespace, "jobsets", jobset, dry_run="All")
-    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
-    for o in objs:
-        if o["kind"] == "ServiceAccount":
-            core.create_namespaced_service_account(namespace, o)
-        elif o["kind"] == "Role":
-            rbac.create_namespaced_role(namespace, o)
-        elif o["kind"] == "RoleBinding":
-            rbac.create_namespaced_role_binding(namespace, o)
+    _admit(cluster, namespace, doc, objs)
 
     core.create_namespaced_secret(namespace, {"metadata": {"name": "s3-creds"}, "stringData": {
         "credentials": credentials}})
@@ -382,7 +388,6 @@ def test_one_pvc_for_hf_init_and_export_mounts_twice_on_a_real_kubelet(cluster, 
     from megatron_operator.validation import parse_job
 
     core = kubernetes.client.CoreV1Api(cluster.api_client())
-    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
     doc = {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
            "metadata": {"name": "one-pvc", "namespace": namespace}, "spec": {
                "numNodes": 1, "gpusPerNode": 1,
@@ -408,18 +413,7 @@ def test_one_pvc_for_hf_init_and_export_mounts_twice_on_a_real_kubelet(cluster, 
               for v in pod_spec["volumes"] if "persistentVolumeClaim" in v}
     assert claims["hf-init"] == ("models", True) and claims["hf-export"] == ("models", False), claims
 
-    custom.create_namespaced_custom_object("megatron-operator.io", "v1alpha1", namespace, "megatronjobs", doc,
-                                           dry_run="All")
-    group, version = jobset["apiVersion"].split("/")
-    custom.create_namespaced_custom_object(group, version, namespace, "jobsets", jobset, dry_run="All")
-    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
-    for o in objs:
-        if o["kind"] == "ServiceAccount":
-            core.create_namespaced_service_account(namespace, o)
-        elif o["kind"] == "Role":
-            rbac.create_namespaced_role(namespace, o)
-        elif o["kind"] == "RoleBinding":
-            rbac.create_namespaced_role_binding(namespace, o)
+    _admit(cluster, namespace, doc, objs)
 
     chat = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
     source = {"llama/tiny/config.json": '{"model_type": "llama"}\n',
