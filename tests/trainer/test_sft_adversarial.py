@@ -364,3 +364,17 @@ def test_a_bad_chat_template_file_exits_3(tmp_path, name):
     files, needles = SFT_ONLY[name]
     code, stderr, _ = run_sft(tmp_path, tok=tokenizer_with(tmp_path, files))
     assert_bad_data(code, stderr, *needles)
+
+
+def test_a_tokenizer_stopped_at_a_bad_line_tokenizes_the_next_file_right(tmp_path):
+    """A bad line stops tokenize_file while the next batch is rendering; the next file gets its own answers."""
+    t = sft.SFTTokenizer(make_tokenizer(tmp_path / "tok", CHATML), sft.SFTOptions("chat", 64))
+    first = write_jsonl(tmp_path / "first.jsonl", [GOOD] * 3 + ["not json"] + [GOOD] * 5)
+    with pytest.raises(sft.SFTDataError, match="first.jsonl:4: not JSON"):
+        t.tokenize_file(str(first), batch=2)
+    other = {"messages": [{"role": "user", "content": "what is 1"}, {"role": "assistant", "content": "2"}]}
+    docs, _ = t.tokenize_file(str(write_jsonl(tmp_path / "second.jsonl", [other])), batch=2)
+    alone, _ = sft.SFTTokenizer(tmp_path / "tok", sft.SFTOptions("chat", 64)).tokenize_file(
+        str(tmp_path / "second.jsonl"))
+    assert docs.tokens.tolist() == alone.tokens.tolist()
+    t.close()

@@ -314,6 +314,7 @@ class TemplateWorker:
                                       cwd="/")
         self._requests: queue.Queue[bytes | None] = queue.Queue()
         self._answers: queue.Queue[bytes | None] = queue.Queue()  # None: the pipe closed (or an answer too large)
+        self._owed = 0  # answers to requests sent and not collected yet
         # the threads hold the pipes and queues, not self: an unused worker is collected (and stopped, __del__)
         threading.Thread(target=_write, args=(self._proc.stdin, self._requests), name="chat-template-writer",
                          daemon=True).start()
@@ -359,12 +360,22 @@ class TemplateWorker:
                        else (reply["text"], [tuple(s) for s in reply["spans"]]))
         return out
 
+    def drain(self) -> None:
+        """Take and drop the answers still owed (a caller that stopped between submit_spans and
+        collect_spans), so that the next request's answer is its own; a failure stops the worker."""
+        try:
+            while self._owed > 0 and self._proc.poll() is None:
+                self._collect(RENDER_TIMEOUT_S + WAIT_GRACE_S, "rendering a conversation")
+        except TemplateFailure:
+            pass
+
     # -- the pipe
     def _submit(self, requests: list[dict]) -> None:
         if self._proc.poll() is not None:
             raise TemplateFailure(f"the chat template ({self.name}) worker is gone", True)
         for r in requests:
             self._requests.put((json.dumps(r, ensure_ascii=True) + "\n").encode())
+        self._owed += len(requests)
 
     def _collect(self, timeout_s: float, doing: str) -> dict:
         """The next answer, waiting at most ``timeout_s``; a fatal answer stops the worker and is raised."""
@@ -377,6 +388,7 @@ class TemplateWorker:
             alive = line is not None
         if line is None:
             raise self._lost(timeout_s, doing, alive)
+        self._owed -= 1
         reply = json.loads(line)
         if reply.get("fatal"):
             self.close()  # the rest of the batch would meet the same template

@@ -374,19 +374,23 @@ class SFTTokenizer:
         in_flight: list[tuple[int, object]] | None = None
         pending: list[tuple[int, object]] = []  # (line number, parsed item or _BadLine)
         pending_chars = 0
-        for line_no, text, error in _lines(path):
-            stats.lines += 1
-            pending.append((line_no, _parse_line(text, error, chat)))
-            pending_chars += len(text or "")
-            if len(pending) >= batch or pending_chars >= _BATCH_CHARS:
-                start(pending)
-                if in_flight is not None:
-                    finish(in_flight)
-                in_flight, pending, pending_chars = pending, [], 0
-        start(pending)
-        for lines in (in_flight, pending):
-            if lines is not None:
-                finish(lines)
+        try:
+            for line_no, text, error in _lines(path):
+                stats.lines += 1
+                pending.append((line_no, _parse_line(text, error, chat)))
+                pending_chars += len(text or "")
+                if len(pending) >= batch or pending_chars >= _BATCH_CHARS:
+                    start(pending)
+                    if in_flight is not None:
+                        finish(in_flight)
+                    in_flight, pending, pending_chars = pending, [], 0
+            start(pending)
+            for lines in (in_flight, pending):
+                if lines is not None:
+                    finish(lines)
+        finally:
+            if chat:  # stopped at a bad line with a batch still rendering: its answers are not the next file's
+                self.template.drain()
         if not ids_all:
             raise SFTDataError(f"{path}: no usable sample ({describe(stats.as_dict())})")
         offsets = np.zeros(len(ids_all) + 1, dtype=np.int64)
