@@ -251,6 +251,8 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "--async-save needs --use-persistent-ckpt-worker":
         ("rendered", ["async-save", "use-persistent-ckpt-worker"], "rendered together"),
     "--exit-on-missing-checkpoint needs --load DIR": ("rule", "bad-extra-args-exit-on-missing"),
+    "--dist-ckpt-optim-fully-reshardable and --dist-ckpt-optim-dp-reshardable contradict each other: give one":
+        ("rule", "bad-extra-args-two-optimizer-layouts"),
     "--object-store-endpoint {}: expected http(s)://HOST[:PORT] (a port 1-65535; no path, no user info)":
         ("schema", _m(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "endpoint": "https://h:65536"}}),
          "spec.checkpoint.objectStore.endpoint"),

@@ -538,6 +538,10 @@ SPEC_RULES: list[Rule] = [
          when=has("data.sft"),
          message=lit("spec.training.extraArgs: --reset-attention-mask, --reset-position-ids and --eod-mask-loss are "
                      "pretraining flags; fine-tuning masks the loss to the answers, and packing keeps samples apart")),
+    Rule("extra-args-one-optimizer-layout", "training.extraArgs",
+         ~(_given("--dist-ckpt-optim-fully-reshardable") & _given("--dist-ckpt-optim-dp-reshardable")),
+         message=lit("spec.training.extraArgs: --dist-ckpt-optim-fully-reshardable and --dist-ckpt-optim-dp-reshardable "
+                     "contradict each other: give one")),
     Rule("extra-args-exit-on-missing-checkpoint", "training.extraArgs",
          has("checkpoint"), when=_given("--exit-on-missing-checkpoint"),
          message=lit("spec.training.extraArgs: --exit-on-missing-checkpoint needs spec.checkpoint (the checkpoint "

@@ -35,7 +35,8 @@ def run(kind: str, *args: str, timeout_s: float = TIME_LIMIT_S, env: dict[str, s
     start = time.monotonic()
     proc = subprocess.run([sys.executable, __file__, kind, *args], capture_output=True, text=True, errors="replace",
                           timeout=timeout_s, preexec_fn=_limits, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT / "trainer_image"), "PATH": "/usr/bin:/bin", **(env or {})})
+                          env={"PYTHONPATH": f"{ROOT / 'trainer_image'}:{ROOT / 'contract'}", "PATH": "/usr/bin:/bin",
+                               **(env or {})})
     return proc.returncode, proc.stderr, time.monotonic() - start
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .jsonfile import read_json
+from megatron_contract.jsonfile import read_json
 
 # Tried in order when tokenizer_config.json names no eos_token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")

@@ -1,10 +1,11 @@
 """JSON files a job's author supplies, read within bounds (pure: stdlib only).
 
-The rules hf_config.load_config applies to config.json, for every other such file (tokenizer_config.json,
-...): the size is capped before anything is parsed (at most ``max_bytes + 1`` bytes are ever read, so a
-file that grows meanwhile is no way around it), the text must be UTF-8, and nesting deep enough to
-exhaust the parser's recursion is an error, not a RecursionError. Every failure is one JsonFileError
-(a ValueError: the trainer's data errors are exit code 3) naming the file.
+The rules hf_config.load_config applies to config.json, for every other such file (the trainer's
+tokenizer_config.json, ...): the size is capped before anything is parsed (at most ``max_bytes + 1`` bytes
+are ever read, so a file that grows meanwhile is no way around it), the text must be UTF-8, and nesting
+deep enough to exhaust the parser's recursion is an error, not a RecursionError. Every failure is one
+JsonFileError (a ValueError: the trainer's data errors are exit code 3) naming the file.
+(hf_config.load_config keeps its own copy of these steps, with config.json's messages; it can call this.)
 """
 
 from __future__ import annotations
