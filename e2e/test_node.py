@@ -235,6 +235,60 @@ def _host_volume(core, ns: str, claim: str, root: Path, files: dict[str, str], o
     return pv
 
 
+def _admit(cluster, namespace: str, doc: dict[str, Any], objs: list[dict[str, Any]]) -> None:
+    """What the API server accepts: the MegatronJob (CRD schema + CEL), the rendered JobSet (server-side dry
+    run: the JobSet controller would otherwise start it on the kwok nodes), the job's identity (created)."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
+    custom.create_namespaced_custom_object("megatron-operator.io", "v1alpha1", namespace, "megatronjobs", doc,
+                                           dry_run="All")
+    jobset = next(o for o in objs if o["kind"] == "JobSet")
+    group, version = jobset["apiVersion"].split("/")
+    custom.create_namespaced_custom_object(group, version, namespace, "jobsets", jobset, dry_run="All")
+    for o in objs:
+        if o["kind"] == "ServiceAccount":
+            core.create_namespaced_service_account(namespace, o)
+        elif o["kind"] == "Role":
+            rbac.create_namespaced_role(namespace, o)
+        elif o["kind"] == "RoleBinding":
+            rbac.create_namespaced_role_binding(namespace, o)
+
+
+def _mount_check(cluster, core, node: dict[str, Any], namespace: str, image: str, jobset: dict[str, Any],
+                 files: list[str], dirs: list[str], export_parent: str) -> tuple[dict[str, Any], Any]:
+    """MOUNT_CHECK in the JobSet's rendered pod template, on the real node (its securityContext, env and
+    volumes as rendered; only image, command, GPU limit and placement swapped for a node without GPUs):
+    (what it saw, the finished pod). The pod is deleted afterwards."""
+    template = copy.deepcopy(jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
+    pod_spec = template["spec"]
+    container = pod_spec["containers"][0]
+    container.update(image=image, imagePullPolicy="Never", command=["python", "-c", MOUNT_CHECK, json.dumps(
+        {"files": files, "dirs": dirs, "export_parent": export_parent})])
+    del container["resources"]["limits"]["nvidia.com/gpu"]  # the real node has no GPU (kwok's have)
+    pod_spec["nodeSelector"] = {"megatron-operator.io/real-node": "true"}
+    pod_spec["tolerations"] = [*pod_spec.get("tolerations", []),
+                               {"key": real_node.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+    labels = {**template["metadata"]["labels"], "jobset.sigs.k8s.io/job-global-index": "0",
+              "jobset.sigs.k8s.io/restart-attempt": "0"}
+    try:
+        pod = core.create_namespaced_pod(namespace, {"metadata": {"name": "mounts-check", "labels": labels},
+                                                     "spec": pod_spec})
+        assert pod.spec.node_name in (None, node["node"])
+        done = cluster.wait_for(
+            lambda: (p := core.read_namespaced_pod("mounts-check", namespace)).status.phase in ("Succeeded", "Failed")
+            and p, MOUNT_CHECK_TIMEOUT_S, "the mount check pod to finish", namespace=namespace)
+        # the API server cannot reach this kubelet's log endpoint by node name (no DNS for it): the CRI log file
+        log = "".join(line.split(" ", 3)[3] for f in sorted((real_node.node_dir() / "pod-logs").glob(
+            f"{namespace}_mounts-check_*/trainer/*.log")) for line in f.read_text().splitlines(keepends=True))
+        assert done.status.phase == "Succeeded", f"{done.status}\n{log[-3000:]}"
+        assert done.spec.node_name == node["node"]
+        return json.loads(log.strip().splitlines()[-1]), done
+    finally:
+        with contextlib.suppress(kubernetes.client.ApiException):
+            core.delete_namespaced_pod("mounts-check", namespace, grace_period_seconds=0)
+
+
 def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, image, namespace, tmp_path):
     """The operator's render of a job with an SFT data PVC, HF init and export PVCs and an object-store
     credentials Secret: the API server takes the MegatronJob and the JobSet (server-side dry run) and
@@ -248,7 +302,6 @@ def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, im
     from megatron_operator.validation import parse_job
 
     core = kubernetes.client.CoreV1Api(cluster.api_client())
-    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
     access, secret = "AKIA" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     credentials = f"[default]\naws_access_key_id = {access}\naws_secret_access_key = {secret}\n"
     doc = {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
@@ -273,20 +326,7 @@ def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, im
     train, hf_init, hf_export = flag("--sft-train-path"), flag("--hf-init"), flag("--hf-export")
     assert (train, hf_init, hf_export) == ("/data/sft/train.jsonl", "/hf-init/llama/tiny", "/hf-export/ft/tiny")
 
-    # What the API server accepts: the MegatronJob (CRD schema + CEL), the JobSet (server-side dry run:
-    # the JobSet controller would otherwise start it on the kwok nodes), the job's identity (created).
-    custom.create_namespaced_custom_object("megatron-operator.io", "v1alpha1", namespace, "megatronjobs", doc,
-                                           dry_run="All")
-    group, version = jobset["apiVersion"].split("/")
-    custom.create_namespaced_custom_object(group, version, namespace, "jobsets", jobset, dry_run="All")
-    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
-    for o in objs:
-        if o["kind"] == "ServiceAccount":
-            core.create_namespaced_service_account(namespace, o)
-        elif o["kind"] == "Role":
-            rbac.create_namespaced_role(namespace, o)
-        elif o["kind"] == "RoleBinding":
-            rbac.create_namespaced_role_binding(namespace, o)
+    _admit(cluster, namespace, doc, objs)
 
     core.create_namespaced_secret(namespace, {"metadata": {"name": "s3-creds"}, "stringData": {
         "credentials": credentials}})
@@ -299,34 +339,11 @@ def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, im
     try:
         cluster.wait_for(lambda: all(core.read_namespaced_persistent_volume_claim(c, namespace).status.phase
                                      == "Bound" for c in volumes), 60, "the PVCs to bind", namespace=namespace)
-        template = copy.deepcopy(jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
-        pod_spec = template["spec"]
-        container = pod_spec["containers"][0]
         files = [train, f"{hf_init}/config.json", f"{CREDENTIALS_DIR}/credentials"]
         dirs = ["/data", "/hf-init", "/hf-export", CREDENTIALS_DIR, "/tmp", "/dev/shm", "/"]
-        container.update(image=image, imagePullPolicy="Never", command=["python", "-c", MOUNT_CHECK, json.dumps(
-            {"files": files, "dirs": dirs, "export_parent": os.path.dirname(hf_export)})])
-        del container["resources"]["limits"]["nvidia.com/gpu"]  # the real node has no GPU (kwok's have)
-        pod_spec["nodeSelector"] = {"megatron-operator.io/real-node": "true"}
-        pod_spec["tolerations"] = [*pod_spec.get("tolerations", []),
-                                   {"key": real_node.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
-        labels = {**template["metadata"]["labels"], "jobset.sigs.k8s.io/job-global-index": "0",
-                  "jobset.sigs.k8s.io/restart-attempt": "0"}
-        pod = core.create_namespaced_pod(namespace, {"metadata": {"name": "mounts-check", "labels": labels},
-                                                     "spec": pod_spec})
-        assert pod.spec.node_name in (None, node["node"])
-        done = cluster.wait_for(
-            lambda: (p := core.read_namespaced_pod("mounts-check", namespace)).status.phase in ("Succeeded", "Failed")
-            and p, MOUNT_CHECK_TIMEOUT_S, "the mount check pod to finish", namespace=namespace)
-        # the API server cannot reach this kubelet's log endpoint by node name (no DNS for it): the CRI log file
-        log = "".join(line.split(" ", 3)[3] for f in sorted((real_node.node_dir() / "pod-logs").glob(
-            f"{namespace}_mounts-check_*/trainer/*.log")) for line in f.read_text().splitlines(keepends=True))
-        assert done.status.phase == "Succeeded", f"{done.status}\n{log[-3000:]}"
-        assert done.spec.node_name == node["node"]
-        facts = json.loads(log.strip().splitlines()[-1])
+        facts, done = _mount_check(cluster, core, node, namespace, image, jobset, files, dirs,
+                                   os.path.dirname(hf_export))
     finally:
-        with contextlib.suppress(kubernetes.client.ApiException):
-            core.delete_namespaced_pod("mounts-check", namespace, grace_period_seconds=0)
         for pv in volumes.values():
             with contextlib.suppress(kubernetes.client.ApiException):
                 core.delete_persistent_volume(pv)
@@ -356,3 +373,80 @@ def test_rendered_trainer_volumes_mount_on_a_real_kubelet(cluster, crd, node, im
     for value in (secret, access):
         assert value not in stored and value not in json.dumps(facts["env"]) and value not in facts["cmdline"]
     assert facts["env"]["AWS_SHARED_CREDENTIALS_FILE"] == f"{CREDENTIALS_DIR}/credentials"
+
+
+def test_one_pvc_for_hf_init_and_export_mounts_twice_on_a_real_kubelet(cluster, crd, node, image, namespace,
+                                                                         tmp_path):
+    """Issue 52 (left from issue 32): the usual layout, a model PVC holding the source and, beside it, the
+    export (spec.init and spec.export on one claim), with the fine-tuning tokenizer taken from the source
+    (no spec.data.tokenizer) and checkpoints on a PVC. The render mounts that claim twice, read-only at
+    /hf-init and writable at /hf-export; the real kubelet must mount both from the one volume: the source
+    and its tokenizer readable at the flags' paths, /hf-init refusing writes, and a file written under
+    /hf-export landing beside the source on the volume, as the trainer's uid."""
+    from megatron_operator.render import render
+    from megatron_operator.settings import Settings
+    from megatron_operator.validation import parse_job
+
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    doc = {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",
+           "metadata": {"name": "one-pvc", "namespace": namespace}, "spec": {
+               "numNodes": 1, "gpusPerNode": 1,
+               "model": {"numLayers": 2, "hiddenSize": 64, "numAttentionHeads": 4, "numQueryGroups": 2,
+                         "seqLength": 32, "vocabSize": 128, "activation": "swiglu", "normalization": "RMSNorm",
+                         "positionEmbedding": "rope", "addBiasLinear": False},
+               "training": {"microBatchSize": 1, "globalBatchSize": 1, "trainIters": 2},
+               "data": {"pvc": "sft-data", "format": "chat", "sft": {"train": "sft/train.jsonl", "packing": False}},
+               "init": {"huggingFace": {"pvc": "models", "path": "llama/tiny"}},
+               "export": {"huggingFace": {"pvc": "models", "path": "exports/tiny-ft"}},
+               "checkpoint": {"pvc": "ckpt"}}}
+    objs = render(parse_job(doc), Settings())
+    jobset = next(o for o in objs if o["kind"] == "JobSet")
+    pod_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    args = pod_spec["containers"][0]["command"]
+
+    def flag(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    assert (flag("--hf-init"), flag("--hf-export"), flag("--tokenizer-model")) == \
+        ("/hf-init/llama/tiny", "/hf-export/exports/tiny-ft", "/hf-init/llama/tiny")
+    claims = {v["name"]: (v["persistentVolumeClaim"]["claimName"], v["persistentVolumeClaim"].get("readOnly", False))
+              for v in pod_spec["volumes"] if "persistentVolumeClaim" in v}
+    assert claims["hf-init"] == ("models", True) and claims["hf-export"] == ("models", False), claims
+
+    _admit(cluster, namespace, doc, objs)
+
+    chat = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    source = {"llama/tiny/config.json": '{"model_type": "llama"}\n',
+              "llama/tiny/tokenizer_config.json": '{"eos_token": "</s>"}\n'}
+    volumes = {"sft-data": _host_volume(core, namespace, "sft-data", tmp_path / "data", {"sft/train.jsonl": chat}),
+               # the model PVC's directory belongs to the trainer's uid: the export is written beside the source
+               "models": _host_volume(core, namespace, "models", tmp_path / "models", source, owner=1000),
+               "ckpt": _host_volume(core, namespace, "ckpt", tmp_path / "ckpt", {}, owner=1000)}
+    try:
+        cluster.wait_for(lambda: all(core.read_namespaced_persistent_volume_claim(c, namespace).status.phase
+                                     == "Bound" for c in volumes), 60, "the PVCs to bind", namespace=namespace)
+        files = [flag("--sft-train-path"), *(f"/hf-init/{rel}" for rel in source)]
+        dirs = ["/data", "/hf-init", "/hf-export", "/checkpoints", "/tmp", "/"]
+        facts, done = _mount_check(cluster, core, node, namespace, image, jobset, files, dirs,
+                                   os.path.dirname(flag("--hf-export")))
+    finally:
+        for pv in volumes.values():
+            with contextlib.suppress(kubernetes.client.ApiException):
+                core.delete_persistent_volume(pv)
+
+    assert (facts["uid"], facts["gid"]) == (1000, 1000)
+    for rel, text in source.items():  # the source and its tokenizer, read through the read-only mount
+        assert facts["files"][f"/hf-init/{rel}"].get("sha256") == hashlib.sha256(text.encode()).hexdigest(), rel
+    assert facts["files"][flag("--sft-train-path")].get("sha256") == hashlib.sha256(chat.encode()).hexdigest()
+    # one claim, two mounts: read-only at /hf-init, writable at /hf-export
+    assert facts["mounts"]["/hf-init"] == "ro" and facts["write"]["/hf-init"] == "EROFS", facts
+    assert facts["mounts"]["/hf-export"] == "rw" and facts["write"]["/hf-export"] == "ok", facts
+    assert facts["mounts"]["/data"] == "ro" and facts["write"]["/data"] == "EROFS"
+    assert facts["mounts"]["/checkpoints"] == "rw" and facts["write"]["/checkpoints"] == "ok"
+    assert facts["write"]["/"] in ("EROFS", "EACCES")
+    # what was written through /hf-export is on the same volume, beside the (untouched) source
+    written = tmp_path / "models" / "exports" / "written-in-pod"
+    assert written.read_text() == "1000" and written.stat().st_uid == 1000
+    assert sorted(p.relative_to(tmp_path / "models").as_posix() for p in (tmp_path / "models").rglob("*")
+                  if p.is_file()) == sorted([*source, "exports/written-in-pod"])
+    assert done.spec.node_name == node["node"]

@@ -4,7 +4,8 @@
 The operator and the trainer never import each other (their contract is the command line), yet
 `spec.training.extraArgs` must be checked against the flags the trainer accepts, at admission. This
 script reads the trainer's own argparse parser (`megatron_trainer.config.build_parser`) and writes
-the names as data; tests/test_contract.py fails when the committed table differs from the parser,
+the names (and what each value flag takes) as data; tests/test_contract.py fails when the committed
+table differs from the parser,
 so a flag added to the trainer (e.g. --manual-gc) reaches the admission rule by regenerating.
 
     python scripts/gen-trainer-flags.py            # regenerate
@@ -23,6 +24,21 @@ import generated_file
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "operator" / "megatron_operator" / "trainer_flags.py"
 sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "contract")]
+
+
+def value_types() -> dict[str, str | tuple[str, ...]]:
+    """What each value flag takes: "int", "float", "str", or its choices (as argparse converts them)."""
+    from megatron_trainer.config import build_parser
+
+    out: dict[str, str | tuple[str, ...]] = {}
+    for action in build_parser()._actions:
+        if action.nargs == 0 or isinstance(action, argparse._HelpAction):
+            continue
+        kind = action.type.__name__ if action.type in (int, float) else "str"
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                out[opt[2:]] = tuple(str(c) for c in action.choices) if action.choices else kind
+    return dict(sorted(out.items()))
 
 
 def flag_table() -> tuple[list[str], list[str]]:
@@ -52,7 +68,11 @@ def render() -> str:
             "# Flags that take a value (--name VALUE or --name=VALUE)\n"
             f"VALUE_FLAGS: tuple[str, ...] = (\n{lines(with_value)})\n"
             "# Flags that take none (--name)\n"
-            f"SWITCH_FLAGS: tuple[str, ...] = (\n{lines(switches)})\n")
+            f"SWITCH_FLAGS: tuple[str, ...] = (\n{lines(switches)})\n"
+            "# What each value flag takes: int, float, str (argparse's type), or its choices\n"
+            "VALUE_TYPES: dict[str, str | tuple[str, ...]] = {\n"
+            + "".join(f"    {name!r}: {kind!r},\n".replace("'", '"') for name, kind in value_types().items())
+            + "}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
-"""The operator/trainer contract for refusals: every spec the operator refuses for a Megatron
-start-up rule (tests/unit/spec_table.py) is refused by the trainer too, when its rendered command
-line reaches it anyway (an operator older than the trainer, a hand-written command). The two rule
-sets are written separately (rules.py compiles to CEL; the trainer mirrors Megatron-LM's
+"""The operator/trainer contract for refusals, both ways. Every spec the operator refuses for a
+Megatron start-up rule (tests/unit/spec_table.py) is refused by the trainer too, when its rendered
+command line reaches it anyway (an operator older than the trainer, a hand-written command). And every
+refusal of the trainer at start-up that depends only on the spec has an admission twin (issue 52):
+TRAINER_REFUSALS names each one with its twin, and generated specs that admission accepts all start.
+The two rule sets are written separately (rules.py compiles to CEL; the trainer mirrors Megatron-LM's
 validate_args); this is what links them."""
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import re2
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from megatron_operator import rules
 from megatron_operator.render import megatron_args
 from megatron_operator.validation import SpecError, parse_job
-from megatron_trainer.config import parse_args, world_layout
+from megatron_trainer.config import parse_args, runtime_from_env, world_layout
 
 sys.path.insert(0, str(Path(__file__).parent / "unit"))
 from spec_table import CASES
@@ -62,6 +67,15 @@ OPERATOR_ONLY = {
     "object-store-identity-annotations": "the job's ServiceAccount",
     "object-store-one-identity": "the pod's credentials (a Secret volume, or the ServiceAccount)",
     "env-no-literal-credentials": "pod environment",
+    "env-no-url-credentials": "pod environment",
+    "env-endpoint-url": "pod environment",
+}
+
+
+# Single cases of a rule the trainer shares, where admission is stricter on purpose.
+STRICTER_CASES = {
+    "bad-extra-args-twice": "a value flag given twice in extraArgs: the trainer takes the last value; admission "
+                            "refuses the repeat, so that it checks the one value argparse reads",
 }
 
 
@@ -69,7 +83,8 @@ def _refused_megatron_cases():
     for case_id, manifest, rule in CASES:
         if rule is None:
             continue
-        marks = [pytest.mark.skip(reason=OPERATOR_ONLY[rule])] if rule in OPERATOR_ONLY else []
+        why = OPERATOR_ONLY.get(rule) or STRICTER_CASES.get(case_id)
+        marks = [pytest.mark.skip(reason=why)] if why else []
         yield pytest.param(manifest, rule, id=case_id, marks=marks)
 
 
@@ -79,10 +94,367 @@ def test_the_trainer_refuses_what_the_operator_refuses(manifest, rule, monkeypat
         parse_job(manifest)
     assert rule in {p.rule for p in operator_refused.value.problems}
     monkeypatch.setattr(rules, "evaluate_spec_rules", lambda spec: [])  # render it anyway
+    monkeypatch.setattr(rules, "evaluate_object_rules", lambda job: [])
     job = parse_job(manifest)
     argv = megatron_args(job)
     world = job.spec.num_nodes * job.spec.gpus_per_node
     with pytest.raises((SystemExit, ValueError)) as refused:
         world_layout(parse_args(argv), world)
+        runtime_from_env({e.name: e.value for e in job.spec.env if e.value is not None})
     if refused.type is SystemExit:
         assert refused.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+
+# ------------------------------------------------------------------ object-store endpoint (issue 52)
+ENDPOINTS = [
+    "https://s3.example.com", "http://127.0.0.1:9000", "https://h:1", "https://h:65535", "https://h:65536",
+    "https://h:0", "https://h:0443", "https://h:99999", "https://h:", "https://KEY:SECRET@h", "https://h/path",
+    "https://h/", "https://h?x=y", "ftp://h", "https://${AWS_SECRET_ACCESS_KEY}.example.com", "https://h:443\n",
+    "https://[::1]:9000", "https://h h", "https://h:-1", "https://h:\uff11\uff12", "https://h.:80",
+]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_the_endpoint_field_and_the_trainer_flag_agree(endpoint, capsys):
+    """spec.checkpoint.objectStore.endpoint (its schema pattern, as the API server runs it) and
+    --object-store-endpoint (the trainer's check) accept and refuse the same endpoints."""
+    from megatron_operator.names import S3_ENDPOINT
+
+    manifest = next(m for case_id, m, _ in CASES if case_id == "object-store")
+    argv = megatron_args(parse_job(manifest))
+    argv[argv.index("--object-store-endpoint") + 1] = endpoint
+    try:
+        parse_args(argv)
+        trainer_accepts = True
+    except SystemExit:
+        trainer_accepts = False
+        assert "--object-store-endpoint" in capsys.readouterr().err
+    assert (re2.search(S3_ENDPOINT, endpoint) is not None) == trainer_accepts
+
+
+# ------------------------------------------------------- every refusal of the trainer has an admission twin
+# The other direction (issue 52): each ValueError the trainer raises at start-up from its command line or its
+# environment (config.validate's checks, world_layout, runtime_from_env, objstore.parse_s3_url) is named here
+# by its message (placeholders as {}), with what keeps every admitted spec away from it:
+# - ("rule", case): a spec_table case that admission refuses; rendered anyway, the trainer refuses it with
+#   this message;
+# - ("schema", manifest, field): the value that would reach it is refused by the CRD schema at ``field``;
+# - ("rendered", flags, why): only flags the operator renders (extraArgs may not set them) can reach it, and the
+#   rendering never does (why); test_every_admitted_spec_starts below throws generated specs at it;
+# - ("reserved", variable): an environment variable spec.env may not set (env-not-reserved).
+# test_every_refusal_of_the_trainer_is_listed fails when a refusal is added without its twin.
+def _m(**overrides):
+    from factory import make_job
+
+    return make_job(**overrides)
+
+
+TRAINER_REFUSALS: dict[str, tuple] = {
+    "--data-path needs 'WEIGHT PREFIX' pairs or a single PREFIX, got {}":
+        ("rendered", ["data-path"], "rendered as WEIGHT PREFIX pairs"),
+    "--data-path: weight {} must be > 0":
+        ("schema", _m(data={"pvc": "c", "paths": [{"prefix": "a", "weight": 0}], "tokenizer": {"type": "Null"}}),
+         "spec.data.paths[0].weight"),
+    "--data-path: {} is not a weight (expected 'WEIGHT PREFIX' pairs)":
+        ("rendered", ["data-path"], "weights are rendered from numbers"),
+    "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})": ("rule", "bad-heads-vs-tensor"),
+    "--hidden-size ({}) must be divisible by --num-attention-heads ({}), or give --kv-channels":
+        ("rule", "bad-hidden-vs-heads"),
+    "--kv-channels must be >= 1, got {}": ("schema", _m(model__kvChannels=0), "spec.model.kvChannels"),
+    "--norm-epsilon must be in (0, 1), got {}": ("schema", _m(model__normEpsilon=0), "spec.model.normEpsilon"),
+    "--use-rope-scaling needs --position-embedding-type rope": ("rule", "bad-rope-scaling-without-rope"),
+    "--rope-scaling-factor must be >= 1, got {}":
+        ("schema", _m(model__positionEmbedding="rope", model__ropeScalingFactor=0.5), "spec.model.ropeScalingFactor"),
+    "--num-query-groups needs --group-query-attention":
+        ("rendered", ["num-query-groups", "group-query-attention"], "rendered together"),
+    "--num-attention-heads ({}) must be a multiple of --num-query-groups ({})": ("rule", "bad-heads-vs-groups"),
+    "--num-query-groups ({}) and --tensor-model-parallel-size ({}) must divide one another":
+        ("rule", "bad-groups-vs-tensor"),
+    "--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})": ("rule", "bad-layers-vs-pipeline"),
+    "--sequence-parallel needs --tensor-model-parallel-size > 1": ("rule", "bad-sp-without-tensor"),
+    "--seq-length ({}) must be divisible by 2 x --context-parallel-size": ("rule", "bad-context-vs-sequence"),
+    "--max-position-embeddings ({}) must be >= --seq-length ({})": ("rule", "bad-positions"),
+    "{} must be >= 1, got {}": ("schema", _m(model__numLayers=0), "spec.model.numLayers"),
+    "--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1":
+        ("rule", "bad-virtual-without-pipeline"),
+    "layers per pipeline stage ({}) must be divisible by --num-virtual-stages-per-pipeline-rank ({})":
+        ("rule", "bad-layers-vs-virtual"),
+    "--num-experts ({}) must be divisible by --expert-model-parallel-size ({})": ("rule", "bad-experts-vs-expert"),
+    "--moe-router-topk must be between 1 and --num-experts": ("rule", "bad-topk-above-experts"),
+    "--expert-model-parallel-size > 1 needs --num-experts": ("rule", "bad-expert-without-experts"),
+    "--bf16 and --fp16 are mutually exclusive": ("rendered", ["bf16", "fp16"], "precision renders one of them"),
+    "--fp8-format needs --bf16 (or --fp16)": ("rendered", ["fp8-format", "bf16"], "precision fp8 renders both"),
+    "--fp8-format needs --transformer-impl transformer_engine (the local implementation has no FP8 kernels)":
+        ("rule", "bad-local-fp8"),
+    "--context-parallel-size > 1 needs --transformer-impl transformer_engine": ("rule", "bad-local-cp"),
+    "--context-parallel-size > 1 needs a fused attention backend (flash, fused or auto), not --attention-backend {}":
+        ("rule", "bad-cp-unfused"),
+    "--overlap-param-gather needs --use-distributed-optimizer":
+        ("rule", "bad-extra-args-overlap-no-distributed-optimizer"),
+    "--overlap-param-gather needs --overlap-grad-reduce": ("rule", "bad-extra-args-overlap-param-gather"),
+    "--recompute-method needs --recompute-granularity full":
+        ("rendered", ["recompute-method", "recompute-granularity"], "recompute: full renders both"),
+    "--recompute-granularity full needs --recompute-method and --recompute-num-layers":
+        ("rendered", ["recompute-granularity", "recompute-method", "recompute-num-layers"], "rendered together"),
+    "--cuda-graph-impl {} (per-layer graphs) is not implemented by this trainer; use --cuda-graph-impl "
+    "full_iteration or none": ("rendered", ["cuda-graph-impl"], "cudaGraph renders auto, none or full_iteration"),
+    "--cuda-graph-warmup-steps must be >= 1 (the graph is captured after eager steps)":
+        ("rule", "bad-extra-args-warmup-steps"),
+    "--manual-gc-interval must be >= 0": ("rule", "bad-extra-args-manual-gc-negative"),
+    "--manual-gc-interval needs --manual-gc": ("rule", "bad-extra-args-manual-gc-interval"),
+    "--distributed-timeout-minutes must be >= 1": ("rule", "bad-extra-args-timeout"),
+    "--eval-iters evaluates SFT data (--sft-valid-path); without it, it must be 0":
+        ("rendered", ["eval-iters", "sft-valid-path"], "eval-iters is rendered above 0 only with a validation file"),
+    "--eval-interval must be >= 1":
+        ("schema", _m(data={"pvc": "d", "format": "chat", "tokenizer": {"path": "t"},
+                            "sft": {"train": "a", "valid": "v", "evalInterval": 0}}), "spec.data.sft.evalInterval"),
+    "need 0 <= --min-lr <= --lr and --lr-warmup-iters >= 0": ("rule", "bad-min-lr"),
+    "--lr-warmup-iters ({}) must be below --lr-decay-iters ({})": ("rule", "bad-warmup"),
+    "--global-batch-size ({}) must be a multiple of --micro-batch-size ({})": ("rule", "bad-global-batch-odd"),
+    "--cuda-graph-impl full_iteration is implemented for --pipeline-model-parallel-size 1 only; drop it or use PP=1":
+        ("rule", "bad-cuda-graph-pp2"),
+    "--cuda-graph-impl full_iteration does not support MoE (--num-experts): expert routing sizes change every step; "
+    "drop one of them": ("rule", "bad-cuda-graph-moe"),
+    "--cuda-graph-impl full_iteration with --overlap-param-gather is not supported: the parameter all-gather starts "
+    "after the optimizer, outside the graph, and is waited for inside it; drop --overlap-param-gather "
+    "(--overlap-grad-reduce is fine)": ("rule", "bad-extra-args-overlap-cuda-graph"),
+    "give exactly one of --mock-data and --data-path":
+        ("rendered", ["mock-data", "data-path"], "data renders mock or paths (data-exactly-one refuses neither or both)"),
+    "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a local directory)":
+        ("rendered", ["tokenizer-type", "tokenizer-model"], "a HuggingFace tokenizer renders its path (tokenizer-path)"),
+    "--tokenizer-type NullTokenizer needs --vocab-size": ("rendered", ["vocab-size"], "always rendered"),
+    "{} needs --data-format chat or prompt-completion":
+        ("rendered", ["sft-train-path", "sft-valid-path", "sft-packing", "chat-template"], "rendered with a format"),
+    "--split {}: expected comma-separated weights with train > 0": ("rule", "bad-data-split-no-train"),
+    "--data-format {} reads --sft-train-path; --mock-data and --data-path are for pretraining":
+        ("rendered", ["mock-data", "data-path"], "fine-tuning renders neither"),
+    "--data-format {} needs --sft-train-path (a JSONL file)":
+        ("rendered", ["sft-train-path"], "spec.data.sft.train is required"),
+    "--data-format {} needs --tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (its tokenizer.json and "
+    "chat template)": ("rendered", ["tokenizer-type", "tokenizer-model"],
+                       "fine-tuning always renders HuggingFaceTokenizer and its directory (data-sft-tokenizer)"),
+    "--chat-template applies to --data-format chat only": ("rule", "bad-sft-template-not-chat"),
+    "--reset-attention-mask, --reset-position-ids and --eod-mask-loss are pretraining flags; SFT masks the loss to "
+    "the answers and --sft-packing keeps samples apart": ("rule", "bad-extra-args-sft-reset"),
+    "--sft-packing runs on the local path (Transformer Engine's attention ignores the document mask), which has no "
+    "FP8: use --no-sft-packing for FP8": ("rule", "bad-sft-packing-fp8"),
+    "SFT data with --context-parallel-size > 1 needs Transformer Engine's packed (THD) attention, which this trainer "
+    "does not use": ("rule", "bad-sft-context-parallel"),
+    "--sft-valid-path needs --eval-iters >= 1 (global batches per evaluation)":
+        ("schema", _m(data={"pvc": "d", "format": "chat", "tokenizer": {"path": "t"},
+                            "sft": {"train": "a", "valid": "v", "evalIters": 0}}), "spec.data.sft.evalIters"),
+    "--dist-ckpt-workers must be >= 1": ("rule", "bad-extra-args-ckpt-workers"),
+    "--save-interval must be >= 1": ("schema", _m(checkpoint={"pvc": "c", "interval": 0}), "spec.checkpoint.interval"),
+    "--save-interval needs --save DIR": ("rendered", ["save-interval", "save"], "rendered with a checkpoint"),
+    "--async-save needs --save DIR": ("rendered", ["async-save", "save"], "rendered with a checkpoint"),
+    "--async-save needs --use-persistent-ckpt-worker":
+        ("rendered", ["async-save", "use-persistent-ckpt-worker"], "rendered together"),
+    "--exit-on-missing-checkpoint needs --load DIR": ("rule", "bad-extra-args-exit-on-missing"),
+    "--dist-ckpt-optim-fully-reshardable and --dist-ckpt-optim-dp-reshardable contradict each other: give one":
+        ("rule", "bad-extra-args-two-optimizer-layouts"),
+    "--object-store-endpoint {}: expected http(s)://HOST[:PORT] (a port 1-65535; no path, no user info)":
+        ("schema", _m(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "endpoint": "https://h:65536"}}),
+         "spec.checkpoint.objectStore.endpoint"),
+    "--hf-export-only needs --load DIR (the checkpoint) and --hf-export DIR (where to write)":
+        ("rendered", ["hf-export-only"], "a trainer command, never rendered (extra-args-not-managed)"),
+    "--hf-export must not be the --hf-init directory (an export never overwrites its source)":
+        ("rendered", ["hf-init", "hf-export"], "mounted at /hf-init and /hf-export: never one path"),
+    "--save and --load must both be s3:// or both be directories":
+        ("rendered", ["save", "load"], "both from the one checkpoint location"),
+    "--object-store-endpoint/--object-store-region need an s3://BUCKET/PREFIX --save, --load or --hf-export":
+        ("rendered", ["object-store-endpoint", "object-store-region"], "rendered from checkpoint.objectStore only"),
+    "{} must be an absolute directory path without '..' components, got {}":
+        ("rendered", ["hf-init", "hf-export"], "rendered under /hf-init and /hf-export from schema-checked paths"),
+    "--hf-export {} overlaps the checkpoint location {}: export to a prefix apart from the checkpoints, e.g. "
+    "s3://BUCKET/exports/NAME": ("rule", "bad-hf-export-default-prefix"),
+    "{}={}: expected one of {}": ("reserved", "MEGATRON_TRAINER_COMPILE_ROPE"),
+    "{} must be >= 0, got {}": ("rule", "bad-env-shutdown-timeout-negative"),
+    "{}={} is not a {}": ("rule", "bad-env-shutdown-timeout"),
+    "world size {} is not divisible by TP x PP x CP = {}": ("rule", "bad-world"),
+    "world size {} is not divisible by ETP x EP x PP = {}": ("rule", "bad-expert-grid"),
+    "--global-batch-size ({}) must be divisible by micro batch x DP ({} x {})": ("rule", "bad-global-batch"),
+    "with --num-virtual-stages-per-pipeline-rank, the micro-batches per step ({}) must be a multiple of "
+    "--pipeline-model-parallel-size ({})": ("rule", "bad-virtual-microbatches"),
+    "{} is not an s3://BUCKET/PREFIX URL (bucket: 3-63 of a-z 0-9 . -)":
+        ("schema", _m(checkpoint={"objectStore": {"bucket": "Bucket"}}), "spec.checkpoint.objectStore.bucket"),
+    "{}: the prefix has an empty, '.' or '..' part":
+        ("schema", _m(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "../x"}}),
+         "spec.checkpoint.objectStore.prefix"),
+}
+#: Where the trainer refuses at start-up from its command line and environment alone.
+REFUSING_FUNCTIONS = {"config.py": {"_validate_parallel_and_model", "_validate_training", "_validate_data",
+                                    "_validate_sft", "_validate_checkpoint", "_check_export_apart_from_checkpoints",
+                                    "parse_blend", "world_layout", "runtime_from_env", "_choice", "num"},
+                      "objstore.py": {"parse_s3_url"}}
+
+
+def _refusal_templates() -> set[str]:
+    """The message of every `raise ValueError(...)` in REFUSING_FUNCTIONS, f-string fields as {}."""
+    import ast
+
+    out = set()
+    for name, functions in REFUSING_FUNCTIONS.items():
+        tree = ast.parse((Path(__file__).parents[1] / "trainer_image" / "megatron_trainer" / name).read_text())
+        for fn in ast.walk(tree):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name in functions):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                        getattr(node.exc.func, "id", "") == "ValueError" and node.exc.args:
+                    arg = node.exc.args[0]
+                    out.add(arg.value if isinstance(arg, ast.Constant) else
+                            "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in arg.values))
+    return out
+
+
+def trainer_start(job) -> str | None:
+    """What the trainer refuses at start-up from the spec alone (the rendered command line: parse_args,
+    world_layout; the environment: runtime_from_env), or None when it starts."""
+    import contextlib
+    import io
+
+    from megatron_trainer.config import runtime_from_env
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cfg = parse_args(megatron_args(job))
+        world_layout(cfg, job.spec.num_nodes * job.spec.gpus_per_node)
+        runtime_from_env({e.name: e.value for e in job.spec.env if e.value is not None})
+    except SystemExit:
+        return err.getvalue().rsplit(" error: ", 1)[-1].strip()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _matches(template: str, message: str) -> bool:
+    import re
+
+    return re.match(".*?".join(re.escape(part) for part in template.split("{}")) + "$", message, re.S) is not None
+
+
+def test_every_refusal_of_the_trainer_is_listed():
+    found = _refusal_templates()
+    assert len(found) > 60  # the scan sees the validation functions
+    assert sorted(found - TRAINER_REFUSALS.keys()) == [], "a refusal of the trainer without an admission twin"
+    assert sorted(TRAINER_REFUSALS.keys() - found) == [], "listed, but the trainer no longer says it"
+
+
+@pytest.mark.parametrize("template", sorted(TRAINER_REFUSALS))
+def test_each_refusal_of_the_trainer_has_an_admission_twin(template, monkeypatch):
+    kind, *how = TRAINER_REFUSALS[template]
+    if kind == "rule":
+        (case_id,) = how
+        manifest, rule = next((m, r) for c, m, r in CASES if c == case_id)
+        with pytest.raises(SpecError) as refused:
+            parse_job(manifest)
+        assert [p.rule for p in refused.value.problems] == [rule]
+        monkeypatch.setattr(rules, "evaluate_spec_rules", lambda spec: [])  # render it anyway
+        monkeypatch.setattr(rules, "evaluate_object_rules", lambda job: [])
+        message = trainer_start(parse_job(manifest))
+        assert message is not None and _matches(template, message), message
+    elif kind == "schema":
+        manifest, field = how
+        with pytest.raises(SpecError) as refused:
+            parse_job(manifest)
+        assert [p.field for p in refused.value.problems] == [field]
+    elif kind == "rendered":
+        flags, _why = how
+        assert set(flags) <= set(rules.MANAGED_FLAGS), "extraArgs could set these"
+    else:
+        assert kind == "reserved" and re2.search(rules.RESERVED_ENV_RE, how[0])
+
+
+
+# ---------------------------------------------------------------------- generated specs (issue 52)
+EXTRA_VALUES = ["0", "1", "-1", "5", "+2", "-.5", "1e-8", "-1e-8", "x", "", "nvrx", "minmax", "cosine", "2", "007"]
+
+
+@st.composite
+def jobs(draw):
+    """Specs around the rules the trainer shares: layouts, model shapes, numerics, data kinds, checkpoints,
+    Hugging Face import/export, the trainer's environment, and extraArgs from the trainer's own flag table."""
+    from factory import make_job
+    from megatron_operator.trainer_flags import SWITCH_FLAGS
+
+    one = st.sampled_from
+
+    def mostly(common, *rare):  # the common value 3 times in 4
+        return draw(one([common] * 3 * len(rare) + list(rare))) if rare else common
+
+    par = {"tensor": draw(one([1, 2, 4])), "pipeline": draw(one([1, 2])), "context": mostly(1, 2),
+           "expert": mostly(1, 2)}
+    if draw(st.integers(0, 4)) == 0:
+        par["virtualPipeline"] = 2
+    if draw(st.integers(0, 3)) == 0:
+        par["sequenceParallel"] = draw(st.booleans())
+    model = {"numLayers": draw(one([4, 8])), "hiddenSize": draw(one([512, 1024])),
+             "numAttentionHeads": draw(one([8, 16])), "seqLength": draw(one([512, 2048])), "vocabSize": 32000}
+    if draw(st.booleans()):
+        model.update(activation="swiglu", normalization="RMSNorm", positionEmbedding="rope", addBiasLinear=False)
+    for key, values in (("numExperts", [2, 4]), ("numQueryGroups", [2, 4]), ("maxPositionEmbeddings", [2048, 512]),
+                        ("ropeScalingFactor", [8]), ("kvChannels", [64])):
+        if (key == "numExperts" and par["expert"] > 1) or draw(st.integers(0, 7)) == 0:
+            model[key] = draw(one(values))
+    training = {"microBatchSize": draw(one([1, 2])), "trainIters": draw(one([5, 100])),
+                "precision": mostly("bf16", "fp16", "fp8"), "transformerImpl": mostly("transformer_engine", "local"),
+                "attentionBackend": mostly("flash", "unfused"), "cudaGraph": mostly("auto", "none", "fullIteration"),
+                "recompute": draw(one(["none", "selective", "full"])), "distributedOptimizer": mostly(True, False)}
+    if draw(st.booleans()) or "virtualPipeline" in par:
+        training["globalBatchSize"] = mostly(64, 8, 16, 33)
+    if draw(st.integers(0, 4)) == 0:
+        training["lrSchedule"] = {"warmupIters": draw(one([0, 10, 50])), "decayIters": draw(one([20, 100]))}
+    if draw(st.integers(0, 4)) == 0:
+        training["minLr"] = draw(one([0.0, 1e-5, 1.0]))
+    if draw(st.integers(0, 2)) == 0:
+        extra = []
+        for _ in range(draw(st.integers(1, 3))):
+            if draw(st.booleans()):
+                extra.append("--" + draw(one(sorted(set(SWITCH_FLAGS) - set(rules.MANAGED_FLAGS)))))
+            else:
+                flag, value = draw(one(rules.EXTRA_VALUE_FLAGS)), draw(one(EXTRA_VALUES))
+                extra += [f"--{flag}={value}"] if draw(st.booleans()) else [f"--{flag}"] + ([value] if value else [])
+        training["extraArgs"] = extra
+    o = {"numNodes": draw(one([1, 2, 4])), "gpusPerNode": mostly(8, 1, 2, 4), "parallelism": par,
+         "model": model, "training": training}
+    kind = draw(one(["mock", "sft", "sft", "pretraining"]))
+    if kind == "sft":
+        sft = {"train": "a.jsonl", "packing": draw(st.booleans())}
+        for key, value in (("valid", "v.jsonl"), ("evalInterval", 10), ("chatTemplate", "t.jinja")):
+            if draw(st.booleans()):
+                sft[key] = value
+        fmt = draw(one(["chat", "promptCompletion"]))
+        o["data"] = {"pvc": "d", "format": fmt, "tokenizer": {"path": "tok"}, "sft": sft}
+    elif kind == "pretraining":
+        o["data"] = {"pvc": "d", "paths": [{"prefix": "a"}], "split": draw(one(["969,30,1", "0,1,1", "1"])),
+                     "tokenizer": draw(one([{"type": "HuggingFace", "path": "t"}, {"type": "Null"}]))}
+    store = draw(one([None, "pvc", "objectStore"]))
+    if store == "pvc":
+        o["checkpoint"] = {"pvc": "c", "async": draw(st.booleans()), "interval": draw(one([1, 50]))}
+    elif store == "objectStore":
+        o["checkpoint"] = {"objectStore": {"bucket": "ckpt-bucket"}}
+        if draw(st.booleans()):
+            o["checkpoint"]["objectStore"]["prefix"] = draw(one(["a", "job"]))
+    if draw(st.integers(0, 4)) == 0:
+        o["init"] = {"huggingFace": {"pvc": "m", "path": draw(one(["x", "y"]))}}
+    if draw(st.integers(0, 4)) == 0:
+        o["export"] = {"huggingFace": {"objectStore": True, "path": draw(one(["job", "job/hf", "exp", "a"]))}
+                       if store == "objectStore" and draw(st.booleans()) else {"pvc": "m", "path": draw(one(["x", "z"]))}}
+    if draw(st.integers(0, 5)) == 0:
+        o["env"] = [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": draw(one(["30", "-1", "soon", "1.5"]))}]
+    return make_job(**o)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(job=jobs())
+def test_every_admitted_spec_starts(job):
+    """What admission accepts, the trainer starts with (the rendered command line and environment)."""
+    try:
+        parsed = parse_job(job)
+    except SpecError:
+        event("refused at admission")
+        return
+    event("admitted")
+    assert trainer_start(parsed) is None, job["spec"]

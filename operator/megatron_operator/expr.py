@@ -514,6 +514,38 @@ class Index(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class At(Expr):
+    """``list[i]`` with a computed index (the caller guards it: out of range is a CEL error)."""
+
+    items: Expr
+    index: Expr
+
+    def cel(self) -> str:
+        return f"{self.items.cel()}[{self.index.cel()}]"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        items, i = self.items.eval(env), self.index.eval(env)
+        if not 0 <= i < len(items):
+            raise Missing(self.cel())
+        return items[i]
+
+
+@dataclass(frozen=True, eq=False)
+class LastIndexOf(Expr):
+    """Kubernetes CEL's lists-library ``list.lastIndexOf(x)``: the last position of ``x``, or -1."""
+
+    items: Expr
+    value: Expr
+
+    def cel(self) -> str:
+        return f"{self.items.cel()}.lastIndexOf({self.value.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        items, value = self.items.eval(env), self.value.eval(env)
+        return max((i for i, item in enumerate(items) if item == value), default=-1)
+
+
+@dataclass(frozen=True, eq=False)
 class Attr(Expr):
     """``expr.name`` on a map-valued expression."""
 

@@ -18,6 +18,10 @@ PLURAL = "megatronjobs"
 MAX_NAME_LENGTH = 40
 # What a MegatronJob's name must match, besides MAX_NAME_LENGTH (rules.NAME_RULE, and the spec model's field).
 RFC1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+#: An objectStore endpoint (the spec field's pattern, and rules' env-endpoint-url): scheme, host and a port
+#: 1-65535 without leading zeros; no path, no user info, so no credential can ride in the URL.
+TCP_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+S3_ENDPOINT = r"^https?://[A-Za-z0-9.-]+(:" + TCP_PORT + r")?/?$"
 #: The service-account annotations of workload identity an objectStore may set (IRSA, GKE, Azure).
 WORKLOAD_IDENTITY_ANNOTATIONS = ("eks.amazonaws.com/role-arn", "eks.amazonaws.com/sts-regional-endpoints",
                                  "eks.amazonaws.com/token-expiration", "iam.gke.io/gcp-service-account",

@@ -16,12 +16,14 @@ from typing import Any
 
 from .expr import (
     All,
+    At,
     Attr,
     Expr,
     Field,
     Filter,
     Has,
     Index,
+    LastIndexOf,
     Lit,
     Matches,
     Missing,
@@ -37,9 +39,9 @@ from .expr import (
     optionals,
     rebase,
 )
-from .names import MAX_NAME_LENGTH, RFC1035_LABEL, WORKLOAD_IDENTITY_ANNOTATIONS
+from .names import MAX_NAME_LENGTH, RFC1035_LABEL, S3_ENDPOINT, WORKLOAD_IDENTITY_ANNOTATIONS
 from .presets import MODEL_PRESETS
-from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS
+from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
 
 # --------------------------------------------------------------------------------------------
 # Values every rule shares (each is an expression: CEL and Python at once)
@@ -179,6 +181,48 @@ MANAGED_FLAG_RE = r"^--(" + "|".join(fl.replace(".", r"\.") for fl in MANAGED_FL
 KNOWN_FLAG_RE = (r"^--(" + "|".join(VALUE_FLAGS) + r")(=.*)?$|^--(" + "|".join(SWITCH_FLAGS) + r")$|^[^-]|^-[0-9.]|"
                  r"[\s\x00-\x1f\x7f]")  # (whitespace: extra-args-one-token reports it)
 
+# What each extraArgs value flag takes, as the trainer's parser converts it (trainer_flags.VALUE_TYPES), with
+# the bounds the trainer checks at start-up on top (config.validate, tensorboard.TensorBoardWriter): each as
+# (what "--flag=VALUE" may say, what a separate "--flag", "VALUE" may say: argparse takes an item that starts
+# with "-" for a value only when it looks like a negative number, ^-\d+$|^-\d*\.\d+$).
+_NEG = r"-[0-9]+|-[0-9]*\.[0-9]+"
+_FLOAT = r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"
+VALUE_BOUNDS = {"cuda-graph-warmup-steps": 1, "distributed-timeout-minutes": 1, "dist-ckpt-workers": 1,
+                "tensorboard-log-interval": 1, "manual-gc-interval": 0}
+
+
+def _value_patterns(flag: str) -> tuple[str, str]:
+    kind = VALUE_TYPES[flag]
+    if flag in VALUE_BOUNDS:
+        n = r"\+?[0-9]+" if VALUE_BOUNDS[flag] == 0 else r"\+?0*[1-9][0-9]*"
+        return n, n
+    if isinstance(kind, tuple):
+        one_of = "|".join(c.replace(".", r"\.") for c in kind)
+        return one_of, one_of
+    if kind == "int":
+        return r"[-+]?[0-9]+", r"\+?[0-9]+|-[0-9]+"
+    if kind == "float":
+        return rf"[-+]?{_FLOAT}", rf"\+?{_FLOAT}|{_NEG}"
+    return r".*", rf"|[^-].*|{_NEG}"
+
+
+# The value flags extraArgs may set (the others are rendered from the spec: extra-args-not-managed).
+EXTRA_VALUE_FLAGS = tuple(fl for fl in VALUE_FLAGS if fl not in MANAGED_FLAGS)
+EXTRA_VALUE_EQ_RE = "^--(" + "|".join(EXTRA_VALUE_FLAGS) + ")="
+EXTRA_VALUE_EQ_OK_RE = "^--(" + "|".join(f"{fl}=({_value_patterns(fl)[0]})" for fl in EXTRA_VALUE_FLAGS) + ")$"
+
+
+def _describe_extra_values() -> str:
+    groups: dict[str, list[str]] = {}
+    for fl in EXTRA_VALUE_FLAGS:
+        kind = VALUE_TYPES[fl]
+        what = (f"an integer >= {VALUE_BOUNDS[fl]}" if fl in VALUE_BOUNDS else
+                f"one of {', '.join(kind)}" if isinstance(kind, tuple) else
+                {"int": "an integer", "float": "a number"}.get(kind, "text"))
+        groups.setdefault(what, []).append(f"--{fl}")
+    return "; ".join(f"{what}: {', '.join(flags)}" for what, flags in groups.items())
+
+
 # Environment the operator sets in the trainer container; spec.env may not override it.
 # The device plugin decides which GPUs a container sees: NVIDIA_VISIBLE_DEVICES=all (the CUDA images'
 # default, if set by the user) would show a pod every GPU of its node. torchrun sets its own
@@ -271,6 +315,35 @@ class Problem:
     def as_dict(self) -> dict[str, str]:
         return {"field": self.field, "message": self.message, "rule": self.rule}
 
+
+extra_args = f("training.extraArgs")
+
+
+def _all(exprs) -> Expr:
+    out: Expr = Lit(True)
+    for e in exprs:
+        out = out & e
+    return out
+
+
+def _given(flag: str) -> Expr:
+    return Size(Filter(extra_args, "x", Var("x").eq(flag))) > 0
+
+
+def _separate_value_ok(flag: str) -> Expr:
+    """``--flag`` given at most once as its own item, and then followed by a value of its type (argparse takes
+    the last; every "--flag=VALUE" is checked apart)."""
+    last = LastIndexOf(extra_args, lit(f"--{flag}"))
+    once = Size(Filter(extra_args, "x", Var("x").eq(f"--{flag}"))) <= 1
+    return once & ((last < 0) | ((last + 1 < Size(extra_args))
+                                 & Matches(At(extra_args, last + 1), f"^({_value_patterns(flag)[1]})$")))
+
+
+_gc_last = LastIndexOf(extra_args, lit("--manual-gc-interval"))
+_manual_gc_interval_set = (
+    (Size(Filter(extra_args, "x", Matches(Var("x"), r"^--manual-gc-interval=\+?0*[1-9][0-9]*$"))) > 0)
+    | ((_gc_last >= 0) & (_gc_last + 1 < Size(extra_args))
+       & Matches(At(extra_args, _gc_last + 1), r"^\+?0*[1-9][0-9]*$")))
 
 SPEC_RULES: list[Rule] = [
     Rule("model-complete", "model",
@@ -410,6 +483,11 @@ SPEC_RULES: list[Rule] = [
          message=fmt("spec.training.cudaGraph: fullIteration needs pipeline 1 and a dense model (pipeline is ",
                      pp.str(), ", numExperts ", experts.str(), "); use cudaGraph auto, which runs such jobs "
                      "eagerly")),
+    # OptimizerParamScheduler.__init__ asserts 0 <= min_lr <= max_lr (the trainer refuses it at start-up)
+    Rule("min-lr-at-most-lr", "training.minLr",
+         f("training.minLr") <= f("training.lr"), when=has("training.minLr"),
+         message=fmt("spec.training.minLr: ", f("training.minLr").str(), " is larger than lr ",
+                     f("training.lr").str(), "; the rate decays from lr down to minLr: set minLr <= lr (default lr / 10)")),
     # OptimizerParamScheduler: lr_warmup_steps < lr_decay_steps
     Rule("warmup-before-decay", "training.lrSchedule.warmupIters",
          f("training.lrSchedule.warmupIters") < opt("training.lrSchedule.decayIters", f("training.trainIters")),
@@ -436,12 +514,51 @@ SPEC_RULES: list[Rule] = [
                      Index(Filter(f("training.extraArgs"), "a", ~Matches(Var("a"), KNOWN_FLAG_RE)), 0),
                      " is not a flag the trainer accepts (flags are spelled out in full: no abbreviations, no "
                      "--help; a switch takes no =value); docs/trainer-contract.md lists them")),
+    # The trainer's parser and start-up checks on the values extraArgs pass through (each value flag once, with
+    # one value of its type: argparse refuses "--num-workers two" and a flag without its value; config.validate
+    # and the TensorBoard writer refuse the out-of-bounds ones, VALUE_BOUNDS).
+    Rule("extra-args-values", "training.extraArgs",
+         All(extra_args, "x", ~Matches(Var("x"), EXTRA_VALUE_EQ_RE) | Matches(Var("x"), EXTRA_VALUE_EQ_OK_RE))
+         & _all(_separate_value_ok(fl) for fl in EXTRA_VALUE_FLAGS),
+         message=lit("spec.training.extraArgs: a value flag is given twice, without its value, or with a value the "
+                     "trainer does not take (" + _describe_extra_values() + ")")),
+    # config.validate: --overlap-param-gather needs --overlap-grad-reduce and the distributed optimizer, and the
+    # full-iteration CUDA graph cannot wait inside the graph for a gather started outside it.
+    Rule("extra-args-overlap-param-gather", "training.extraArgs",
+         _given("--overlap-grad-reduce") & f("training.distributedOptimizer")
+         & opt("training.cudaGraph", "auto").ne("fullIteration"),
+         when=_given("--overlap-param-gather"),
+         message=lit("spec.training.extraArgs: --overlap-param-gather needs --overlap-grad-reduce in extraArgs, "
+                     "spec.training.distributedOptimizer: true and a cudaGraph other than fullIteration")),
+    Rule("extra-args-manual-gc", "training.extraArgs",
+         _given("--manual-gc"), when=_manual_gc_interval_set,
+         message=lit("spec.training.extraArgs: a --manual-gc-interval other than 0 needs --manual-gc")),
+    Rule("extra-args-pretraining-only", "training.extraArgs",
+         ~(_given("--reset-attention-mask") | _given("--reset-position-ids") | _given("--eod-mask-loss")),
+         when=has("data.sft"),
+         message=lit("spec.training.extraArgs: --reset-attention-mask, --reset-position-ids and --eod-mask-loss are "
+                     "pretraining flags; fine-tuning masks the loss to the answers, and packing keeps samples apart")),
+    Rule("extra-args-one-optimizer-layout", "training.extraArgs",
+         ~(_given("--dist-ckpt-optim-fully-reshardable") & _given("--dist-ckpt-optim-dp-reshardable")),
+         message=lit("spec.training.extraArgs: --dist-ckpt-optim-fully-reshardable and --dist-ckpt-optim-dp-reshardable "
+                     "contradict each other: give one")),
+    Rule("extra-args-exit-on-missing-checkpoint", "training.extraArgs",
+         has("checkpoint"), when=_given("--exit-on-missing-checkpoint"),
+         message=lit("spec.training.extraArgs: --exit-on-missing-checkpoint needs spec.checkpoint (the checkpoint "
+                     "it expects to load)")),
     Rule("env-not-reserved", "env",
          All(f("env"), "e", ~Matches(Field("name", "e"), RESERVED_ENV_RE)),
          message=fmt("spec.env: ",
                       Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), RESERVED_ENV_RE)), 0), "name"),
                       " is set by the operator, torchrun or the GPU device plugin (rendezvous, progress reporting, NCCL, "
                       "which GPUs the pod sees); use another name")),
+    # The trainer reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT as its shutdown grace (config.runtime_from_env) and
+    # refuses a value that is not a number >= 0 at start-up (exit 2).
+    Rule("env-shutdown-timeout", "env",
+         All(f("env"), "e", ~(Field("name", "e").eq("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") & Has(Field("value", "e")))
+             | Matches(Field("value", "e"), r"^[0-9]{1,9}(\.[0-9]{1,9})?$")),
+         message=lit("spec.env: TORCH_ELASTIC_SHUTDOWN_TIMEOUT is the trainer's shutdown grace in seconds: a number "
+                     ">= 0 such as 30")),
     Rule("extended-resources-not-reserved", "resources.extendedResources",
          All(f("resources.extendedResources"), "k", ~Matches(Var("k"), RESERVED_RESOURCE_RE)),
          message=fmt("spec.resources.extendedResources: ",
@@ -552,10 +669,27 @@ SPEC_RULES: list[Rule] = [
     Rule("data-sft-chat-template", "data.sft.chatTemplate",
          f("data.format").eq("chat"), when=has("data.sft") & has("data.sft.chatTemplate"),
          message=fmt("spec.data.sft.chatTemplate: a chat template applies to format chat, not ", f("data.format"))),
+    # The trainer: packed SFT runs on the local path (Transformer Engine's attention would ignore the
+    # document mask), which has no FP8 kernels; SFT samples are not split for context parallelism (that
+    # needs Transformer Engine's packed THD attention, which the trainer does not use).
+    Rule("data-sft-packing-no-fp8", "data.sft.packing",
+         precision.ne("fp8"), when=has("data.sft") & f("data.sft.packing"),
+         message=lit("spec.data.sft.packing: packed fine-tuning runs on the local attention path (Transformer "
+                     "Engine's attention would ignore the document mask), which has no FP8; set packing: false "
+                     "for precision fp8, or precision bf16")),
+    Rule("data-sft-no-context-parallel", "parallelism.context",
+         cp.eq(1), when=has("data.sft"),
+         message=fmt("spec.parallelism.context: ", cp.str(), " with fine-tuning data (spec.data.sft) needs "
+                     "Transformer Engine's packed (THD) attention, which the trainer does not use; set context: 1")),
     Rule("data-sft-eval-interval", "data.sft.evalInterval",
          has("data.sft.valid"), when=has("data.sft") & has("data.sft.evalInterval"),
          message=lit("spec.data.sft.evalInterval: evaluation reads spec.data.sft.valid; set it, or drop "
                      "evalInterval")),
+    # The trainer: --split's first weight is the training set's (config._validate_data)
+    Rule("data-split-train", "data.split",
+         ~Matches(f("data.split"), r"^0+(\.0+)?(,|$)"),
+         message=fmt("spec.data.split: ", f("data.split"), " gives the training set no weight; the first of "
+                     "train,valid,test must be above 0, e.g. 969,30,1")),
     Rule("data-tokenizer-with-pvc", "data.tokenizer",
          has("data.tokenizer"), when=has("data.pvc") & ~has("data.sft") & f("data.format").eq("pretraining"),
          message=lit("spec.data.tokenizer: real data needs a tokenizer (type HuggingFace with path, or Null)")),
@@ -616,8 +750,21 @@ ckpt_prefix = f("checkpoint.objectStore.prefix")
 sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
 WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
 # Environment variables that hold an object-store credential: never as a literal value in the spec
-# (it would show in the JobSet, the pods and `kubectl get -o yaml`).
-CREDENTIAL_ENV_RE = r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN)$"
+# (it would show in the JobSet, the pods and `kubectl get -o yaml`). AWS_CONTAINER_AUTHORIZATION_TOKEN is the
+# token botocore sends to AWS_CONTAINER_CREDENTIALS_FULL_URI, AWS_BEARER_TOKEN_<SERVICE> a service's bearer
+# token (botocore.utils.get_token_from_environment). docs/object-storage.md lists every variable boto3 and
+# multi-storage-client read, and what is refused.
+CREDENTIAL_ENV_RE = (r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN|"
+                     r"AWS_CONTAINER_AUTHORIZATION_TOKEN|AWS_BEARER_TOKEN_[A-Z0-9_]+)$")
+# A URL with user info (scheme://user[:password]@host): a credential in the URL, in any variable. Proxy
+# variables (read by botocore, urllib and requests) also take the URL without its scheme (user:pass@host:3128).
+URL_USERINFO_RE = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
+PROXY_ENV_RE = r"(?i)^(http|https|all|ftp)_proxy$"
+PROXY_USERINFO_RE = r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@"
+# botocore's endpoint variables: AWS_ENDPOINT_URL, and AWS_ENDPOINT_URL_<SERVICE> (S3, STS, ...). A literal
+# value takes the shape of spec.checkpoint.objectStore.endpoint (the field's pattern): the variable is
+# another way to set the same thing, and must not go around the field's rules.
+ENDPOINT_ENV_RE = r"^AWS_ENDPOINT_URL(_[A-Z0-9_]+)?$"
 
 SPEC_RULES += [
     Rule("checkpoint-one-location", "checkpoint",
@@ -652,7 +799,7 @@ SPEC_RULES += [
                      "export to a pvc")),
     # An export among the checkpoints' keys would mix the two (and its never-overwrite check would refuse
     # the prefix the checkpoints fill). The default prefix is the job's name, which a spec rule cannot see:
-    # the trainer refuses that overlap at start-up (exit 2).
+    # OBJECT_RULES' hf-export-outside-default-prefix checks it.
     Rule("hf-export-outside-checkpoint-prefix", "export.huggingFace.path",
          ~(export_path.eq(ckpt_prefix) | StartsWith(export_path, ckpt_prefix + "/")
            | StartsWith(ckpt_prefix, export_path + "/")),
@@ -662,6 +809,29 @@ SPEC_RULES += [
                           cond(StartsWith(export_path, ckpt_prefix + "/"), " is inside", " contains")),
                      " spec.checkpoint.objectStore.prefix ", ckpt_prefix,
                      "; export to a prefix apart from the checkpoints, e.g. exports/<name>")),
+    Rule("env-no-url-credentials", "env",
+         All(f("env"), "e", ~(Has(Field("value", "e")) & (
+             Matches(Field("value", "e"), URL_USERINFO_RE)
+             | (Matches(Field("name", "e"), PROXY_ENV_RE) & Matches(Field("value", "e"), PROXY_USERINFO_RE))))),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e")) & (
+                         Matches(Field("value", "e"), URL_USERINFO_RE)
+                         | (Matches(Field("name", "e"), PROXY_ENV_RE)
+                            & Matches(Field("value", "e"), PROXY_USERINFO_RE)))), 0), "name"),
+                     " holds a URL with user info (user:password@host), a credential in plain sight of the pods and "
+                     "`kubectl get -o yaml`; drop it from the URL and use spec.checkpoint.objectStore."
+                     "credentialsSecret, or take the whole value from a Secret (valueFrom.secretKeyRef)")),
+    Rule("env-endpoint-url", "env",
+         All(f("env"), "e", ~(Has(Field("value", "e")) & Matches(Field("name", "e"), ENDPOINT_ENV_RE))
+             | Matches(Field("value", "e"), S3_ENDPOINT)
+             | Matches(Field("value", "e"), URL_USERINFO_RE)),  # env-no-url-credentials says it
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e"))
+                                       & Matches(Field("name", "e"), ENDPOINT_ENV_RE)
+                                       & ~Matches(Field("value", "e"), S3_ENDPOINT)
+                                       & ~Matches(Field("value", "e"), URL_USERINFO_RE)), 0), "name"),
+                     " must be http(s)://HOST[:PORT] (a port 1-65535; no path, no user info), as "
+                     "spec.checkpoint.objectStore.endpoint, which sets the same thing")),
     Rule("env-no-literal-credentials", "env",
          All(f("env"), "e", ~(Matches(Field("name", "e"), CREDENTIAL_ENV_RE) & Has(Field("value", "e")))),
          message=fmt("spec.env: ",
@@ -673,7 +843,24 @@ SPEC_RULES += [
 ]
 
 
-# Rules on the whole object (``self`` is the MegatronJob): only metadata.name is visible there.
+# Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
+# they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules
+# (crd.create_only), as the spec rules are.
+job_name = f("metadata.name")
+export_store_path = f("spec.export.huggingFace.path")
+OBJECT_RULES: list[Rule] = [
+    # hf-export-outside-checkpoint-prefix for the default prefix, the job's name (render: checkpoint_url)
+    Rule("hf-export-outside-default-prefix", "spec.export.huggingFace.path",
+         ~(export_store_path.eq(job_name) | StartsWith(export_store_path, job_name + "/")),
+         when=has("spec.export") & f("spec.export.huggingFace.objectStore") & has("spec.checkpoint")
+         & has("spec.checkpoint.objectStore") & ~has("spec.checkpoint.objectStore.prefix"),
+         message=fmt("spec.export.huggingFace.path: ", export_store_path,
+                     cond(export_store_path.eq(job_name), " is", " is inside"),
+                     " the checkpoints' prefix, which is the job's name ", job_name,
+                     " (spec.checkpoint.objectStore.prefix is not set); export to a prefix apart from the "
+                     "checkpoints, e.g. exports/<name>")),
+]
+
 NAME_RULE = {
     "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches({RFC1035_LABEL!r})",
     "message": f"metadata.name: at most {MAX_NAME_LENGTH} characters, an RFC 1035 label (lower-case letters, "
@@ -702,6 +889,13 @@ def evaluate_spec_rules(spec: dict[str, Any]) -> list[Problem]:
     return problems
 
 
+def evaluate_object_rules(job: dict[str, Any]) -> list[Problem]:
+    """Every violated OBJECT_RULES rule for a MegatronJob in wire form (metadata.name, spec with defaults)."""
+    env = {"self": job}
+    return [Problem(rule.field, str(rule.message.eval(env)), rule.name) for rule in OBJECT_RULES
+            if not rule.condition().eval(env)]
+
+
 def resolved_model(spec: dict[str, Any]) -> dict[str, Any]:
     """The effective model (preset + explicit fields + derived defaults), from the same expressions."""
     env = {"self": spec}
@@ -725,6 +919,7 @@ def derived_layout(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
-    "SPEC_RULES", "NAME_RULE", "MANAGED_FLAGS", "Problem", "Rule", "evaluate_spec_rules", "resolved_model",
+    "SPEC_RULES", "OBJECT_RULES", "NAME_RULE", "MANAGED_FLAGS", "Problem", "Rule", "evaluate_spec_rules",
+    "evaluate_object_rules", "resolved_model",
     "derived_layout",
 ]

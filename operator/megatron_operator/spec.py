@@ -30,6 +30,7 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
     MAX_NAME_LENGTH,
     PLURAL,
     RFC1035_LABEL,
+    S3_ENDPOINT,
     VERSION,
     WORKLOAD_IDENTITY_ANNOTATIONS,
 )
@@ -314,10 +315,9 @@ class DataSpec(ApiModel):
     sft: SFTData | None = Field(None, description="The fine-tuning files (format chat or promptCompletion).")
 
 
-# S3 bucket names (3-63 of a-z 0-9 . -, alphanumeric at both ends), endpoints (scheme, host, port:
-# no path, no user info, so no credential can ride in the URL) and region names.
+# S3 bucket names (3-63 of a-z 0-9 . -, alphanumeric at both ends), endpoints (names.S3_ENDPOINT) and region
+# names.
 S3_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
-S3_ENDPOINT = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
 S3_REGION = r"^[a-z0-9-]{1,32}$"
 
 
@@ -737,4 +737,16 @@ class MegatronJob(BaseModel):
     kind: Literal["MegatronJob"]
     metadata: ObjectMeta
     spec: MegatronJobSpec
+
+    @model_validator(mode="after")
+    def _check_object_rules(self) -> MegatronJob:
+        from .rules import evaluate_object_rules
+
+        problems = evaluate_object_rules({"metadata": {"name": self.metadata.name}, "spec": self.spec.wire()})
+        if problems:
+            raise PydanticCustomError(
+                "megatron_rules", "{summary}",
+                {"summary": "; ".join(p.message for p in problems), "problems": [p.as_dict() for p in problems]},
+            )
+        return self
     status: MegatronJobStatus | None = None

@@ -121,7 +121,8 @@ def test_template_that_does_not_render_is_a_clear_error(tmp_path):
     tok = make_tokenizer(tmp_path / "t", bad)
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hello"},
                                                             {"role": "assistant", "content": "hi"}]}])
-    with pytest.raises(sft.SFTDataError, match=r"d.jsonl:1: the chat template does not render this conversation: "
+    with pytest.raises(sft.SFTDataError, match=r"d.jsonl:1: the chat template \(.*/t/tokenizer_config.json "
+                                               r"chat_template, line 1\) does not render this conversation: "
                                                r"a system prompt is required"):
         sft.SFTTokenizer(tok, sft.SFTOptions("chat", 64)).tokenize_file(str(path))
     with pytest.raises(sft.SFTDataError, match="does not compile"):

@@ -105,10 +105,16 @@ def without_optionals(expr: str) -> str:
     return expr
 
 
+def _last_index_of(items: Any, value: Any) -> Any:
+    """Kubernetes CEL's lists library: list.lastIndexOf(x), -1 when absent."""
+    return celpy.celtypes.IntType(max((i for i, item in enumerate(items) if item == value), default=-1))
+
+
 def _program(expr: str) -> Any:
     if expr not in _CACHE:
         _CACHE[expr] = _ENV.program(_ENV.compile(without_optionals(expr)),
-                                    functions={"format": _format, "hasValue": _has_value, "value": _value})
+                                    functions={"format": _format, "hasValue": _has_value, "value": _value,
+                                               "lastIndexOf": _last_index_of})
     return _CACHE[expr]
 
 

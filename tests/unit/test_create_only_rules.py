@@ -100,8 +100,10 @@ def test_key_rules_inside_immutable_fields_are_create_only():
     assert not any(path[0] in RESHAPE for path, _ in found)  # no node rule keeps spec.parallelism equal
 
 
-def test_the_name_rule_on_the_object_is_evaluated_always():
-    assert ROOT["x-kubernetes-validations"] == [crd.rules.NAME_RULE]
+def test_the_name_rule_on_the_object_is_evaluated_always_the_object_rules_at_create():
+    assert ROOT["x-kubernetes-validations"] == [crd.rules.NAME_RULE] + [
+        crd.create_only(r.to_cel()) for r in crd.rules.OBJECT_RULES]
+    assert all(v["rule"].startswith(PREFIX) and v["optionalOldSelf"] for v in ROOT["x-kubernetes-validations"][1:])
 
 
 def test_create_only_refuses_a_rule_that_is_already_a_transition_rule():
@@ -113,11 +115,17 @@ def test_create_only_refuses_a_rule_that_is_already_a_transition_rule():
 def test_at_create_refused_and_on_update_not_evaluated(case_id, doc, rule):
     """At create the rule refuses the spec (test_spec_rules checks the message); on an update of the
     same spec (a status write; suspend) it is not evaluated, as on the API server."""
-    spec = apply_defaults(ROOT, copy.deepcopy(doc))["spec"]
-    assert cel_errors(SPEC, spec)
-    running = {**spec, "suspend": False}
-    assert cel_errors(SPEC, running, old=running) == []
-    assert cel_errors(SPEC, {**running, "suspend": True}, old=running) == []
+    job = apply_defaults(ROOT, copy.deepcopy(doc))
+    job = {**job, "spec": {**job["spec"], "suspend": False}}  # a running job's updates
+    if rule in {r.name for r in crd.rules.OBJECT_RULES}:  # a rule on the whole object (it reads metadata.name)
+        schema, value = ROOT, job
+        suspended = {**job, "spec": {**job["spec"], "suspend": True}}
+    else:
+        schema, value = SPEC, job["spec"]
+        suspended = {**value, "suspend": True}
+    assert cel_errors(schema, value)
+    assert cel_errors(schema, value, old=value) == []
+    assert cel_errors(schema, suspended, old=value) == []
 
 
 def test_parallelism_changes_while_suspended_and_only_then():

@@ -27,6 +27,13 @@ def flag(*names: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:
     return {"flags": names, "help": help, **argparse_kwargs}
 
 
+#: --object-store-endpoint: scheme, host and a port 1-65535 (no leading zero), nothing else: no path, no user info
+#: (no credential in the URL), no character multi-storage-client would expand ("${VAR}" in its configuration).
+#: The operator's spec.checkpoint.objectStore.endpoint pattern is the same (tests/test_contract_refusals.py).
+OBJECT_STORE_ENDPOINT = (r"https?://[A-Za-z0-9.-]+(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|"
+                         r"655[0-2][0-9]|6553[0-5]))?/?")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over GPUs (Megatron-Core `initialize_model_parallel`)."""
@@ -813,9 +820,9 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
     elif c.object_store_endpoint or c.object_store_region:
         raise ValueError("--object-store-endpoint/--object-store-region need an s3://BUCKET/PREFIX --save, --load "
                          "or --hf-export")
-    if c.object_store_endpoint and not re.match(r"^https?://[^\s/@]+(:\d+)?/?$", c.object_store_endpoint):
+    if c.object_store_endpoint and not re.fullmatch(OBJECT_STORE_ENDPOINT, c.object_store_endpoint):
         raise ValueError(f"--object-store-endpoint {c.object_store_endpoint!r}: expected http(s)://HOST[:PORT] "
-                         "(no path, no user info)")
+                         "(a port 1-65535; no path, no user info)")
     if c.hf_export_only and not (c.hf_export and c.load):
         raise ValueError("--hf-export-only needs --load DIR (the checkpoint) and --hf-export DIR (where to write)")
     local_export = c.hf_export if c.hf_export is not None and not c.hf_export.startswith("s3://") else None

@@ -35,7 +35,8 @@ class ExitCode(enum.IntEnum):
     ERROR = 1
     #: The command line or the environment is wrong (argparse's code): a restart runs the same one.
     BAD_ARGUMENTS = 2
-    #: Training data or tokenizer missing or malformed (--data-path prefixes, .idx, --tokenizer-model).
+    #: Training data, tokenizer or chat template missing or malformed (--data-path prefixes, .idx,
+    #: --tokenizer-model's files, a fine-tuning line, a chat template that fails: sft.bad_input_is_fatal).
     BAD_DATA = 3
     #: CUDA out of memory before the first iteration finished: the same layout runs out again.
     OOM_AT_STARTUP = 4

@@ -16,6 +16,7 @@ tensor's bytes in order, so a shard never has to be in memory at once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -25,7 +26,14 @@ from pathlib import Path
 MAX_HEADER_BYTES = 100_000_000
 #: model.safetensors.index.json of a 405B model is ~100 kB; anything past this is not an index.
 MAX_INDEX_BYTES = 64 << 20
+#: Bits per element of every dtype the safetensors library knows (its ``Dtype::bitsize``): a file with any
+#: of them is read; only the float ones can be loaded as weights (FLOAT_DTYPES, hf_source).
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+#: serde_json's recursion limit: the library refuses a header nested this deep.
+MAX_HEADER_DEPTH = 128
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -56,8 +64,76 @@ class TensorInfo:
         return n
 
 
+class _StrictHeader(json.JSONDecoder):
+    """JSON as the safetensors library (serde_json) reads a header: no NaN or Infinity, no number beyond a
+    float's range, no key given twice (``_check_json_values`` does lone surrogates and depth); ``-0`` stays
+    apart from ``0`` (serde reads it as a float, which no size or offset may be)."""
+
+    def __init__(self):
+        super().__init__(object_pairs_hook=self._pairs, parse_constant=self._constant, parse_int=self._int,
+                         parse_float=self._float)
+
+    @staticmethod
+    def _pairs(pairs: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:  # readers disagree on which one wins
+                raise SafetensorsError(f"{_show(key)} is given twice")
+            out[key] = value
+        return out
+
+    @staticmethod
+    def _constant(name: str):
+        raise SafetensorsError(f"{name} is not JSON")
+
+    @staticmethod
+    def _float(text: str) -> float:
+        value = float(text)
+        if math.isinf(value):  # serde: "number out of range"
+            raise SafetensorsError(f"{text[:40]} is out of range")
+        return value
+
+    @staticmethod
+    def _int(text: str) -> int | float:
+        value = int(text)
+        return -0.0 if value == 0 and text.startswith("-") else value
+
+
+def _show(name: str) -> str:
+    return repr(name[:200]).encode("ascii", "backslashreplace").decode()
+
+
+def _check_json_values(header: object) -> None:
+    """What Python's json accepts and serde_json does not: a lone surrogate (an unpaired \\uD800-\\uDFFF
+    escape) in a string, and nesting deeper than serde's recursion limit."""
+    stack = [(header, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise SafetensorsError(f"{_show(value)} holds an unpaired surrogate escape (not Unicode)") from None
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_HEADER_DEPTH:
+                raise SafetensorsError(f"nested deeper than {MAX_HEADER_DEPTH - 1} levels")
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+
+
+def _u64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor of one file, checked against the file's size; SafetensorsError otherwise."""
+    """Every tensor of one file, checked as the safetensors library checks it (and against the file's
+    size); SafetensorsError otherwise.
+
+    The library's rules (safetensors ``Metadata::validate`` and ``read_metadata``): the header is a JSON
+    object of tensor entries ``{"dtype", "shape", "data_offsets"}`` and an optional ``__metadata__`` of
+    strings; each tensor's bytes are its shape times its dtype's size; sorted by offset, the tensors tile
+    the data from byte 0 with no gap and no overlap, and the file ends where the last one does. Stricter
+    than the library in one way: a name given twice is refused (the library keeps the last)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -75,37 +151,54 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     except OSError as e:
         raise SafetensorsError(f"{path.name}: cannot be read: {e.strerror or e}") from None
     try:
-        header = json.loads(raw)
+        header = _StrictHeader().decode(raw.decode("utf-8"))
+        _check_json_values(header)
+    except SafetensorsError as e:
+        raise SafetensorsError(f"{path.name}: header is not valid JSON: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SafetensorsError(f"{path.name}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path.name}: header is not a JSON object")
     data_start = 8 + n
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise SafetensorsError(f"{path.name}: __metadata__ is not an object of strings")
     out: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(entry, dict):
-            raise SafetensorsError(f"{path.name}: entry {name[:200]!r} is not an object")
+            raise SafetensorsError(f"{path.name}: entry {_show(name)} is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
-            raise SafetensorsError(f"{path.name}: {name[:200]}: unknown dtype {str(dtype)[:40]!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                for d in shape)):
-            raise SafetensorsError(f"{path.name}: {name[:200]}: bad shape {str(shape)[:80]}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise SafetensorsError(f"{path.name}: {name[:200]}: bad data_offsets {str(offsets)[:80]}")
-        numel = 1
-        for d in shape:
-            numel *= d
+        if dtype not in DTYPE_BITS:
+            raise SafetensorsError(f"{path.name}: {_show(name)}: unknown dtype {str(dtype)[:40]!r}")
+        if not (isinstance(shape, list) and all(_u64(d) for d in shape)):
+            raise SafetensorsError(f"{path.name}: {_show(name)}: bad shape {str(shape)[:80]}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_u64(o) for o in offsets)):
+            raise SafetensorsError(f"{path.name}: {_show(name)}: bad data_offsets {str(offsets)[:80]}")
+        nbits = 1
+        for d in [*shape, DTYPE_BITS[dtype]]:  # in the library's order, each product within 64 bits
+            nbits *= d
+            if nbits >= 2**64:
+                raise SafetensorsError(f"{path.name}: {_show(name)}: shape {str(shape)[:80]} overflows 64 bits")
         begin, end = offsets
-        if not 0 <= begin <= end or end - begin != numel * DTYPE_BYTES[dtype]:
-            raise SafetensorsError(f"{path.name}: {name[:200]}: data_offsets {offsets} do not hold a "
-                                   f"{dtype} tensor of shape {shape}")
+        if nbits % 8 or not begin <= end or end - begin != nbits // 8:
+            raise SafetensorsError(f"{path.name}: {_show(name)}: data_offsets {offsets} do not hold a "
+                                   f"{dtype} tensor of shape {str(shape)[:80]}")
         if data_start + end > size:
-            raise SafetensorsError(f"{path.name}: {name[:200]} ends at byte {data_start + end} but the file has "
+            raise SafetensorsError(f"{path.name}: {_show(name)} ends at byte {data_start + end} but the file has "
                                    f"{size} (truncated)")
         out[name] = TensorInfo(path, dtype, tuple(shape), data_start + begin, data_start + end)
+    covered = 0
+    for name, info in sorted(out.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if info.begin - data_start != covered:
+            what = "overlaps the tensor before it" if info.begin - data_start < covered else "leaves a gap before it"
+            raise SafetensorsError(f"{path.name}: {_show(name)}: data_offsets "
+                                   f"[{info.begin - data_start}, {info.end - data_start}] {what} (byte {covered})")
+        covered = info.end - data_start
+    if data_start + covered != size:
+        raise SafetensorsError(f"{path.name}: the tensors end at byte {data_start + covered} but the file has "
+                               f"{size} (bytes no tensor holds)")
     return out
 
 

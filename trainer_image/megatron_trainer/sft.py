@@ -1,11 +1,12 @@
 """Supervised fine-tuning data: chat or prompt/completion JSONL -> token ids, loss masks, packed samples.
 
-Pure (numpy + tokenizers + jinja2, no torch), so the rules are tested in CI and `preprocess` runs in a
-small Job. Used by the trainer (sft_data.py) and by `python -m megatron_trainer preprocess --format`.
+Pure (numpy + tokenizers + jinja2, no torch), so the rules are tested in CI. Used by the trainer
+(sft_data.py).
 
 - Chat records: ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}``,
   rendered with the tokenizer's own chat template (tokenizer_config.json's ``chat_template`` or
-  ``chat_template.jinja``) in a sandboxed Jinja environment, as transformers renders it.
+  ``chat_template.jinja``) in a sandboxed Jinja environment, as transformers renders it, in a worker
+  process bounded in time, memory and output (chat_template.py).
 - Prompt/completion records: ``{"prompt": "...", "completion": "..."}``: BOS (when the tokenizer has
   one) + prompt + completion + EOS, the prompt and the completion tokenized separately.
 - The loss mask is 1 on the tokens of each assistant response (every assistant turn of a
@@ -14,13 +15,16 @@ small Job. Used by the trainer (sft_data.py) and by `python -m megatron_trainer 
   rendering of the turns before it with the generation prompt, with trailing whitespace removed
   (the newline after ``<|im_end|>``); a token belongs to it when its first character does.
 - Bad input follows one policy (``invalid_lines``): ``error`` stops at the first bad line with its
-  file and line number; ``skip`` counts it by reason and logs the first ones with line numbers.
+  file and line number; ``skip`` counts it by reason and logs the first ones with line numbers. A line
+  the tokenizer cannot encode (a lone surrogate) or the template raises an error on is a bad line; a
+  failure of the template itself (time, memory, output size, a crash) stops at once.
 - Over-long samples follow ``overflow``: ``truncate`` keeps the first seq_length + 1 tokens (a sample
   left with no answer token is dropped and counted), ``drop`` drops and counts it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -31,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .tokenizer import _token_content
+from .chat_template import MAX_TEMPLATE_BYTES, TemplateFailure, TemplateWorker
+from .exitcodes import ExitCode, Fatal
+from .tokenizer import _token_content, library_error, load_tokenizer_json, read_tokenizer_config
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,8 @@ ROLES = ("system", "user", "assistant")
 #: A JSONL line longer than this is refused before it is parsed (a line is one conversation).
 MAX_LINE_BYTES = 4 * 2**20
 MAX_MESSAGES = 1024
+#: Lines parsed before their batch is rendered and tokenized: at most 1024, and at most this many characters.
+_BATCH_CHARS = 32 << 20
 #: Line numbers logged per reason under invalid_lines=skip (all are counted).
 _LOGGED_PER_REASON = 5
 #: Format version of the token cache (bump when the tokenization or the packing changes).
@@ -51,79 +59,41 @@ class SFTDataError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ templates
-def load_chat_template(tokenizer_dir: str | Path, override: str | Path | None = None) -> str:
-    """The chat template: ``override`` (a file), else chat_template.jinja, else tokenizer_config.json's."""
+def _read_template(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise SFTDataError(f"chat template {path}: larger than {MAX_TEMPLATE_BYTES} bytes")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SFTDataError(f"chat template {path}: not UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise SFTDataError(f"chat template {path}: cannot be read: {e.strerror or e}") from None
+
+
+def load_chat_template(tokenizer_dir: str | Path, override: str | Path | None = None) -> tuple[str, str]:
+    """(source, where it is) of the chat template: ``override`` (a file), else chat_template.jinja, else
+    tokenizer_config.json's ``chat_template``."""
     if override:
         path = Path(override)
         if not path.is_file():
             raise SFTDataError(f"chat template {path} not found")
-        return path.read_text(encoding="utf-8")
+        return _read_template(path), str(path)
     directory = Path(tokenizer_dir)
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    template = config.get("chat_template")
+        return _read_template(jinja_file), str(jinja_file)
+    template = read_tokenizer_config(directory).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        named = [t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"]
+        template = named[0] if named else None
     if not isinstance(template, str) or not template.strip():
         raise SFTDataError(f"{directory}: the tokenizer has no chat template (no chat_template.jinja and no "
                            "chat_template in tokenizer_config.json); chat data needs one")
-    return template
-
-
-class ChatTemplate:
-    """A compiled chat template in a sandboxed Jinja environment, with the globals transformers provides."""
-
-    def __init__(self, source: str, special_tokens: dict[str, str | None]):
-        import jinja2
-        from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        class _Generation(Extension):  # transformers' {% generation %} block: rendered as its body here
-            tags = {"generation"}
-
-            def parse(self, parser):
-                lineno = next(parser.stream).lineno
-                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return jinja2.nodes.Scope(body, lineno=lineno)
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        def strftime_now(fmt):
-            from datetime import datetime
-
-            return datetime.now().strftime(fmt)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_Generation, loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
-        try:
-            self._template = env.from_string(source)
-        except jinja2.exceptions.TemplateError as e:
-            raise SFTDataError(f"the chat template does not compile: {e}") from None
-        self._special = {k: v for k, v in special_tokens.items() if v is not None}
-        self._errors = (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError)
-
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self._special)
-        except self._errors as e:
-            raise SFTDataError(f"the chat template does not render this conversation: {e}") from None
+    return template, f"{directory / 'tokenizer_config.json'} chat_template"
 
 
 def special_tokens(tokenizer_dir: str | Path) -> dict[str, str | None]:
-    config_path = Path(tokenizer_dir) / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config = read_tokenizer_config(tokenizer_dir)
     return {name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
 
@@ -151,6 +121,15 @@ def _lines(path: str) -> Iterator[tuple[int, str | None, str | None]]:
                 yield line_no, text, None
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """JSON's \\uD800-\\uDFFF escapes can make a string with a lone surrogate, which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SFTDataError(f"{what} is not valid Unicode (an unpaired surrogate {text[e.start]!r} at character "
+                           f"{e.start})") from None
+
+
 def parse_chat(record: object) -> list[dict]:
     """The messages of a chat record, checked; raises SFTDataError with the reason."""
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
@@ -169,6 +148,7 @@ def parse_chat(record: object) -> list[dict]:
             raise SFTDataError(f"message {i}: unknown role {str(role)[:40]!r} (expected one of {', '.join(ROLES)})")
         if not isinstance(content, str):
             raise SFTDataError(f"message {i}: content is not a string")
+        _check_unicode(content, f"message {i}: content")
         if role == "assistant" and not content.strip():
             raise SFTDataError(f"message {i}: empty assistant turn")
         out.append({"role": role, "content": content})
@@ -185,6 +165,8 @@ def parse_prompt_completion(record: object) -> tuple[str, str]:
         raise SFTDataError('no string "prompt"')
     if not isinstance(completion, str):
         raise SFTDataError('no string "completion"')
+    _check_unicode(prompt, '"prompt"')
+    _check_unicode(completion, '"completion"')
     if not completion.strip():
         raise SFTDataError('empty "completion"')
     return prompt, completion
@@ -252,14 +234,15 @@ class SFTOptions:
 
 
 class SFTTokenizer:
-    """Turns records into (token ids, loss mask) with a tokenizer directory's tokenizer.json and template."""
+    """Turns records into (token ids, loss mask) with a tokenizer directory's tokenizer.json and template.
+
+    The chat template runs in a worker process (chat_template.TemplateWorker), started here and stopped by
+    ``close()`` (or when this object is collected)."""
 
     def __init__(self, tokenizer_dir: str | Path, options: SFTOptions):
-        from tokenizers import Tokenizer
-
         self.options = options
         self.directory = Path(tokenizer_dir)
-        self._tok = Tokenizer.from_file(str(self.directory / "tokenizer.json"))
+        self._tok = load_tokenizer_json(self.directory)
         specials = special_tokens(self.directory)
         self.eos_text = specials["eos_token"]
         self.eos_id = self._tok.token_to_id(self.eos_text) if self.eos_text else None
@@ -269,37 +252,54 @@ class SFTTokenizer:
         bos = specials["bos_token"]
         bos_id = self._tok.token_to_id(bos) if bos else None
         self.bos_id = bos_id if bos_id is not None and bos_id != self.eos_id else None
-        self.template = None
+        self.template: TemplateWorker | None = None
         self.template_source = None
         if options.fmt == "chat":
-            self.template_source = load_chat_template(self.directory, options.chat_template)
-            self.template = ChatTemplate(self.template_source, specials)
+            self.template_source, where = load_chat_template(self.directory, options.chat_template)
+            try:
+                self.template = TemplateWorker(self.template_source, where,
+                                               {k: v for k, v in specials.items() if v is not None})
+            except TemplateFailure as e:
+                raise SFTDataError(str(e)) from None
+
+    def close(self) -> None:
+        if self.template is not None:
+            self.template.close()
 
     # -- one record -> (text, [(span_start, span_end)]) or (ids, mask)
     def chat_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of the assistant responses."""
+        """The rendered conversation and the character spans of the assistant responses; SFTDataError."""
         assert self.template is not None
-        full = self.template.render(messages, add_generation_prompt=False)
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            prefix = self.template.render(messages[:i], add_generation_prompt=True)
-            upto = self.template.render(messages[: i + 1], add_generation_prompt=False)
-            if not upto.startswith(prefix) or not full.startswith(upto):
-                raise SFTDataError("the chat template renders a conversation's earlier turns differently once "
-                                   "later turns are added (it is not prefix-stable), so the answer tokens cannot "
-                                   "be located; use a template that is, or one assistant turn per line")
-            start, end = len(prefix), len(upto.rstrip())
-            if end <= start:
-                raise SFTDataError(f"message {i}: the template renders the assistant turn as nothing")
-            spans.append((start, end))
-        return full, spans
+        (result,) = self.template.spans([messages])
+        if isinstance(result, TemplateFailure):
+            raise SFTDataError(str(result))
+        return result
 
-    def encode_chat(self, texts_and_spans: Sequence[tuple[str, list[tuple[int, int]]]]) -> list[tuple[list[int], list[int]]]:
-        encodings = self._tok.encode_batch([t for t, _ in texts_and_spans], add_special_tokens=False)
+    def _encode(self, texts: list[str]) -> list:
+        """An Encoding per text, or for a text the tokenizer cannot encode, the reason (a string): one bad
+        text is one bad line, never a failed batch."""
+        try:
+            return self._tok.encode_batch(texts, add_special_tokens=False)
+        except BaseException as e:  # pyo3 panics too: tokenizer.library_error
+            if not library_error(e):
+                raise
         out = []
-        for enc, (_, spans) in zip(encodings, texts_and_spans, strict=True):
+        for text in texts:
+            try:
+                out.append(self._tok.encode(text, add_special_tokens=False))
+            except BaseException as e:
+                if not library_error(e):
+                    raise
+                out.append(f"the tokenizer cannot encode it: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        return out
+
+    def encode_chat(self, texts_and_spans: Sequence[tuple[str, list[tuple[int, int]]]]) -> list[tuple[list[int], list[int]] | str]:
+        """(ids, loss mask) per rendered conversation, or why the tokenizer could not encode it."""
+        out: list = []
+        for enc, (_, spans) in zip(self._encode([t for t, _ in texts_and_spans]), texts_and_spans, strict=True):
+            if isinstance(enc, str):
+                out.append(enc)
+                continue
             mask = [0] * len(enc.ids)
             j = 0
             for k, (s, _e) in enumerate(enc.offsets):
@@ -310,12 +310,16 @@ class SFTTokenizer:
             out.append((list(enc.ids), mask))
         return out
 
-    def encode_prompt_completion(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-        prompts = self._tok.encode_batch([p for p, _ in pairs], add_special_tokens=False)
-        completions = self._tok.encode_batch([c for _, c in pairs], add_special_tokens=False)
-        out = []
+    def encode_prompt_completion(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]] | str]:
+        """(ids, loss mask) per pair, or why the tokenizer could not encode it."""
+        prompts = self._encode([p for p, _ in pairs])
+        completions = self._encode([c for _, c in pairs])
+        out: list = []
         bos = [self.bos_id] if self.bos_id is not None else []
         for p, c in zip(prompts, completions, strict=True):
+            if isinstance(p, str) or isinstance(c, str):
+                out.append(p if isinstance(p, str) else c)
+                continue
             ids = bos + list(p.ids) + list(c.ids) + [self.eos_id]
             mask = [0] * (len(bos) + len(p.ids)) + [1] * (len(c.ids) + 1)
             out.append((ids, mask))
@@ -323,10 +327,16 @@ class SFTTokenizer:
 
     # -- a file
     def tokenize_file(self, path: str, stats: SFTStats | None = None, batch: int = 1024) -> tuple[SFTDocuments, SFTStats]:
+        """The documents of one JSONL file. Lines are parsed in batches (at most ``batch`` lines and
+        _BATCH_CHARS characters); the template worker renders a batch while the one before is tokenized,
+        and each batch's outcome is then taken line by line, in file order: the first bad line is the one
+        reported. Bad lines follow ``invalid_lines``; a failure of the chat template itself (time, memory,
+        output, a worker that died: TemplateFailure.fatal) stops at once whatever it says, as does a file
+        with no usable line. SFTDataError names the file and line."""
         stats = stats or SFTStats()
         ids_all: list[np.ndarray] = []
         mask_all: list[np.ndarray] = []
-        pending: list[tuple[int, object]] = []  # (line number, parsed item)
+        chat = self.options.fmt == "chat"
         limit = self.options.seq_length + 1
 
         def bad(line_no: int, reason: str, detail: str) -> None:
@@ -335,56 +345,52 @@ class SFTTokenizer:
                                    "invalidLines: skip to count and skip them)")
             stats.skip(reason, line_no)
 
-        def flush() -> None:
-            if not pending:
-                return
-            items = [item for _, item in pending]
-            encoded = self.encode_chat(items) if self.options.fmt == "chat" else self.encode_prompt_completion(items)
-            for (line_no, _), (ids, mask) in zip(pending, encoded, strict=True):
-                if len(ids) > limit:
-                    if self.options.overflow == "drop":
-                        stats.dropped_too_long += 1
-                        continue
-                    ids, mask = ids[:limit], mask[:limit]
-                    if not any(mask[1:]):
-                        stats.dropped_too_long += 1
-                        continue
-                    stats.truncated += 1
-                if not any(mask[1:]):  # the first token is never a target (nothing predicts it)
-                    bad(line_no, "no answer token", "no answer token to train on")
-                    continue
-                ids_all.append(np.asarray(ids, dtype=np.int32))
-                mask_all.append(np.asarray(mask, dtype=np.uint8))
-                stats.used += 1
-                stats.tokens += len(ids)
-                stats.loss_tokens += int(sum(mask[1:]))
-            pending.clear()
+        def start(lines: list[tuple[int, object]]) -> None:
+            if chat:
+                self.template.submit_spans([item for _, item in lines if not isinstance(item, _BadLine)])
 
-        for line_no, text, error in _lines(path):
-            stats.lines += 1
-            if error:
-                bad(line_no, error.split(" (")[0], error)
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                bad(line_no, "not JSON", f"not JSON ({e.msg} at column {e.colno})")
-                continue
-            except RecursionError:
-                bad(line_no, "not JSON", "JSON nested too deeply")
-                continue
-            try:
-                if self.options.fmt == "chat":
-                    item = self.chat_spans(parse_chat(record))
-                else:
-                    item = parse_prompt_completion(record)
-            except SFTDataError as e:
-                bad(line_no, _reason_key(str(e)), str(e))
-                continue
-            pending.append((line_no, item))
-            if len(pending) >= batch:
-                flush()
-        flush()
+        def finish(lines: list[tuple[int, object]]) -> None:
+            good = [(line_no, item) for line_no, item in lines if not isinstance(item, _BadLine)]
+            if chat:  # line -> (text, spans) or TemplateFailure; a fatal one ends the batch
+                outcome = dict(zip((n for n, _ in good), self.template.collect_spans(len(good)), strict=False))
+            else:
+                outcome = dict(good)
+            ready = [(n, o) for n, o in outcome.items() if not isinstance(o, TemplateFailure)]
+            encode = self.encode_chat if chat else self.encode_prompt_completion
+            encoded = dict(zip((n for n, _ in ready), encode([o for _, o in ready]), strict=True))
+            for line_no, item in lines:
+                if isinstance(item, _BadLine):
+                    bad(line_no, item.reason, item.detail)
+                    continue
+                result = outcome[line_no]
+                if isinstance(result, TemplateFailure):
+                    if result.fatal:
+                        raise SFTDataError(f"{path}:{line_no}: {result} (a failure of the template itself stops "
+                                           "the job whatever invalidLines says)")
+                    bad(line_no, _reason_key(str(result)), str(result))
+                    continue
+                self._add(line_no, encoded[line_no], limit, stats, bad, ids_all, mask_all)
+
+        in_flight: list[tuple[int, object]] | None = None
+        pending: list[tuple[int, object]] = []  # (line number, parsed item or _BadLine)
+        pending_chars = 0
+        try:
+            for line_no, text, error in _lines(path):
+                stats.lines += 1
+                pending.append((line_no, _parse_line(text, error, chat)))
+                pending_chars += len(text or "")
+                if len(pending) >= batch or pending_chars >= _BATCH_CHARS:
+                    start(pending)
+                    if in_flight is not None:
+                        finish(in_flight)
+                    in_flight, pending, pending_chars = pending, [], 0
+            start(pending)
+            for lines in (in_flight, pending):
+                if lines is not None:
+                    finish(lines)
+        finally:
+            if chat:  # stopped at a bad line with a batch still rendering: its answers are not the next file's
+                self.template.drain()
         if not ids_all:
             raise SFTDataError(f"{path}: no usable sample ({describe(stats.as_dict())})")
         offsets = np.zeros(len(ids_all) + 1, dtype=np.int64)
@@ -392,12 +398,71 @@ class SFTTokenizer:
         docs = SFTDocuments(np.concatenate(ids_all), np.concatenate(mask_all), offsets)
         return docs, stats
 
+    def _add(self, line_no: int, result, limit: int, stats: SFTStats, bad, ids_all: list, mask_all: list) -> None:
+        """One encoded line: kept (truncated to ``limit`` tokens or dropped when longer), or a bad line."""
+        if isinstance(result, str):
+            bad(line_no, "the tokenizer cannot encode it", result)
+            return
+        ids, mask = result
+        if len(ids) > limit:
+            if self.options.overflow == "drop":
+                stats.dropped_too_long += 1
+                return
+            ids, mask = ids[:limit], mask[:limit]
+            if not any(mask[1:]):
+                stats.dropped_too_long += 1
+                return
+            stats.truncated += 1
+        if not any(mask[1:]):  # the first token is never a target (nothing predicts it)
+            bad(line_no, "no answer token", "no answer token to train on")
+            return
+        ids_all.append(np.asarray(ids, dtype=np.int32))
+        mask_all.append(np.asarray(mask, dtype=np.uint8))
+        stats.used += 1
+        stats.tokens += len(ids)
+        stats.loss_tokens += int(sum(mask[1:]))
+
+
+@dataclass(frozen=True)
+class _BadLine:
+    reason: str  # the key it is counted under
+    detail: str  # the message
+
+
+def _parse_line(text: str | None, error: str | None, chat: bool) -> object:
+    """A JSONL line -> the parsed record (chat messages, or (prompt, completion)), or a _BadLine."""
+    if error:
+        return _BadLine(error.split(" (")[0], error)
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _BadLine("not JSON", f"not JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return _BadLine("not JSON", "JSON nested too deeply")
+    try:
+        return parse_chat(record) if chat else parse_prompt_completion(record)
+    except SFTDataError as e:
+        return _BadLine(_reason_key(str(e)), str(e))
+
+
+@contextlib.contextmanager
+def bad_input_is_fatal() -> Iterator[None]:
+    """Bad SFT input (the data, the tokenizer's files, the chat template) -> Fatal(BAD_DATA): exit 3, not
+    retried. What sft_data.load_sft_data wraps the tokenization in."""
+    try:
+        yield
+    except SFTDataError as e:
+        raise Fatal(ExitCode.BAD_DATA, str(e)) from None
+    except (OSError, ValueError) as e:  # a file that cannot be read; TokenizerFileError, JsonFileError
+        raise Fatal(ExitCode.BAD_DATA, f"SFT data: {type(e).__name__}: {e}") from None
+
 
 def _reason_key(message: str) -> str:
     """A short, stable key for counting: 'message 3: unknown role ...' -> 'unknown role'."""
     text = message.split(": ", 1)[1] if message.startswith("message ") and ": " in message else message
-    for key in ("unknown role", "empty assistant turn", "content is not a string", "no assistant turn",
-                "the chat template does not render", "not prefix-stable"):
+    for key in ("unknown role", "empty assistant turn", "content is not a string", "not valid Unicode",
+                "no assistant turn", "does not render this conversation", "not prefix-stable",
+                "renders the assistant turn as nothing"):
         if key in text:
             return key
     return text.split(" (")[0][:60]

@@ -119,27 +119,27 @@ def load_sft_data(cfg: TrainerConfig, env: DistEnv, vocab_size: int, pad_id: int
     """Tokenize (or read back) the train and validation files; Fatal(BAD_DATA) with the line on bad input."""
     d = cfg.data
     t0 = time.monotonic()
-    try:
+    files = [("--sft-train-path", d.sft_train_path)] + ([("--sft-valid-path", d.sft_valid_path)]
+                                                        if d.sft_valid_path else [])
+    for flag_name, path in files:
+        if not os.path.isfile(path):
+            raise Fatal(ExitCode.BAD_DATA, f"{flag_name} {path}: no such file")
+    results = []
+    with sft.bad_input_is_fatal():
         tokenizer = sft.SFTTokenizer(d.tokenizer_model, _options(cfg))
-        files = [("--sft-train-path", d.sft_train_path)] + ([("--sft-valid-path", d.sft_valid_path)]
-                                                            if d.sft_valid_path else [])
-        results = []
-        for flag_name, path in files:
-            if not os.path.isfile(path):
-                raise Fatal(ExitCode.BAD_DATA, f"{flag_name} {path}: no such file")
-            # The cache writer goes first so that the other ranks read its file instead of tokenizing again.
-            if cache_dir is not None and env.world_size > 1:
-                if env.is_rank0:
+        try:
+            for _flag_name, path in files:
+                # The cache writer goes first so that the other ranks read its file instead of tokenizing again.
+                if cache_dir is not None and env.world_size > 1:
+                    if env.is_rank0:
+                        results.append(_documents(path, tokenizer, cache_dir, env, True))
+                    torch.distributed.barrier(group=env.cpu_group)
+                    if not env.is_rank0:
+                        results.append(_documents(path, tokenizer, cache_dir, env, False))
+                else:
                     results.append(_documents(path, tokenizer, cache_dir, env, True))
-                torch.distributed.barrier(group=env.cpu_group)
-                if not env.is_rank0:
-                    results.append(_documents(path, tokenizer, cache_dir, env, False))
-            else:
-                results.append(_documents(path, tokenizer, cache_dir, env, True))
-    except sft.SFTDataError as e:
-        raise Fatal(ExitCode.BAD_DATA, str(e)) from None
-    except (OSError, ValueError) as e:
-        raise Fatal(ExitCode.BAD_DATA, f"SFT data: {type(e).__name__}: {e}") from None
+        finally:
+            tokenizer.close()  # the chat template's worker process
     (train_docs, train_stats, cached), *rest = results
     top = int(train_docs.tokens.max())
     if top >= vocab_size:

@@ -7,11 +7,76 @@ Pure module (tokenizers + stdlib, no torch, no transformers). The same class ser
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
+
+from megatron_contract.jsonfile import read_json
 
 # Tried in order when tokenizer_config.json names no eos_token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+#: Gemma 3's tokenizer_config.json (its added tokens listed one by one) is 1.2 MB, its tokenizer.json 33 MB.
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
+MAX_TOKENIZER_JSON_BYTES = 256 << 20
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file that is missing, too large or malformed; the message names it."""
+
+
+def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
+    """tokenizer_config.json of a tokenizer directory ({} when there is none), read within bounds."""
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    config = read_json(path, MAX_TOKENIZER_CONFIG_BYTES)
+    if not isinstance(config, dict):
+        raise TokenizerFileError(f"{path}: not a JSON object")
+    stack: list[Any] = [config]
+    while stack:  # a lone surrogate ("\\ud800" is valid JSON) in a token or the template: no tokenizer encodes it
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str) and not _is_unicode(value):
+            raise TokenizerFileError(f"{path}: the string {value[:60]!r} holds an unpaired surrogate (not Unicode)")
+    return config
+
+
+def _is_unicode(text: str) -> bool:
+    """Encodable as UTF-8: no lone surrogate, which JSON's \\uD800-\\uDFFF escapes can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def load_tokenizer_json(directory: str | Path):
+    """The `tokenizers.Tokenizer` of directory/tokenizer.json; FileNotFoundError when it is missing,
+    TokenizerFileError naming it when it is too large or the library cannot read it."""
+    from tokenizers import Tokenizer
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --tokenizer-model must be a local directory "
+                                "holding tokenizer.json (hub names are not downloaded)")
+    if path.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+        raise TokenizerFileError(f"{path}: larger than {MAX_TOKENIZER_JSON_BYTES} bytes")
+    try:
+        return Tokenizer.from_file(str(path))
+    except BaseException as e:  # pyo3 panics too: library_error
+        if not library_error(e):
+            raise
+        raise TokenizerFileError(f"{path}: the tokenizers library cannot read it: {' '.join(str(e).split())[:300]}") \
+            from None
+
+
+def library_error(exc: BaseException) -> bool:
+    """An error of the tokenizers library: a plain Exception, or pyo3's PanicException (a Rust panic), which
+    derives from BaseException so that a bare ``except Exception`` lets it through."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
 
 
 def _token_content(value: object) -> str | None:
@@ -27,18 +92,9 @@ class LocalTokenizer:
     """Wraps `tokenizers.Tokenizer` with the attributes Megatron-Core's datasets use."""
 
     def __init__(self, directory: str | Path):
-        from tokenizers import Tokenizer
-
         self.directory = Path(directory)
-        path = self.directory / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: --tokenizer-model must be a local directory "
-                                    "holding tokenizer.json (hub names are not downloaded)")
-        self._tok = Tokenizer.from_file(str(path))
-        config = {}
-        config_path = self.directory / "tokenizer_config.json"
-        if config_path.is_file():
-            config = json.loads(config_path.read_text())
+        self._tok = load_tokenizer_json(self.directory)
+        config = read_tokenizer_config(self.directory)
         self.eod = self._special_id(_token_content(config.get("eos_token")), _EOD_CANDIDATES, "end-of-document")
         pad = _token_content(config.get("pad_token"))
         self.pad = self._tok.token_to_id(pad) if pad and self._tok.token_to_id(pad) is not None else -1
