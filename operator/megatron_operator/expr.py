@@ -429,6 +429,13 @@ def rebase(expr: Expr, prefix: str, var: str) -> Expr:
 
     if sum(1 for n in _walk(expr) if hit(n)) < 2:
         return expr
+    # A list under the prefix that the rule iterates (or indexes, or measures) is read through self: in the bound
+    # object the API server's cost estimator no longer sees the list's maxItems and its strings' maxLength, and
+    # estimated such a rule (a filter over spec.training.extraArgs) at more than 100x its budget (issue 52's
+    # extraArgs rules on Kubernetes 1.36.3).
+    listed = {id(n.items) for n in _walk(expr) if isinstance(n, (All, Filter, Size, Index, At, LastIndexOf))}
+    if any(hit(n) and id(n) in listed for n in _walk(expr)):
+        return expr
     body = transform(expr, lambda n: Field(n.path[len(prefix) + 1:], var) if hit(n) else None)
     return Let(var, Field(prefix), body)
 

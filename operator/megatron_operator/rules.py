@@ -486,8 +486,9 @@ SPEC_RULES: list[Rule] = [
     # OptimizerParamScheduler.__init__ asserts 0 <= min_lr <= max_lr (the trainer refuses it at start-up)
     Rule("min-lr-at-most-lr", "training.minLr",
          f("training.minLr") <= f("training.lr"), when=has("training.minLr"),
-         message=fmt("spec.training.minLr: ", f("training.minLr").str(), " is larger than lr ",
-                     f("training.lr").str(), "; the rate decays from lr down to minLr: set minLr <= lr (default lr / 10)")),
+         # not echoed: the two are numbers with fractions, which rule messages do not format (expr.Str: ints only)
+         message=lit("spec.training.minLr is larger than spec.training.lr; the rate decays from lr down to minLr: "
+                     "set minLr <= lr (default lr / 10)")),
     # OptimizerParamScheduler: lr_warmup_steps < lr_decay_steps
     Rule("warmup-before-decay", "training.lrSchedule.warmupIters",
          f("training.lrSchedule.warmupIters") < opt("training.lrSchedule.decayIters", f("training.trainIters")),

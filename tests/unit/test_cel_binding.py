@@ -12,9 +12,11 @@ from celeval import apply_defaults, evaluate, without_optionals
 from megatron_operator import crd
 from megatron_operator.expr import (
     Field,
+    Filter,
     Has,
     Let,
     OrValue,
+    Size,
     Var,
     bind_field,
     bind_shared,
@@ -71,6 +73,18 @@ def test_rebase_reads_the_object_once_and_has_follows():
     spec = {"model": {"a": 1, "b": 3}, "parallelism": {"t": 2}}
     assert out.eval({"self": spec}) is True and bool(cel_eval(out.cel(), spec)) is True
     assert rebase(Field("model.a") > 1, "model", "v_model").cel() == "(self.model.a > 1)"  # one read: unchanged
+
+
+def test_rebase_leaves_a_rule_that_iterates_a_list_under_the_prefix_reading_it_through_self():
+    """Bound through a one-element list, the list loses its maxItems and its strings their maxLength in the API
+    server's cost estimate: a filter over spec.training.extraArgs was estimated at more than 100x its budget
+    (Kubernetes 1.36.3) and the CRD was refused."""
+    given = Size(Filter(Field("training.extraArgs"), "x", Var("x").eq("--a"))) > 0
+    expr = given & Field("training.distributedOptimizer")
+    assert rebase(expr, "training", "v_training") is expr
+    assert "[self.training]" not in rebase(expr, "training", "v_training").cel()
+    scalars = (Field("training.lr") > 0) & Field("training.distributedOptimizer")
+    assert rebase(scalars, "training", "v_training").cel().startswith("[self.training].all(v_training, ")
 
 
 def test_or_value_is_cel_optional_selection_and_has_in_python():
