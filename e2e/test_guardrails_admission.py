@@ -38,7 +38,9 @@ GUARDRAILS = {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml/"],
               "maxTerminationGracePeriodSeconds": 900, "requireQueueName": True, "denySecretEnv": True,
               "denyImagePullSecrets": True,
               "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/", "iam.amazonaws.com/", "App",
-                                     "azure.workload.identity/"]}
+                                     "azure.workload.identity/"],
+              "allowedVolumeTypes": ["persistentVolumeClaim", "configMap", "secret", "emptyDir", "image"],
+              "allowedPrivilegedImages": ["nvcr.io/nvidia/k8s/dcgm-exporter"]}
 COMPLIANT = {"queueName": "team-a", "image": "nvcr.io/nvidia/trainer:1"}
 SECRET_ENV = [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
 
@@ -60,6 +62,22 @@ VIOLATIONS = [
     ("object-store-secret", {"checkpoint": {"objectStore": {"bucket": "ckpt-bucket", "credentialsSecret": "s3"}}}),
     ("service-account-annotation", {"checkpoint": {"objectStore": {
         "bucket": "ckpt-bucket", "serviceAccountAnnotations": {"azure.workload.identity/client-id": "c"}}}}),
+    # spec.pod (issue 53)
+    ("host-path", {"pod": {"volumes": [{"name": "host", "hostPath": {"path": "/var/lib/kubelet"}}]}}),
+    ("csi", {"pod": {"volumes": [{"name": "c", "csi": {"driver": "secrets-store.csi.k8s.io"}}]}}),
+    ("secret-volume", {"pod": {"volumes": [{"name": "s", "secret": {"secretName": "tracker"}}]}}),
+    ("sidecar-secret-env", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1", "env": [
+        {"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]}}),
+    ("sidecar-registry", {"pod": {"initContainers": [{"name": "logs", "image": "docker.io/fluent/fluent-bit:3",
+                                                      "restartPolicy": "Always"}]}}),
+    ("image-volume-registry", {"pod": {"volumes": [{"name": "t", "image": {"reference": "ghcr.io/tools:1"}}]}}),
+    ("privileged", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1",
+                                                "securityContext": {"privileged": True}}]}}),
+    ("capabilities", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1",
+                                                  "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}]}}),
+    ("node-affinity-key", {"pod": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                                     "values": ["n1"]}]}]}}}}}),
 ]
 #: (name, spec overrides): at the edge of every guardrail, and must be admitted.
 COMPLIANT_EDGES = [
@@ -73,6 +91,18 @@ COMPLIANT_EDGES = [
     ("no-image", {"image": None, "imagePullSecrets": [], "env": []}),
     ("object-store-irsa", {"checkpoint": {"objectStore": {"bucket": "ckpt-bucket", "serviceAccountAnnotations": {
         "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ckpt"}}}}),
+    ("pod-edges", {"pod": {
+        "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "datasets"}}, {"name": "s", "emptyDir": {}},
+                    {"name": "t", "image": {"reference": "registry.example.com/ml/tools:1"}}],
+        "volumeMounts": [{"name": "d", "mountPath": "/mnt/datasets"}],
+        "initContainers": [
+            {"name": "logs", "image": "nvcr.io/fluent-bit:3", "restartPolicy": "Always",
+             "volumeMounts": [{"name": "s", "mountPath": "/shared"}]},
+            {"name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3.3", "restartPolicy": "Always",
+             "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}}],
+        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 1, "preference": {"matchExpressions": [{"key": "node.kubernetes.io/instance-type",
+                                                              "operator": "Exists"}]}}]}}}}),
 ]
 
 

@@ -450,3 +450,161 @@ def test_one_pvc_for_hf_init_and_export_mounts_twice_on_a_real_kubelet(cluster, 
     assert sorted(p.relative_to(tmp_path / "models").as_posix() for p in (tmp_path / "models").rglob("*")
                   if p.is_file()) == sorted([*source, "exports/written-in-pod"])
     assert done.spec.node_name == node["node"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 53: spec.pod (extra volumes, an init container, native sidecars) through the whole chain on the
+# real kubelet: MegatronJob -> operator -> JobSet -> Job -> pod -> Succeeded.
+# ---------------------------------------------------------------------------------------------------
+POD_JOB_TIMEOUT_S = 240
+# The trainer image is not on the node (5 GB, and no GPU): the job runs the operator image, and spec.pod itself
+# puts a stand-in `megatron_trainer.launch` on the trainer's PYTHONPATH from a ConfigMap volume, so the command
+# the operator renders runs unchanged. It checks what the issue asks a job with extras to see, writes it to the
+# PVC, and exits 0 (or 1, with the reason, when something is missing).
+STUB_LAUNCH = r"""
+import json, os, sys, time
+facts = {"uid": os.getuid(), "argv": sys.argv[1:4]}
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        return f"<{e.strerror}>"
+facts["from_init"] = read("/scratch/from-init")
+facts["tracker_key"] = read("/var/run/secrets/tracker/key")
+facts["dataset"] = read("/mnt/datasets/input.txt")
+facts["token"] = os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token")
+deadline = time.monotonic() + 30
+while not os.path.exists("/shared/sidecar-alive") and time.monotonic() < deadline:
+    time.sleep(0.5)
+facts["sidecar_seen"] = os.path.exists("/shared/sidecar-alive")
+facts["env_has_key"] = any("tracker-key-" in v for v in os.environ.values())
+time.sleep(float(os.environ.get("STUB_RUN_S", "0")))
+with open("/mnt/datasets/result.json", "w") as f:
+    json.dump(facts, f)
+ok = facts["from_init"] == "written by init\n" and facts["sidecar_seen"] and facts["dataset"] == "rows\n"
+sys.exit(0 if ok else 1)
+"""
+SIDECAR_OK = ("import os, time, pathlib\n"
+              "pathlib.Path('/shared/sidecar-alive').write_text(str(os.getpid()))\n"
+              "while True:\n    time.sleep(1)\n")
+SIDECAR_CRASH = "import sys, time\ntime.sleep(3)\nsys.exit(3)\n"
+
+
+@contextlib.contextmanager
+def _gpus_on(core, node_name: str):
+    """The real node advertises one nvidia.com/gpu (an extended resource in the node's status, as Kubernetes'
+    'advertise extended resources' does; no device plugin): the rendered pod keeps its GPU limit."""
+    core.patch_node_status(node_name, {"status": {"capacity": {"nvidia.com/gpu": "1"}}})
+    try:
+        yield
+    finally:
+        core.patch_node_status(node_name, {"status": {"capacity": {"nvidia.com/gpu": None}}})
+
+
+def _pod_job(name: str, image_ref: str, sidecar: str, run_s: int) -> dict[str, Any]:
+    py = ["python", "-c"]
+    return {"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob", "metadata": {"name": name},
+            "spec": {
+                "image": image_ref, "numNodes": 1, "gpusPerNode": 1,
+                "model": {"numLayers": 2, "hiddenSize": 64, "numAttentionHeads": 4, "seqLength": 32,
+                          "vocabSize": 128},
+                "training": {"microBatchSize": 1, "globalBatchSize": 1, "trainIters": 2},
+                "terminationGracePeriodSeconds": 30,
+                "env": [{"name": "PYTHONPATH", "value": "/opt/stub"}, {"name": "STUB_RUN_S", "value": str(run_s)}],
+                "resources": {"nodeSelector": {"megatron-operator.io/real-node": "true"},
+                              "tolerations": [{"key": real_node.TAINT_KEY, "operator": "Exists",
+                                               "effect": "NoSchedule"}]},
+                "pod": {
+                    "volumes": [
+                        {"name": "datasets", "persistentVolumeClaim": {"claimName": "datasets"}},
+                        {"name": "tracker", "secret": {"secretName": "tracker", "defaultMode": 0o440,
+                                                       "items": [{"key": "api-key", "path": "key"}]}},
+                        {"name": "stub", "configMap": {"name": "stub-trainer", "items": [
+                            {"key": "init", "path": "megatron_trainer/__init__.py"},
+                            {"key": "launch", "path": "megatron_trainer/launch.py"}]}},
+                        {"name": "scratch", "emptyDir": {}},
+                        {"name": "shared", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
+                    "volumeMounts": [
+                        {"name": "datasets", "mountPath": "/mnt/datasets"},
+                        {"name": "tracker", "mountPath": "/var/run/secrets/tracker", "readOnly": True},
+                        {"name": "stub", "mountPath": "/opt/stub", "readOnly": True},
+                        {"name": "scratch", "mountPath": "/scratch"},
+                        {"name": "shared", "mountPath": "/shared"}],
+                    "initContainers": [
+                        {"name": "prefetch", "image": image_ref, "command": [
+                            *py, "open('/scratch/from-init', 'w').write('written by init\\n')"],
+                         "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+                        {"name": "logs", "image": image_ref, "restartPolicy": "Always", "command": [*py, sidecar],
+                         "volumeMounts": [{"name": "shared", "mountPath": "/shared"}]}]}}}
+
+
+def _run_pod_job(cluster, node, image, namespace, tmp_path, name: str, sidecar: str, run_s: int):
+    """Create the PVC, Secret and ConfigMap, run the job on the real node to a finished phase: (job, result.json)."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    jobs = Jobs(cluster, namespace)
+    key = "tracker-key-" + secrets.token_hex(8)
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "tracker"}, "stringData": {"api-key": key}})
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "stub-trainer"},
+                                                  "data": {"init": "", "launch": STUB_LAUNCH}})
+    pv = _host_volume(core, namespace, "datasets", tmp_path / "datasets", {"input.txt": "rows\n"}, owner=1000)
+    try:
+        cluster.wait_for(lambda: core.read_namespaced_persistent_volume_claim("datasets", namespace).status.phase
+                         == "Bound", 60, "the PVC to bind", namespace=namespace)
+        with _gpus_on(core, node["node"]):
+            jobs.create(_pod_job(name, image, sidecar, run_s))
+            try:
+                done = jobs.wait_phase(name, ("Succeeded", "Failed"), timeout=POD_JOB_TIMEOUT_S)
+            finally:
+                logs = sorted((real_node.node_dir() / "pod-logs").glob(f"{namespace}_*/*/*.log"))
+                (cluster.logs_dir / f"pod-job-{name}.log").write_text(
+                    "".join(f"===== {f}\n{f.read_text(errors='replace')}" for f in logs))
+        result = tmp_path / "datasets" / "result.json"
+        facts = json.loads(result.read_text()) if result.exists() else {}
+        return jobs, done, facts, key
+    finally:
+        with contextlib.suppress(kubernetes.client.ApiException):
+            core.delete_persistent_volume(pv)
+
+
+def test_a_job_with_a_pvc_a_secret_an_init_container_and_a_sidecar_runs_to_completion(
+        cluster, crd, operator, node, image, namespace, tmp_path):
+    """Issue 53: the operator's JobSet for a job with spec.pod runs on the real kubelet: the init container
+    writes a file the trainer reads, the sidecar runs beside the trainer (and never exits by itself), the
+    trainer reads the dataset PVC and the Secret file, and the job is Succeeded when the trainer exits: the
+    kubelet stops the sidecar, it does not hold the job."""
+    jobs, done, facts, key = _run_pod_job(cluster, node, image, namespace, tmp_path, "extras", SIDECAR_OK, 0)
+    assert done["phase"] == "Succeeded", (done, facts)
+    assert facts["from_init"] == "written by init\n" and facts["sidecar_seen"] and facts["dataset"] == "rows\n"
+    assert facts["tracker_key"] == key and not facts["env_has_key"]  # by file, never in the environment
+    assert facts["uid"] == 1000 and facts["token"]  # the trainer keeps its own token (status.progress)
+    assert facts["argv"][0].startswith("--nnodes=1")  # the operator's launcher command line, as rendered
+    pod = jobs.pods("extras")[0]
+    assert pod.spec.node_name == node["node"] and pod.status.phase == "Succeeded"
+    assert pod.spec.automount_service_account_token is False  # only the trainer container has the token
+    sidecar = next(s for s in pod.status.init_container_statuses if s.name == "logs")
+    assert sidecar.restart_count == 0 and sidecar.state.terminated is not None  # stopped by the kubelet at the end
+    assert not [c for c in done.get("conditions", []) if c["type"] == "SidecarWarning"]
+    assert key not in json.dumps(kubernetes.client.ApiClient().sanitize_for_serialization(pod))
+
+
+def test_a_crashing_sidecar_leaves_the_job_succeeded_with_a_warning(cluster, crd, operator, node, image, namespace,
+                                                                   tmp_path):
+    """Issue 53: a sidecar that keeps exiting 3 is restarted by the kubelet; the trainer finishes and the job is
+    Succeeded (a sidecar's exit is never the trainer's failure), with condition SidecarWarning naming it."""
+    jobs, done, facts, _ = _run_pod_job(cluster, node, image, namespace, tmp_path, "crashy", SIDECAR_CRASH, 20)
+    assert done["phase"] == "Succeeded", (done, facts)
+    assert facts.get("from_init") == "written by init\n"
+    pod = jobs.pods("crashy")[0]
+    sidecar = next(s for s in pod.status.init_container_statuses if s.name == "logs")
+    assert sidecar.restart_count >= 1, sidecar
+
+    def warned() -> dict[str, Any] | None:
+        conds = {c["type"]: c for c in jobs.status("crashy").get("conditions", [])}
+        return conds.get("SidecarWarning")
+
+    cond = cluster.wait_for(warned, 30, "the SidecarWarning condition", namespace=namespace)
+    assert cond["status"] == "True" and cond["reason"] == "SidecarRestarted", cond
+    assert "sidecar logs restarted" in cond["message"] and "exit code 3" in cond["message"], cond
+    assert jobs.phase("crashy") == "Succeeded"
+    assert "lastFailure" not in jobs.status("crashy")

@@ -69,6 +69,17 @@ OPERATOR_ONLY = {
     "env-no-literal-credentials": "pod environment",
     "env-no-url-credentials": "pod environment",
     "env-endpoint-url": "pod environment",
+    # spec.pod (issue 53): the pod's volumes, mounts, init containers and placement, nothing on the command line
+    "pod-volume-one-source": "pod volumes",
+    "pod-volume-names-unique": "pod volumes",
+    "pod-volume-names-not-reserved": "pod volumes",
+    "pod-mounts-known-volume": "pod volume mounts",
+    "pod-mounts-not-reserved": "pod volume mounts",
+    "pod-mount-paths-unique": "pod volume mounts",
+    "pod-init-container-names": "pod init containers",
+    "pod-init-container-mounts-known-volume": "pod init containers",
+    "pod-init-container-env": "pod init containers",
+    "pod-selector-requirements": "pod placement",
 }
 
 

@@ -132,9 +132,11 @@ def _convert(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
             out["additionalProperties"] = _convert(addl, path + ("*",))
             if key_schema:  # no structural equivalent of propertyNames: check the keys with CEL
                 key_rules = _key_rules(key_schema, where)
+                # Inside an immutable field: create-only, except under a list item, where the API server has no
+                # oldSelf (an atomic list's items are not correlated with the old object's).
                 if path[:1] == ("spec",) and len(path) > 1 and path[1] not in MUTABLE_SPEC_FIELDS \
-                        and path[1] not in RESHAPE_WHILE_SUSPENDED:
-                    key_rules = [create_only(r) for r in key_rules]  # inside an immutable field
+                        and path[1] not in RESHAPE_WHILE_SUSPENDED and "[]" not in path:
+                    key_rules = [create_only(r) for r in key_rules]
                 out["x-kubernetes-validations"] = key_rules
         elif addl is False or addl is None:
             out["properties"] = {}

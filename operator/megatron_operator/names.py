@@ -64,3 +64,23 @@ KUEUE_PODSET_TOPOLOGY_ANNOTATIONS = (KUEUE_PODSET_REQUIRED_TOPOLOGY, "kueue.x-k8
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue creates for a JobSet
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
+
+# The trainer container's own mounts and volumes (render.py). spec.pod may add volumes and mounts, never
+# on, inside or around these paths, nor under these volume names (rules: pod-mounts-not-reserved,
+# pod-volume-names-not-reserved).
+CHECKPOINT_MOUNT = "/checkpoints"
+DATA_MOUNT = "/data"
+HF_INIT_MOUNT = "/hf-init"
+HF_EXPORT_MOUNT = "/hf-export"
+#: Where the object-store credentials Secret is mounted (read-only) in the trainer container.
+OBJECT_STORE_CREDENTIALS_MOUNT = "/var/run/secrets/megatron-operator/object-store"
+#: Where the job's ServiceAccount token is (the kubelet's automount, or render's trainer-token volume).
+SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+OPERATOR_MOUNTS = ("/dev/shm", "/tmp", CHECKPOINT_MOUNT, DATA_MOUNT, HF_INIT_MOUNT, HF_EXPORT_MOUNT,
+                   "/var/run/secrets/megatron-operator", SERVICE_ACCOUNT_MOUNT)
+#: Where no extra mount may go at all: the container's devices (GPUs, /dev/infiniband), kernel interfaces.
+SYSTEM_MOUNTS = ("/dev", "/proc", "/sys")
+OPERATOR_VOLUMES = ("dshm", "tmp", "checkpoints", "object-store-credentials", "data", "hf-init", "hf-export",
+                    "trainer-token")
+#: The volume sources spec.pod.volumes offers, as guardrails.allowedVolumeTypes names them.
+VOLUME_TYPES = ("persistentVolumeClaim", "configMap", "secret", "emptyDir", "csi", "image", "hostPath")

@@ -39,7 +39,17 @@ from .expr import (
     optionals,
     rebase,
 )
-from .names import MAX_NAME_LENGTH, RFC1035_LABEL, S3_ENDPOINT, WORKLOAD_IDENTITY_ANNOTATIONS
+from .names import (
+    MAX_NAME_LENGTH,
+    OPERATOR_MOUNTS,
+    OPERATOR_VOLUMES,
+    RFC1035_LABEL,
+    S3_ENDPOINT,
+    SYSTEM_MOUNTS,
+    TRAINER_CONTAINER,
+    VOLUME_TYPES,
+    WORKLOAD_IDENTITY_ANNOTATIONS,
+)
 from .presets import MODEL_PRESETS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
 
@@ -841,6 +851,153 @@ SPEC_RULES += [
                      " holds an object-store credential as a literal value, which shows in the pods and in "
                      "`kubectl get -o yaml`; put it in a Secret: spec.checkpoint.objectStore.credentialsSecret "
                      "(or valueFrom.secretKeyRef)")),
+]
+
+
+
+# --------------------------------------------------------------------------------------------
+# spec.pod: extra volumes, mounts, init containers and sidecars, placement (docs/pod-customization.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _alt(paths) -> str:
+    return "|".join(p.replace(".", r"\.") for p in dict.fromkeys(paths))
+
+
+# A mount path on, inside or around one of the operator's own mounts (the paths are schema-normalised: absolute,
+# no trailing slash, no '.' or '..' parts, so a prefix test is exact). /var/run is /run in most images.
+_RESERVED = [*OPERATOR_MOUNTS, *(p.replace("/var/run/", "/run/", 1) for p in OPERATOR_MOUNTS if p.startswith("/var/run/"))]
+RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS])})(/.*)?$|"
+                     f"^({_alt(a for p in _RESERVED for a in _ancestors(p))})$")
+RESERVED_VOLUME_RE = f"^({_alt(OPERATOR_VOLUMES)})$"
+INTEGER_RE = r"^-?[0-9]{1,18}$"
+
+has_pod = has("pod")
+pod_volumes = f("pod.volumes")
+pod_mounts = f("pod.volumeMounts")
+pod_inits = f("pod.initContainers")
+
+
+def _count(var: str, names) -> Expr:
+    out: Expr = Lit(0)
+    for n in names:
+        out = out + cond(Has(Field(n, var)), 1, 0)
+    return out
+
+
+def _first(items: Expr, var: str, bad: Expr, attr: str = "name") -> Expr:
+    return Attr(Index(Filter(items, var, bad), 0), attr)
+
+
+def _unique(items: Expr, var: str, attr: str) -> Expr:
+    return Size(Filter(items, "x", Field(attr, "x").eq(Field(attr, var)))).eq(1)
+
+
+def _known_volume(mount: str) -> Expr:
+    return Size(Filter(pod_volumes, "v", Field("name", "v").eq(Field("name", mount)))) > 0
+
+
+def _requirement_ok(r: str) -> Expr:
+    """A label or node selector requirement as the API server validates it: In/NotIn take values, Exists and
+    DoesNotExist none, Gt and Lt one integer."""
+    op, values = Field("operator", r), Field("values", r)
+    return cond(op.eq("In") | op.eq("NotIn"), Size(values) > 0,
+                cond(op.eq("Exists") | op.eq("DoesNotExist"), Size(values).eq(0),
+                     Size(values).eq(1) & Matches(Index(values, 0), INTEGER_RE)))
+
+
+def _requirements_ok(items: Expr, var: str, path: str) -> Expr:
+    """Every requirement of the selector at ``path`` (under each of ``items``) is well formed."""
+    return All(items, var, All(Field(path, var), "r", _requirement_ok("r")))
+
+
+def _label_selectors_ok(terms: Expr, var: str, prefix: str = "") -> Expr:
+    return _requirements_ok(terms, var, f"{prefix}labelSelector.matchExpressions")
+
+
+_affinity = "pod.affinity"
+_node_affinity = f"{_affinity}.nodeAffinity"
+_REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
+
+
+def _pod_affinity_ok(kind: str) -> Expr:
+    base = f"{_affinity}.{kind}"
+    return ~has(base) | (_label_selectors_ok(f(f"{base}.{_REQ}"), "t")
+                         & _label_selectors_ok(f(f"{base}.{_PREF}"), "t", "podAffinityTerm."))
+
+
+selectors_ok = (
+    (~has(_affinity) | (
+        (~has(_node_affinity) | (
+            (~has(f"{_node_affinity}.{_REQ}")
+             | _requirements_ok(f(f"{_node_affinity}.{_REQ}.nodeSelectorTerms"), "t", "matchExpressions"))
+            & _requirements_ok(f(f"{_node_affinity}.{_PREF}"), "t", "preference.matchExpressions")))
+        & _pod_affinity_ok("podAffinity") & _pod_affinity_ok("podAntiAffinity")))
+    & All(f("pod.topologySpreadConstraints"), "t", ~Has(Field("labelSelector", "t"))
+          | All(Field("labelSelector.matchExpressions", "t"), "r", _requirement_ok("r"))))
+
+_init_env_ok = (~(Has(Field("value", "e")) & Has(Field("valueFrom", "e")))
+                & (~Has(Field("valueFrom", "e"))
+                   | Has(Field("valueFrom.secretKeyRef", "e")).ne(Has(Field("valueFrom.configMapKeyRef", "e"))))
+                & ~(Has(Field("value", "e")) & (Matches(Field("name", "e"), CREDENTIAL_ENV_RE)
+                                                  | Matches(Field("value", "e"), URL_USERINFO_RE))))
+
+SPEC_RULES += [
+    Rule("pod-volume-one-source", "pod.volumes",
+         All(pod_volumes, "v", _count("v", VOLUME_TYPES).eq(1)), when=has_pod,
+         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", _count("v", VOLUME_TYPES).ne(1)),
+                     " needs exactly one source: " + ", ".join(VOLUME_TYPES))),
+    Rule("pod-volume-names-unique", "pod.volumes",
+         All(pod_volumes, "v", _unique(pod_volumes, "v", "name")), when=has_pod,
+         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", ~_unique(pod_volumes, "v", "name")),
+                     " is given more than once; give each volume its own name")),
+    Rule("pod-volume-names-not-reserved", "pod.volumes",
+         All(pod_volumes, "v", ~Matches(Field("name", "v"), RESERVED_VOLUME_RE)), when=has_pod,
+         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", Matches(Field("name", "v"), RESERVED_VOLUME_RE)),
+                     " is the name of one of the operator's own volumes (" + ", ".join(OPERATOR_VOLUMES)
+                     + "); use another name")),
+    Rule("pod-mounts-known-volume", "pod.volumeMounts",
+         All(pod_mounts, "m", _known_volume("m")), when=has_pod,
+         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", ~_known_volume("m")),
+                     " is not a volume of spec.pod.volumes; the trainer mounts only the volumes listed there")),
+    Rule("pod-mounts-not-reserved", "pod.volumeMounts",
+         All(pod_mounts, "m", ~Matches(Field("mountPath", "m"), RESERVED_MOUNT_RE)), when=has_pod,
+         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", Matches(Field("mountPath", "m"),
+                                                                               RESERVED_MOUNT_RE), "mountPath"),
+                     " is on, inside or around one of the operator's own mounts (" + ", ".join(OPERATOR_MOUNTS)
+                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + "; mount it elsewhere, e.g. "
+                     "under /mnt")),
+    Rule("pod-mount-paths-unique", "pod.volumeMounts",
+         All(pod_mounts, "m", _unique(pod_mounts, "m", "mountPath")), when=has_pod,
+         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", ~_unique(pod_mounts, "m", "mountPath"),
+                                                      "mountPath"), " is mounted more than once")),
+    Rule("pod-init-container-names", "pod.initContainers",
+         All(pod_inits, "c", _unique(pod_inits, "c", "name") & Field("name", "c").ne(TRAINER_CONTAINER)),
+         when=has_pod,
+         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~_unique(pod_inits, "c", "name")
+                                                        | Field("name", "c").eq(TRAINER_CONTAINER)),
+                     " is given more than once or is the trainer's own name; give each container its own name")),
+    Rule("pod-init-container-mounts-known-volume", "pod.initContainers",
+         All(pod_inits, "c", All(Field("volumeMounts", "c"), "m", _known_volume("m"))), when=has_pod,
+         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~All(Field("volumeMounts", "c"), "m",
+                                                                              _known_volume("m"))),
+                     " mounts a volume that is not in spec.pod.volumes (init containers and sidecars mount only "
+                     "those)")),
+    Rule("pod-init-container-env", "pod.initContainers",
+         All(pod_inits, "c", All(Field("env", "c"), "e", _init_env_ok)), when=has_pod,
+         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~All(Field("env", "c"), "e", _init_env_ok)),
+                     " has an env entry with both value and valueFrom, a valueFrom without exactly one of "
+                     "secretKeyRef and configMapKeyRef, or a credential as a literal value (an AWS key, a URL with "
+                     "user info); put credentials in a Secret (valueFrom.secretKeyRef or a secret volume)")),
+    Rule("pod-selector-requirements", "pod",
+         selectors_ok, when=has_pod,
+         message=lit("spec.pod: a label or node selector requirement is malformed: operator In and NotIn need "
+                     "values, Exists and DoesNotExist take none, Gt and Lt take one integer")),
 ]
 
 

@@ -75,6 +75,12 @@ class Settings:
     deny_secret_env: bool = False
     #: Refuse spec.imagePullSecrets.
     deny_image_pull_secrets: bool = False
+    #: The volume types spec.pod.volumes may use (comma-separated; of persistentVolumeClaim, configMap, secret,
+    #: emptyDir, csi, image, hostPath). Enforced also when empty: then no extra volume at all.
+    allowed_volume_types: str = "persistentVolumeClaim,configMap,secret,emptyDir"
+    #: Images whose init containers and sidecars (spec.pod.initContainers) may run privileged or add capabilities
+    #: (comma-separated; an image, or a path prefix). Empty: none may.
+    allowed_privileged_images: str = ""
     #: Pod label/annotation key prefixes spec.podMetadata may not use (comma-separated, case-insensitive),
     #: e.g. container.apparmor.security.beta.kubernetes.io/,eks.amazonaws.com/,app
     denied_metadata_keys: str = DEFAULT_DENIED_METADATA_KEYS

@@ -56,6 +56,10 @@ class ConditionType:
     #: Set once the trainer warns about its checkpoints (status.progress.saveWarning): saves come faster
     #: than one is written, or the volume cannot hold keep + 1 of them. True while the warning stands.
     CHECKPOINT_WARNING = "CheckpointWarning"
+    #: A sidecar of the trainer pods (spec.pod.initContainers with restartPolicy Always) stopped and was restarted
+    #: by the kubelet: it does not fail the job (the trainer's exit decides), but it is not doing its work. True
+    #: while a pod of the job shows it; a finished job keeps what it last showed.
+    SIDECAR_WARNING = "SidecarWarning"
 
 
 class Reason:
@@ -88,6 +92,8 @@ class Reason:
     PREDICTED_OUT_OF_MEMORY = "PredictedOutOfMemory"
     SAVE_WARNING = "SaveWarning"
     NO_SAVE_WARNING = "NoSaveWarning"
+    SIDECAR_RESTARTED = "SidecarRestarted"
+    NO_SIDECAR_RESTARTS = "NoSidecarRestarts"
     # event-only reasons
     JOBSET_RECREATED = "JobSetRecreated"
     LAYOUT_CHANGED = "LayoutChanged"  # spec.parallelism changed while suspended: the JobSet is made again
@@ -182,6 +188,8 @@ class PodView:
     ip: str | None = None  # status.podIP: what NCCL names a peer by
     node: str | None = None  # spec.nodeName
     jobset_uid: str | None = None  # the JobSet the pod belongs to (JobSet's label)
+    sidecar_failure: str | None = None  # a sidecar that stopped and was restarted: which, how often, how
+
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -208,7 +216,28 @@ class PodView:
             ip=status.get("podIP"),
             node=(pod.get("spec") or {}).get("nodeName"),
             jobset_uid=(meta.get("labels") or {}).get(JOBSET_UID_LABEL),
+            sidecar_failure=_sidecar_failure(pod),
         )
+
+
+def _sidecar_failure(pod: dict[str, Any]) -> str | None:
+    """The first sidecar (an init container with restartPolicy Always) of ``pod`` that stopped by itself and was
+    restarted, described; None when none did. A sidecar stopped by the kubelet when the trainer finished is not
+    restarted, so the end of a pod never counts."""
+    sidecars = {c.get("name") for c in (pod.get("spec") or {}).get("initContainers") or []
+                if c.get("restartPolicy") == "Always"}
+    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        restarts = int(cs.get("restartCount") or 0)
+        if cs.get("name") not in sidecars or restarts <= 0:
+            continue
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        how = ", ".join(x for x in (f"exit code {last['exitCode']}" if "exitCode" in last else "",
+                                     last.get("reason") or "") if x)
+        tail = (last.get("message") or "").strip()[-200:]
+        return (f"pod {(pod.get('metadata') or {}).get('name', '')}: sidecar {cs.get('name')} restarted "
+                f"{restarts} time{'s' if restarts > 1 else ''}" + (f" (last: {how})" if how else "")
+                + (f": {tail}" if tail else ""))
+    return None
 
 
 @dataclass(frozen=True)
@@ -564,6 +593,20 @@ def derive(o: Observation, now: datetime | None = None) -> tuple[dict[str, Any],
         conditions.set(ConditionType.CHECKPOINT_WARNING, True, Reason.SAVE_WARNING, save_warning)
     elif ConditionType.CHECKPOINT_WARNING in conditions.previous:
         conditions.set(ConditionType.CHECKPOINT_WARNING, False, Reason.NO_SAVE_WARNING)
+
+    # A sidecar that keeps stopping is reported, never counted as the trainer's failure: the pod's phase (and so
+    # the JobSet's) follows its regular container only.
+    sidecar = next((p.sidecar_failure for p in o.pods if p.sidecar_failure), None)
+    if sidecar:
+        if not conditions.was_true(ConditionType.SIDECAR_WARNING):
+            events.append(Event("Warning", Reason.SIDECAR_RESTARTED, sidecar))
+        conditions.set(ConditionType.SIDECAR_WARNING, True, Reason.SIDECAR_RESTARTED, sidecar)
+    elif (was := conditions.previous.get(ConditionType.SIDECAR_WARNING)) is not None:
+        if phase in TERMINAL:  # the pods may be gone: keep what the job last showed
+            conditions.set(ConditionType.SIDECAR_WARNING, was.get("status") == "True", was.get("reason", ""),
+                           was.get("message", ""))
+        else:  # e.g. a new gang after a restart
+            conditions.set(ConditionType.SIDECAR_WARNING, False, Reason.NO_SIDECAR_RESTARTS)
 
     memory = None
     if o.fit is not None:

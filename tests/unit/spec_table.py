@@ -15,6 +15,43 @@ LLAMA_TINY = {"numLayers": 8, "hiddenSize": 1024, "numAttentionHeads": 16, "numQ
               "vocabSize": 32000, "activation": "swiglu", "normalization": "RMSNorm", "positionEmbedding": "rope",
               "addBiasLinear": False}
 
+# Every field of spec.pod, valid (issue 53).
+POD_FULL = {
+    "volumes": [{"name": "nfs", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}},
+                {"name": "tracker", "secret": {"secretName": "tracker", "items": [{"key": "k", "path": "key"}],
+                                               "defaultMode": 288}},
+                {"name": "cfg", "configMap": {"name": "cfg", "optional": True}},
+                {"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
+                {"name": "cache", "csi": {"driver": "cache.example.com", "volumeAttributes": {"size": "10Gi"}}},
+                {"name": "tools", "image": {"reference": "registry.example.com/tools:1", "pullPolicy": "IfNotPresent"}}],
+    "volumeMounts": [{"name": "nfs", "mountPath": "/mnt/datasets", "readOnly": True},
+                     {"name": "tracker", "mountPath": "/var/run/secrets/tracker", "readOnly": True},
+                     {"name": "scratch", "mountPath": "/scratch", "subPath": "a/b"}],
+    "initContainers": [
+        {"name": "prefetch", "image": "busybox:1.36", "command": ["sh", "-c", "cp /mnt/x /scratch/"],
+         "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+         "env": [{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+         "resources": {"requests": {"cpu": "100m", "memory": "64Mi", "ephemeral-storage": "1Gi"},
+                       "limits": {"memory": "128Mi"}}},
+        {"name": "logs", "image": "fluent/fluent-bit:3", "restartPolicy": "Always", "args": ["-c", "/cfg/x"],
+         "volumeMounts": [{"name": "cfg", "mountPath": "/cfg"}],
+         "securityContext": {"runAsUser": 2000, "readOnlyRootFilesystem": True}}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a", "b"]}]}]},
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 10, "preference": {"matchExpressions": [
+                {"key": "gpus", "operator": "Gt", "values": ["4"]}]}}]},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 50, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"team": "other"}}}}]},
+        "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "topologyKey": "topology.kubernetes.io/zone",
+            "labelSelector": {"matchExpressions": [{"key": "cache", "operator": "Exists"}]}}]}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway", "matchLabelKeys": ["team"],
+                                   "labelSelector": {"matchLabels": {"megatron-operator.io/job-name": "job"}}}],
+}
+
 # (id, manifest, violated rule or None)
 CASES: list[tuple[str, dict[str, Any], str | None]] = [
     # ---------------------------------------------------------------- valid
@@ -379,12 +416,76 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "env-endpoint-url"),
     ("bad-extra-args-object-store-endpoint", make_job(training__extraArgs=["--object-store-endpoint", "http://h:80"]),
      "extra-args-not-managed"),
+    # ---------------------------------------------------------------- spec.pod (issue 53)
+    ("pod-everything", make_job(pod=POD_FULL), None),
+    ("pod-empty", make_job(pod={}), None),
+    ("pod-volume-no-source", make_job(pod={"volumes": [{"name": "a"}]}), "pod-volume-one-source"),
+    ("pod-volume-two-sources", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}, "configMap": {"name": "c"}}]}),
+     "pod-volume-one-source"),
+    ("pod-volume-name-twice", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}),
+     "pod-volume-names-unique"),
+    ("pod-volume-name-operators", make_job(pod={"volumes": [{"name": "dshm", "emptyDir": {}}]}),
+     "pod-volume-names-not-reserved"),
+    ("pod-mount-unknown-volume", make_job(pod={"volumeMounts": [{"name": "nope", "mountPath": "/mnt/x"}]}),
+     "pod-mounts-known-volume"),
+    ("pod-mount-over-dev-shm", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                             "volumeMounts": [{"name": "a", "mountPath": "/dev/shm"}]}),
+     "pod-mounts-not-reserved"),
+    ("pod-mount-inside-checkpoints", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                                   "volumeMounts": [{"name": "a", "mountPath": "/checkpoints/x"}]}),
+     "pod-mounts-not-reserved"),
+    ("pod-mount-around-token", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                             "volumeMounts": [{"name": "a", "mountPath": "/run/secrets"}]}),
+     "pod-mounts-not-reserved"),
+    ("pod-mount-over-dev", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                         "volumeMounts": [{"name": "a", "mountPath": "/dev/infiniband"}]}),
+     "pod-mounts-not-reserved"),
+    ("pod-mount-path-twice", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}, {"name": "b", "emptyDir": {}}],
+                                           "volumeMounts": [{"name": "a", "mountPath": "/mnt/x"},
+                                                            {"name": "b", "mountPath": "/mnt/x"}]}),
+     "pod-mount-paths-unique"),
+    ("pod-init-named-trainer", make_job(pod={"initContainers": [{"name": "trainer", "image": "busybox"}]}),
+     "pod-init-container-names"),
+    ("pod-init-name-twice", make_job(pod={"initContainers": [{"name": "a", "image": "busybox"},
+                                                             {"name": "a", "image": "busybox"}]}),
+     "pod-init-container-names"),
+    ("pod-init-mount-unknown", make_job(pod={"initContainers": [{"name": "a", "image": "busybox", "volumeMounts": [
+        {"name": "nope", "mountPath": "/x"}]}]}), "pod-init-container-mounts-known-volume"),
+    ("pod-init-env-literal-key", make_job(pod={"initContainers": [{"name": "a", "image": "busybox", "env": [
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "s"}]}]}), "pod-init-container-env"),
+    ("pod-init-env-two-sources", make_job(pod={"initContainers": [{"name": "a", "image": "busybox", "env": [
+        {"name": "A", "value": "1", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}]}),
+     "pod-init-container-env"),
+    ("pod-node-affinity-in-without-values", make_job(pod={"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "zone", "operator": "In"}]}]}}}}), "pod-selector-requirements"),
+    ("pod-anti-affinity-exists-with-values", make_job(pod={"affinity": {"podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "podAffinityTerm": {
+            "topologyKey": "zone", "labelSelector": {"matchExpressions": [
+                {"key": "a", "operator": "Exists", "values": ["x"]}]}}}]}}}), "pod-selector-requirements"),
+    ("pod-spread-gt-not-integer", make_job(pod={"affinity": {"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [
+            {"key": "gpus", "operator": "Gt", "values": ["many"]}]}}]}}}), "pod-selector-requirements"),
+    ("pod-spread-selector-notin-empty", make_job(pod={"topologySpreadConstraints": [{
+        "maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchExpressions": [{"key": "a", "operator": "NotIn"}]}}]}), "pod-selector-requirements"),
 ]
 
 # Refused by the schema itself (types, patterns, bounds) or by the rule on metadata.name, rather than
 # by a spec rule: (id, manifest, a fragment of the API server's message). tests/unit checks the
 # models refuse each and the CRD schema does too (jsonschema); e2e/test_api.py asks the API server.
 SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("pod-mount-relative", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                         "volumeMounts": [{"name": "a", "mountPath": "mnt/x"}]}),
+     "spec.pod.volumeMounts[0].mountPath"),
+    ("pod-mount-dotdot", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                       "volumeMounts": [{"name": "a", "mountPath": "/mnt/../dev/shm"}]}),
+     "spec.pod.volumeMounts[0].mountPath"),
+    ("pod-init-root", make_job(pod={"initContainers": [{"name": "a", "image": "b", "securityContext": {
+        "runAsUser": 0}}]}), "spec.pod.initContainers[0].securityContext.runAsUser"),
+    ("pod-init-restart-never", make_job(pod={"initContainers": [{"name": "a", "image": "b",
+                                                                  "restartPolicy": "Never"}]}),
+     "spec.pod.initContainers[0].restartPolicy"),
     ("checkpoint-path-dotdot", make_job(checkpoint={"pvc": "c", "path": "../tmp/ckpt"}), "spec.checkpoint.path"),
     ("checkpoint-path-dot", make_job(checkpoint={"pvc": "c", "path": "."}), "spec.checkpoint.path"),
     ("checkpoint-path-inner-dot", make_job(checkpoint={"pvc": "c", "path": "a/./b"}), "spec.checkpoint.path"),

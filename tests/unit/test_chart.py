@@ -672,7 +672,9 @@ GUARDRAILS_ON = {"allowedImageRegistries": ["nvcr.io", "registry.example.com/ml/
                  "denyImagePullSecrets": True,
                  "deniedMetadataKeys": ["container.apparmor.security.beta.kubernetes.io/", "iam.amazonaws.com/",
                                         "azure.workload.identity/",
-                                        "App"]}
+                                        "App"],
+                 "allowedVolumeTypes": ["persistentVolumeClaim", "configMap", "emptyDir", "image", "secret"],
+                 "allowedPrivilegedImages": ["nvcr.io/nvidia/k8s/dcgm-exporter", "registry.example.com/ml/priv/"]}
 
 #: (name, overrides of a compliant job). Every guardrail broken once, then the edges that must pass.
 #: Maps (nodeSelector, labels, annotations) break with one key each: CEL iterates a map in no fixed
@@ -710,6 +712,47 @@ GUARDRAIL_CASES = [
                                                                        "credentialsSecret": "s3-creds"}}}),
     ("denied workload identity annotation", {"checkpoint": {"objectStore": {
         "bucket": "ckpt-bucket", "serviceAccountAnnotations": {"azure.workload.identity/client-id": "x"}}}}),
+    # spec.pod (issue 53)
+    ("compliant, spec.pod at every edge", {"pod": {
+        "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "datasets"}},
+                    {"name": "t", "image": {"reference": "nvcr.io/nvidia/tools:1"}},
+                    {"name": "s", "emptyDir": {}}],
+        "initContainers": [
+            {"name": "a", "image": "registry.example.com/ml/sidecar:1", "restartPolicy": "Always",
+             "env": [{"name": "C", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]},
+            {"name": "b", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3.3", "securityContext": {"privileged": True}},
+            {"name": "c", "image": "registry.example.com/ml/priv/x:1", "securityContext": {
+                "capabilities": {"add": ["SYS_PTRACE"]}}},
+            {"name": "d", "image": "nvcr.io/nvidia/k8s/dcgm-exporter", "securityContext": {
+                "privileged": False, "capabilities": {"add": []}}}],
+        "affinity": {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["p5"]}]}]},
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [
+                {"key": "node.kubernetes.io/instance-type", "operator": "Exists"}]}}]}}}}),
+    ("hostPath volume", {"pod": {"volumes": [{"name": "s", "emptyDir": {}},
+                                             {"name": "host", "hostPath": {"path": "/var/lib/x"}}]}}),
+    ("csi volume", {"pod": {"volumes": [{"name": "c", "csi": {"driver": "x.example.com"}}]}}),
+    ("secret volume", {"pod": {"volumes": [{"name": "e", "emptyDir": {}},
+                                           {"name": "s", "secret": {"secretName": "tracker"}}]}}),
+    ("sidecar secret env", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1", "env": [
+        {"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]}}),
+    ("sidecar from another registry", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1"},
+                                                                  {"name": "b", "image": "docker.io/fluent/fluent-bit:3"}]}}),
+    ("image volume from another registry", {"pod": {"volumes": [{"name": "t", "image": {"reference": "ghcr.io/x:1"}}]}}),
+    ("privileged sidecar", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter-evil:1",
+                                                        "securityContext": {"privileged": True}}]}}),
+    ("privileged prefix without its slash", {"pod": {"initContainers": [{
+        "name": "a", "image": "registry.example.com/ml/privx:1", "securityContext": {"privileged": True}}]}}),
+    ("added capability", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1", "securityContext": {
+        "capabilities": {"add": ["NET_ADMIN"]}}}]}}),
+    ("node affinity key", {"pod": {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "node.kubernetes.io/instance-type", "operator": "Exists"}]},
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1"]}]}]}}}}}),
+    ("preferred node affinity key", {"pod": {"affinity": {"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [
+            {"key": "zone", "operator": "Exists"}]}}]}}}}),
     ("everything at once", {"image": "docker.io/x:1", "priorityClassName": "p", "queueName": "DELETE",
                             "terminationGracePeriodSeconds": 3600, "imagePullSecrets": ["r"],
                             "resources__tolerations": [{"key": "x"}], "resources__nodeSelector": {"zone": "a"},
@@ -789,13 +832,16 @@ def test_guardrails_policy_follows_the_values(tmp_path):
         found = [p for p in by_kind(objs, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith("-guardrails")]
         return [v["messageExpression"].split(":")[0].strip("'") for p in found for v in p["spec"]["validations"]]
 
-    # the defaults: the grace period and the denied pod metadata keys (pods' and the job's ServiceAccount's)
+    # the defaults: the grace period, the denied pod metadata keys (pods' and the job's ServiceAccount's), and the
+    # allow-lists of what spec.pod may add, which are always checked (an empty one allows nothing)
+    always = ["spec.pod.volumes", "spec.pod.initContainers[].securityContext.privileged",
+              "spec.pod.initContainers[].securityContext.capabilities"]
     assert validations(render_chart()) == ["spec.terminationGracePeriodSeconds", "spec.podMetadata.labels",
                                            "spec.podMetadata.annotations",
-                                           "spec.checkpoint.objectStore.serviceAccountAnnotations"]
-    all_off = {"maxTerminationGracePeriodSeconds": 0, "deniedMetadataKeys": []}
+                                           "spec.checkpoint.objectStore.serviceAccountAnnotations", *always]
+    all_off = {"maxTerminationGracePeriodSeconds": 0, "deniedMetadataKeys": [], "allowedVolumeTypes": []}
     objs = render_chart({"guardrails": all_off}, tmp_path)
-    assert validations(objs) == [] and not [b for b in by_kind(objs, "ValidatingAdmissionPolicyBinding")
+    assert validations(objs) == always and [b for b in by_kind(objs, "ValidatingAdmissionPolicyBinding")
                                             if b["metadata"]["name"].endswith("-guardrails")]
     assert validations(render_chart({"guardrailsPolicy": {"enabled": False}}, tmp_path)) == []
     objs = render_chart({"watchNamespaces": ["team-a", "team-b"]}, tmp_path)
@@ -836,6 +882,21 @@ _GUARDRAIL_SPECS = st.fixed_dictionaries({}, optional={
                                      {"name": "C", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
                     max_size=2, unique_by=lambda e: e["name"]),
     "imagePullSecrets": st.lists(st.just("regcred"), max_size=1),
+    "pod": st.fixed_dictionaries({
+        "volumes": st.lists(st.sampled_from([
+            {"persistentVolumeClaim": {"claimName": "d"}}, {"emptyDir": {}}, {"secret": {"secretName": "s"}},
+            {"csi": {"driver": "x.example.com"}}, {"hostPath": {"path": "/x"}},
+            {"image": {"reference": "nvcr.io/t:1"}}, {"image": {"reference": "docker.io/t:1"}}]), max_size=3).map(
+                lambda vs: [{"name": f"v{i}", **v} for i, v in enumerate(vs)]),
+        "initContainers": st.lists(st.fixed_dictionaries({
+            "image": st.sampled_from(["nvcr.io/nvidia/k8s/dcgm-exporter", "nvcr.io/nvidia/k8s/dcgm-exporter:1",
+                                      "nvcr.io/nvidia/k8s/dcgm-exporterx", "registry.example.com/ml/priv/a",
+                                      "registry.example.com/ml/privy", "docker.io/x"])}, optional={
+            "securityContext": st.fixed_dictionaries({}, optional={
+                "privileged": st.booleans(), "capabilities": st.fixed_dictionaries({"add": st.lists(
+                    st.just("NET_ADMIN"), max_size=1)})})}), max_size=3).map(
+                lambda cs: [{"name": f"c{i}", **c} for i, c in enumerate(cs)]),
+    }),
     "podMetadata": st.fixed_dictionaries({"labels": st.dictionaries(st.sampled_from(["app", "application", "team"]),
                                                                     st.just("x"), max_size=2),
                                           "annotations": st.dictionaries(st.sampled_from(_KEYS[10:]), st.just("x"),

@@ -495,3 +495,113 @@ def test_hf_export_to_the_checkpoint_bucket_mounts_nothing_and_names_the_bucket(
     assert "hf-export" not in {v["name"] for v in pod_spec(js)["volumes"]}
     assert "hf-export" not in {m["name"] for m in container(js)["volumeMounts"]}
     assert [v["name"] for v in pod_spec(js)["volumes"] if "secret" in v] == ["object-store-credentials"]
+
+
+# ---- spec.pod (issue 53) ------------------------------------------------------------------------------------
+
+
+def test_pod_additions_come_after_the_operators_own():
+    from spec_table import POD_FULL
+
+    js = objects(make_job(checkpoint={"pvc": "c"}, pod=POD_FULL))["JobSet"]
+    ps, trainer = pod_spec(js), container(js)
+    names = [v["name"] for v in ps["volumes"]]
+    assert names == ["dshm", "tmp", "checkpoints", *(v["name"] for v in POD_FULL["volumes"]), "trainer-token"]
+    assert ps["volumes"][3] == {"name": "nfs", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}}
+    paths = [m["mountPath"] for m in trainer["volumeMounts"]]
+    assert paths == ["/dev/shm", "/tmp", "/checkpoints", "/mnt/datasets", "/var/run/secrets/tracker", "/scratch",
+                     "/var/run/secrets/kubernetes.io/serviceaccount"]
+    assert [c["name"] for c in ps["initContainers"]] == ["prefetch", "logs"]
+    assert ps["initContainers"][1]["restartPolicy"] == "Always" and "restartPolicy" not in ps["initContainers"][0]
+    assert ps["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    # the trainer itself is as before: its securityContext, command and env
+    assert trainer["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                          "capabilities": {"drop": ["ALL"]}}
+    assert container(objects(make_job(checkpoint={"pvc": "c"}))["JobSet"])["command"] == trainer["command"]
+
+
+def test_user_containers_are_hardened_like_the_trainer_unless_they_ask():
+    pod = {"initContainers": [
+        {"name": "plain", "image": "x"},
+        {"name": "ptrace", "image": "x", "securityContext": {"capabilities": {"add": ["SYS_PTRACE"]}}},
+        {"name": "priv", "image": "x", "securityContext": {"privileged": True}},
+        {"name": "admin", "image": "x", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]}
+    inits = {c["name"]: c for c in pod_spec(objects(make_job(pod=pod))["JobSet"])["initContainers"]}
+    assert inits["plain"] == {"name": "plain", "image": "x", "securityContext": {
+        "capabilities": {"drop": ["ALL"]}, "allowPrivilegeEscalation": False}}
+    assert inits["ptrace"]["securityContext"] == {"capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]},
+                                                  "allowPrivilegeEscalation": False}
+    # the API server refuses allowPrivilegeEscalation: false beside these two
+    assert "allowPrivilegeEscalation" not in inits["priv"]["securityContext"]
+    assert "allowPrivilegeEscalation" not in inits["admin"]["securityContext"]
+
+
+def test_with_user_containers_only_the_trainer_gets_the_jobs_token():
+    ps = pod_spec(objects(make_job(pod={"initContainers": [{"name": "a", "image": "x"}]}))["JobSet"])
+    assert ps["automountServiceAccountToken"] is False
+    token = next(v for v in ps["volumes"] if v["name"] == "trainer-token")["projected"]["sources"]
+    assert token[0] == {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}}
+    assert {"name": "trainer-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            "readOnly": True} in ps["containers"][0]["volumeMounts"]
+    assert "volumeMounts" not in ps["initContainers"][0]
+    # without user containers the kubelet's automount stays (the render is unchanged)
+    for pod in ({}, {"volumes": [{"name": "v", "emptyDir": {}}]}):
+        ps = pod_spec(objects(make_job(pod=pod))["JobSet"])
+        assert ps["automountServiceAccountToken"] is True and "initContainers" not in ps
+        assert "trainer-token" not in [v["name"] for v in ps["volumes"]]
+
+
+def test_an_empty_pod_block_renders_exactly_as_none():
+    for doc in (make_job(), make_job(checkpoint={"pvc": "c"}, numNodes=2, gpusPerNode=1, parallelism={"tensor": 2},
+                                     training={"microBatchSize": 1, "globalBatchSize": 1, "trainIters": 1})):
+        with_pod = {**doc, "spec": {**doc["spec"], "pod": {}}}
+        assert render(parse_job(with_pod), Settings(), avoid_nodes=["n"]) == \
+            render(parse_job(doc), Settings(), avoid_nodes=["n"])
+
+
+def test_user_affinity_is_merged_with_the_tp_group_and_avoided_nodes_never_replacing_them():
+    doc = make_job(numNodes=2, gpusPerNode=1, parallelism={"tensor": 2},
+                   training={"microBatchSize": 1, "globalBatchSize": 1, "trainIters": 1}, pod={"affinity": {
+                       "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                           {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                           {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}},
+                       "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 5, "podAffinityTerm": {
+                           "topologyKey": "zone", "labelSelector": {"matchLabels": {"cache": "warm"}}}}]},
+                       "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+                           "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"team": "b"}}}]}}})
+    plain = pod_spec(render(parse_job(make_job(**{k: v for k, v in doc["spec"].items() if k != "pod"})), Settings(),
+                            avoid_nodes=["bad"])[-1])["affinity"]
+    aff = pod_spec(render(parse_job(doc), Settings(), avoid_nodes=["bad"])[-1])["affinity"]
+    # the operator's own terms first, unchanged; the user's added
+    assert aff["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == \
+        plain["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert aff["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] \
+        == "zone"
+    anti = aff["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"] == \
+        plain["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"]["matchLabels"] == {"team": "b"}
+    # node terms are ORed by the scheduler: each of the user's terms keeps the avoided node out
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["bad"]}
+    terms = aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"]]
+    assert all(t["matchFields"] == [avoid] for t in terms)
+    # without avoided nodes, the user's terms as they are
+    aff = pod_spec(render(parse_job(doc), Settings())[-1])["affinity"]
+    assert all("matchFields" not in t for t in aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+               ["nodeSelectorTerms"])
+
+
+def test_every_example_renders_as_before_and_the_golden_snapshots_have_no_pod_additions():
+    """The render of every example is what it was before spec.pod existed: no example uses it, and their
+    renders carry none of its traces (init containers, the trainer-token volume, automount off)."""
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        assert "pod" not in doc["spec"], path.name
+        doc["metadata"]["namespace"] = "default"
+        js = render(parse_job(doc), Settings())[-1]
+        for i in range(len(js["spec"]["replicatedJobs"])):
+            ps = pod_spec(js, i)
+            assert "initContainers" not in ps and "topologySpreadConstraints" not in ps, path.name
+            assert ps["automountServiceAccountToken"] is True, path.name
+            assert "trainer-token" not in [v["name"] for v in ps["volumes"]], path.name

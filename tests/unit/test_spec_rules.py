@@ -169,3 +169,26 @@ def test_the_crd_schema_check_accepts_every_valid_case():
         if rule is None:
             errors = list(jsonschema.Draft4Validator(ROOT).iter_errors(apply_defaults(ROOT, copy.deepcopy(doc))))
             assert not errors, (case_id, [e.message for e in errors])
+
+
+def test_what_spec_pod_has_no_field_for_is_refused_by_the_models_and_absent_from_the_crd():
+    """Host namespaces, another ServiceAccount, projected tokens, hostPath-like sources other than hostPath, a
+    container's root user: no field, so nothing a guardrail could be talked out of (the API server prunes
+    unknown fields, and kubectl's strict field validation refuses them)."""
+    pod_schema = ROOT["properties"]["spec"]["properties"]["pod"]
+    assert set(pod_schema["properties"]) == {"volumes", "volumeMounts", "initContainers", "affinity",
+                                             "topologySpreadConstraints"}
+    volume = pod_schema["properties"]["volumes"]["items"]["properties"]
+    assert set(volume) - {"name"} == {"persistentVolumeClaim", "configMap", "secret", "emptyDir", "csi", "image",
+                                      "hostPath"}
+    container = pod_schema["properties"]["initContainers"]["items"]["properties"]
+    assert not {"serviceAccountName", "ports", "stdin", "livenessProbe"} & set(container)
+    assert container["securityContext"]["properties"]["runAsUser"]["minimum"] == 1
+    assert "runAsNonRoot" not in container["securityContext"]["properties"]
+    for pod, field in (({"hostNetwork": True}, "hostNetwork"), ({"hostPID": True}, "hostPID"),
+                       ({"serviceAccountName": "admin"}, "serviceAccountName"),
+                       ({"volumes": [{"name": "t", "projected": {"sources": []}}]}, "projected"),
+                       ({"initContainers": [{"name": "a", "image": "b", "serviceAccountName": "x"}]},
+                        "serviceAccountName")):
+        problems = python_problems(make_job(pod=pod))
+        assert [p.rule for p in problems] == ["extra_forbidden"] and field in problems[0].field, problems

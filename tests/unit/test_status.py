@@ -462,3 +462,55 @@ def test_a_checkpoint_warning_of_the_trainer_becomes_a_condition_and_one_event()
     assert cond(cleared, "CheckpointWarning")["status"] == "False"
     plain, _ = derive(obs(jobset=js(), pods=pods(2), previous={"progress": {"iteration": 5}}), NOW)
     assert all(c["type"] != "CheckpointWarning" for c in plain["conditions"])
+
+
+# ---- sidecars (spec.pod.initContainers with restartPolicy Always; issue 53) ------------------------------------
+
+def _pod_with_sidecar(restarts: int, phase: str = "Running", exit_code: int = 3) -> dict:
+    return {"metadata": {"name": "job-worker-0-0", "labels": {"jobset.sigs.k8s.io/restart-attempt": "0"}},
+            "spec": {"initContainers": [{"name": "prefetch"}, {"name": "logs", "restartPolicy": "Always"}]},
+            "status": {"phase": phase, "initContainerStatuses": [
+                {"name": "prefetch", "restartCount": 0, "state": {"terminated": {"exitCode": 0}}},
+                {"name": "logs", "restartCount": restarts,
+                 "lastState": {"terminated": {"exitCode": exit_code, "reason": "Error"}} if restarts else {},
+                 "state": {"running": {}}}]}}
+
+
+def test_a_restarted_sidecar_is_a_warning_condition_and_one_event_not_a_failure():
+    pod = PodView.from_pod(_pod_with_sidecar(2))
+    assert pod.sidecar_failure == "pod job-worker-0-0: sidecar logs restarted 2 times (last: exit code 3, Error)"
+    assert pod.failure is None
+    s, events = derive(obs(jobset=js(), pods=[pod, PodView(name="p1", phase="Running", restart_attempt=0)]), NOW)
+    assert s["phase"] == "Running"
+    c = cond(s, "SidecarWarning")
+    assert (c["status"], c["reason"]) == ("True", "SidecarRestarted") and "sidecar logs" in c["message"]
+    assert [e.reason for e in events if e.type == "Warning"] == ["SidecarRestarted"]
+    assert "lastFailure" not in s
+    # the next observation: the same condition, no second event
+    s2, events2 = derive(obs(jobset=js(), pods=[pod, PodView(name="p1", phase="Running", restart_attempt=0)],
+                             previous=s), NOW + timedelta(seconds=5))
+    assert cond(s2, "SidecarWarning")["lastTransitionTime"] == c["lastTransitionTime"]
+    assert not [e for e in events2 if e.reason == "SidecarRestarted"]
+
+
+def test_a_job_whose_sidecar_crashed_is_succeeded_and_keeps_the_warning_after_its_pods_are_gone():
+    done = PodView.from_pod(_pod_with_sidecar(1, phase="Succeeded"))
+    completed = js(Completed=("AllJobsCompleted", "jobset completed successfully"))
+    s, _ = derive(obs(jobset=completed, pods=[done]), NOW)
+    assert s["phase"] == "Succeeded" and cond(s, "SidecarWarning")["status"] == "True"
+    s2, _ = derive(obs(jobset=completed, pods=[], previous=s), NOW + timedelta(minutes=1))
+    assert s2["phase"] == "Succeeded" and cond(s2, "SidecarWarning") == cond(s, "SidecarWarning")
+
+
+def test_no_sidecar_condition_without_restarts_and_false_after_a_new_gang():
+    quiet = PodView.from_pod(_pod_with_sidecar(0))
+    assert quiet.sidecar_failure is None
+    s, _ = derive(obs(jobset=js(), pods=[quiet, quiet]), NOW)
+    assert "SidecarWarning" not in {c["type"] for c in s["conditions"]}
+    # a plain init container that restarted is not a sidecar (and a pod whose init container fails has failed)
+    plain = _pod_with_sidecar(0)
+    plain["status"]["initContainerStatuses"][0]["restartCount"] = 1
+    assert PodView.from_pod(plain).sidecar_failure is None
+    warned, _ = derive(obs(jobset=js(), pods=[PodView.from_pod(_pod_with_sidecar(1)), quiet]), NOW)
+    s, _ = derive(obs(jobset=js(), pods=[quiet, quiet], previous=warned), NOW + timedelta(minutes=1))
+    assert (cond(s, "SidecarWarning")["status"], cond(s, "SidecarWarning")["reason"]) == ("False", "NoSidecarRestarts")
