@@ -488,7 +488,11 @@ sys.exit(0 if ok else 1)
 SIDECAR_OK = ("import os, time, pathlib\n"
               "pathlib.Path('/shared/sidecar-alive').write_text(str(os.getpid()))\n"
               "while True:\n    time.sleep(1)\n")
-SIDECAR_CRASH = "import sys, time\ntime.sleep(3)\nsys.exit(3)\n"
+# starts (the trainer sees it), then exits 3 every few seconds: the kubelet restarts it, and its exits must never
+# fail the trainer's pod or the job
+SIDECAR_CRASH = ("import pathlib, sys, time\n"
+                 "pathlib.Path('/shared/sidecar-alive').write_text('crashy')\n"
+                 "time.sleep(3)\nsys.exit(3)\n")
 
 
 @contextlib.contextmanager
