@@ -92,6 +92,25 @@ class ModelConfig:
         "--num-experts", type=int, help="Experts per MoE layer (MoE models only)."))
     moe_router_topk: int = field(default=2, metadata=flag(
         "--moe-router-topk", type=int, help="Experts each token is routed to."))
+    moe_ffn_hidden_size: int | None = field(default=None, metadata=flag(
+        "--moe-ffn-hidden-size", type=int, help="Hidden size of each expert's MLP (default --ffn-hidden-size)."))
+    moe_router_pre_softmax: bool = field(default=False, metadata=flag(
+        "--moe-router-pre-softmax", action="store_true",
+        help="Softmax over all experts, then top-k, the k probabilities not renormalised (Hugging Face "
+             "norm_topk_prob false); default: top-k of the logits, softmax over the k."))
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata=flag(
+        "--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        help="Load-balancing loss: per micro-batch (aux_loss), per sequence, per global batch, or none."))
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=flag(
+        "--moe-aux-loss-coeff", type=float, help="Coefficient of the load-balancing loss (0: not computed)."))
+    moe_z_loss_coeff: float | None = field(default=None, metadata=flag(
+        "--moe-z-loss-coeff", type=float, help="Coefficient of the router z-loss (ST-MoE; default: none)."))
+    moe_router_dtype: str | None = field(default=None, metadata=flag(
+        "--moe-router-dtype", choices=("fp32", "fp64"),
+        help="Precision of the router's logits and probabilities (default: the model's)."))
+    moe_token_dispatcher_type: str = field(default="allgather", metadata=flag(
+        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+        help="How tokens reach their experts' ranks: all-gather over the expert group, or all-to-all."))
     swiglu: bool = field(default=False, metadata=flag(
         "--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GeLU."))
     normalization: str = field(default="LayerNorm", metadata=flag(
@@ -140,6 +159,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def effective_moe_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.effective_ffn_hidden_size
 
 
 @dataclass(frozen=True)
@@ -501,6 +524,13 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
+    moe_experts: str = "grouped"
+    """MEGATRON_TRAINER_MOE_EXPERTS (MOE_EXPERTS_IMPLS), MoE models on the local path: grouped (the default) runs each
+    layer's experts on two grouped GEMMs (moe.GroupedMLP); sequential runs Megatron-Core's SequentialMLP, one GEMM pair
+    per expert. Both write the same checkpoints (either loads the other's)."""
+    moe_group_align: int = 0
+    """MEGATRON_TRAINER_MOE_GROUP_ALIGN=N: pad each expert's tokens to a multiple of N rows for the grouped GEMM
+    (0, the default: 16 bytes' worth on CUDA, 8 bf16 rows, and none on the CPU; 1: never pad). moe.py says why."""
     optim_in_place: bool = True
     """MEGATRON_TRAINER_OPTIM_IN_PLACE: 0 builds the fully reshardable optimizer state Megatron's way (a gather
     of the whole state through host memory on every save) instead of in place (optim_state.py); for A/B runs."""
@@ -585,6 +615,8 @@ def resolve_sequence_parallel(cfg: TrainerConfig, have_te: bool) -> tuple[Traine
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, sequence_parallel_auto=False)), None
     if p.tensor == 1:
         on, why = False, "TP = 1"
+    elif cfg.model.num_experts:
+        on, why = True, "MoE at TP > 1: megatron-core's MoE layer trains only with it (moe_layer.py)"
     elif takes_te_path(cfg, have_te):
         on, why = True, "Transformer Engine path, TP > 1"
     else:
@@ -665,13 +697,41 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
         raise ValueError(f"--max-position-embeddings ({m.max_position_embeddings}) must be >= "
                          f"--seq-length ({m.seq_length})")
     if m.num_experts is not None:
-        if m.num_experts % p.expert:
-            raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
-                             f"--expert-model-parallel-size ({p.expert})")
-        if not 1 <= m.moe_router_topk <= m.num_experts:
-            raise ValueError("--moe-router-topk must be between 1 and --num-experts")
+        _validate_moe(cfg)
     elif p.expert > 1:
         raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+    else:
+        moe_only = [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
+                    if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(m, f.name) != f.default]
+        if moe_only:
+            raise ValueError(f"{', '.join(moe_only)} need(s) --num-experts (a mixture-of-experts model)")
+
+
+def _validate_moe(cfg: TrainerConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    if m.num_experts < 1:
+        raise ValueError(f"--num-experts must be >= 1, got {m.num_experts}")
+    if m.num_experts % p.expert:
+        raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
+                         f"--expert-model-parallel-size ({p.expert})")
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        raise ValueError("--moe-router-topk must be between 1 and --num-experts")
+    if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
+        # transformer_config.py: a softmax over one logit has a zero gradient
+        raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen logit "
+                         "would give the router no gradient)")
+    if p.tensor > 1 and not (p.sequence_parallel or p.sequence_parallel_auto):
+        raise ValueError("a MoE model at --tensor-model-parallel-size > 1 needs --sequence-parallel (or "
+                         "--sequence-parallel-auto): megatron-core's MoE layer refuses to train without it")
+    expert_tp = p.expert_tensor or p.tensor
+    if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size < 1:
+        raise ValueError(f"--moe-ffn-hidden-size must be >= 1, got {m.moe_ffn_hidden_size}")
+    if m.effective_moe_ffn_hidden_size % expert_tp:  # each expert's MLP is split over the expert TP ranks
+        raise ValueError(f"the experts' hidden size ({m.effective_moe_ffn_hidden_size}) must be divisible by the "
+                         f"expert tensor-parallel size ({expert_tp})")
+    for name, value in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-z-loss-coeff", m.moe_z_loss_coeff)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _validate_training(cfg: TrainerConfig) -> None:
@@ -886,6 +946,8 @@ def _env_bool(value: str | None) -> bool:
 ROPE_MODES = ("0", "1", "exact")
 # MEGATRON_TRAINER_DETERMINISTIC_ATTENTION: flash (the default) or math (RuntimeConfig.deterministic_attention)
 DETERMINISTIC_ATTENTION_MODES = ("flash", "math")
+# MEGATRON_TRAINER_MOE_EXPERTS: grouped (the default) or sequential (RuntimeConfig.moe_experts)
+MOE_EXPERTS_IMPLS = ("grouped", "sequential")
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -933,6 +995,8 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
         tp_overlap_sm_carveout=num("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT", 0, int),
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
+        moe_experts=_choice(env, "MEGATRON_TRAINER_MOE_EXPERTS", MOE_EXPERTS_IMPLS, "grouped"),
+        moe_group_align=num("MEGATRON_TRAINER_MOE_GROUP_ALIGN", 0, int),
     )
 
 

@@ -26,6 +26,7 @@ from .model import (
     build_model,
     choose_path,
     count_parameters,
+    moe_experts_path,
     te_available,
     tp_overlap_chunks,
     transformer_config,
@@ -143,6 +144,7 @@ class Trainer:
         if runtime.tp_overlap_sm_carveout and self.path.tp_overlap_chunks == 1:
             log.info("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=%d ignored: it applies to the overlapped pieces only "
                      "(MEGATRON_TRAINER_TP_OVERLAP_CHUNKS > 1)", runtime.tp_overlap_sm_carveout)
+        moe_experts_path(cfg, self.path, runtime.moe_experts, runtime.moe_group_align)
         note = apply_deterministic_attention(cfg, self.path, runtime.deterministic_attention,
                                              runtime.deterministic_attention_set)
         if note:
@@ -271,7 +273,8 @@ class Trainer:
         self.tokens_per_iteration = gbs * m.seq_length
         self.flops_per_iteration = flops_mod.megatron_flops_per_iteration(
             gbs, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.effective_num_query_groups,
-            m.effective_ffn_hidden_size, self.padded_vocab, swiglu=m.swiglu, kv_channels=m.kv_channels,
+            m.effective_moe_ffn_hidden_size if m.num_experts else m.effective_ffn_hidden_size, self.padded_vocab,
+            swiglu=m.swiglu, kv_channels=m.kv_channels,
             moe_topk=m.moe_router_topk if m.num_experts else 1)
         self.classic_flops_per_iteration = flops_mod.classic_flops_per_iteration(
             gbs, m.seq_length, m.num_layers, m.hidden_size, self.vocab_size)
