@@ -357,6 +357,54 @@ def check_reshard(tmp: Path) -> dict:
             "loaded": [x.tolist() for x in torch.stack([dst.weight1[:, 0, 0], dst.weight2[:, 0, 0]])]}
 
 
+def check_router() -> dict:
+    """The trainer's RouterMonitor on a 2-layer MoE GPTModel (grouped experts, aux loss and z-loss): two training
+    micro-batches and an evaluation forward, then the report; then a router made to prefer two experts."""
+    import torch
+    from megatron_trainer.config import parse_args
+    from megatron_trainer.model import build_model, choose_path, moe_experts_path, transformer_config
+    from megatron_trainer.moe import RouterMonitor, router_loss_names
+
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128", "--swiglu",
+            "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--transformer-impl", "local", "--attention-backend", "auto", "--micro-batch-size", "2",
+            "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--eval-iters", "0",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+            "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+    cfg = parse_args(argv)
+    path = choose_path(cfg, have_te=False)
+    moe_experts_path(cfg, path, "grouped", 0)
+    tconfig = transformer_config(cfg, path)
+    tconfig.use_cpu_initialization = True
+    torch.manual_seed(0)
+    (model,), _ = build_model(cfg, tconfig, path, 128, ddp=False)
+    monitor = RouterMonitor([model], 2, 4, router_loss_names(cfg.model))
+    group = torch.distributed.group.WORLD
+    position_ids = torch.arange(16).unsqueeze(0).expand(2, -1)
+
+    def step(train: bool):
+        tokens = torch.randint(0, 128, (2, 16))
+        model.train(train)
+        if train:
+            model(tokens, position_ids, None, labels=tokens).sum().backward()
+        else:
+            with torch.no_grad():
+                model(tokens, position_ids, None)
+
+    for train in (True, True, False):
+        step(train)
+    out = {"path": path.describe(), "names": monitor.loss_names, "report": monitor.report(group, 2),
+           "empty": monitor.report(group, 3)}  # nothing since the last report
+    # a router whose logits favour experts 0 and 1 by a wide margin: experts 2 and 3 idle in every layer
+    for layer in model.decoder.layers:
+        router = layer.mlp.router
+        router.gating = lambda x, gating=router.gating: gating(x) + torch.tensor([30.0, 30.0, 0.0, 0.0])
+    step(True)
+    out["skewed"] = monitor.report(group, 4)
+    return out
+
+
 def worker(rank: int, world: int, check: str, tp: int, ep: int, port: int, out_path: str, tmp: str) -> None:
     import torch
 
@@ -371,6 +419,9 @@ def worker(rank: int, world: int, check: str, tp: int, ep: int, port: int, out_p
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         if check == "experts":
             result.update(check_experts())
+        elif check == "router":
+            torch.Tensor.cuda = lambda self, *a, **k: self  # GPTModel's batch and rotary tables, on the CPU
+            result.update(check_router())
         else:  # "dist": layers and checkpoints at this layout
             result["layers"] = check_layers()
             result.update(check_ckpt(Path(tmp)))

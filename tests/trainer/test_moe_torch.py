@@ -157,3 +157,65 @@ def test_the_trainer_spec_takes_the_experts_the_knob_names(mock_argv, knob, expe
     path = choose_path(dense, have_te=False)
     moe_experts_path(dense, path, knob, 0)
     assert path.moe_experts == "" and "MoE" not in path.describe()
+
+
+def test_router_monitor_counts_training_tokens_and_reports_megatrons_router_losses(tmp_path):
+    """moe.RouterMonitor on a 2-layer MoE GPTModel (4 experts, top-2): the tokens counted are the training
+    forwards' (2 micro-batches of 2 x 16 tokens, top-2: 128 per layer; the evaluation forward is left out), the
+    losses are megatron-core's tracker's; a router made to send every token to experts 0 and 1 shows as half the
+    tokens each, 2 x the mean, 4 idle (layer, expert) pairs, and a load-balancing loss of 2: Megatron's switch loss
+    over its coefficient, E / (k T^2) x sum_i (sum_t p_ti) n_i = 4 / (2 x 32^2) x (16 x 32 + 16 x 32)."""
+    (r,) = ok(mc.run("router", 1, 1, 1, tmp_path, compile_fusions=False))
+    assert "MoE experts=GroupedMLP on grouped_mm" in r["path"]
+    assert r["names"] == ["load_balancing_loss", "z_loss"]
+    rep = r["report"]
+    assert rep["routed"] == [128, 128] and rep["idle"] == 0
+    assert abs(sum(rep["share"]) - 1) < 1e-12 and 1 <= rep["max_over_mean"] < 2
+    assert set(rep["losses"]) == {"load_balancing_loss", "z_loss"} and rep["losses"]["load_balancing_loss"] > 0.9
+    assert r["empty"] is None  # nothing since the last report
+    skew = r["skewed"]
+    assert skew["routed"] == [64, 64] and skew["share"] == [0.5, 0.5, 0.0, 0.0]
+    assert (skew["max_over_mean"], skew["idle"]) == (2.0, 4)
+    assert abs(skew["losses"]["load_balancing_loss"] - 2.0) < 1e-4
+
+
+def test_expert_load_figures():
+    from megatron_trainer.moe import expert_load_figures
+
+    tokens = torch.tensor([[10, 10, 10, 10], [0, 0, 0, 0], [30, 6, 4, 0]])  # layer 1 ran on another stage
+    got = expert_load_figures(tokens)
+    assert got["routed"] == [40, 0, 40] and got["worst_layer"] == 2 and got["idle"] == 1
+    assert got["max_over_mean"] == 3.0 and got["share"] == [0.5, 0.2, 0.175, 0.125]
+    assert expert_load_figures(torch.zeros(2, 4, dtype=torch.int64))["max_over_mean"] is None
+
+
+def test_the_loop_logs_the_router_figures_and_sets_the_gauges(capsys):
+    """Trainer._log_moe (loop.py): the report's figures to the log line (last rank) and the gauges (rank 0)."""
+    import types
+
+    from megatron_trainer.loop import Trainer
+
+    class Recorder:
+        def __init__(self):
+            self.values = {}
+
+        def set(self, name, value, **labels):
+            self.values[(name, *labels.values())] = value
+
+    figures = {"share": [0.5, 0.5, 0.0, 0.0], "max_over_mean": 2.0, "worst_layer": 1, "idle": 4, "routed": [64, 64],
+               "losses": {"load_balancing_loss": 2.0, "z_loss": 0.5}}
+    me = types.SimpleNamespace(router_monitor=types.SimpleNamespace(report=lambda group, it: figures),
+                               env=types.SimpleNamespace(cpu_group=None), state=types.SimpleNamespace(iteration=7),
+                               metrics=Recorder(), is_logging_rank=True)
+    Trainer._log_moe(me)
+    assert me.metrics.values == {("moe_load_balancing_loss",): 2.0, ("moe_z_loss",): 0.5,
+                                 ("moe_expert_load_max_over_mean",): 2.0, ("moe_idle_experts",): 4,
+                                 ("moe_expert_token_share", "0"): 0.5, ("moe_expert_token_share", "1"): 0.5,
+                                 ("moe_expert_token_share", "2"): 0.0, ("moe_expert_token_share", "3"): 0.0}
+    line = capsys.readouterr().out
+    assert "MoE iteration        7 | load_balancing_loss: 2.0000E+00 | z_loss: 5.0000E-01 |" in line
+    assert "busiest/mean: 2.00 (layer 2 of 2) | idle (layer, expert) pairs: 4 |" in line
+    # a window without a training forward sets nothing and prints nothing
+    me.router_monitor, me.metrics = types.SimpleNamespace(report=lambda group, it: None), Recorder()
+    Trainer._log_moe(me)
+    assert me.metrics.values == {} and capsys.readouterr().out == ""

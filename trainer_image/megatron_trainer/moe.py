@@ -337,3 +337,89 @@ def grouped_experts_spec(layer_spec, align: int | None = None):
                                         **{**mlp.keywords, "submodules": dataclasses.replace(subs, experts=experts)})
     return layer_spec
 
+
+# ------------------------------------------------------------------------------------------ router metrics
+#: The router losses megatron-core records (router.py), by --moe-router-load-balancing-type.
+LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+              "global_aux_loss": "global_load_balancing_loss"}
+
+
+def router_loss_names(m) -> list[str]:
+    """The router losses megatron-core records for model config `m` (config.ModelConfig)."""
+    names = [LOSS_NAMES[m.moe_router_load_balancing_type]] if m.moe_aux_loss_coeff > 0 and \
+        m.moe_router_load_balancing_type in LOSS_NAMES else []
+    return names + (["z_loss"] if m.moe_z_loss_coeff is not None else [])
+
+
+class _Capture:
+    """Stands in for the TensorBoard writer of megatron-core's MoE metrics tracker: keeps its scalars."""
+
+    def __init__(self):
+        self.scalars: dict[str, float] = {}
+
+    def add_scalar(self, name: str, value, iteration: int) -> None:
+        self.scalars[name] = float(value)
+
+
+class RouterMonitor:
+    """Expert load and router losses of every MoE layer, reported at log time.
+
+    A forward hook on each router adds the tokens it routed to each expert into one device tensor
+    [layers, experts] (training forwards only: evaluation and the first pass of a full recompute run without
+    grad, like Megatron's own expert-bias counts), so a step costs no host sync. `report` (collective, at
+    log time) copies it to the host, sums it over ranks, and reduces megatron-core's tracker of the router
+    losses (the load-balancing loss and the z-loss, each divided by its coefficient, as Megatron-LM logs them)."""
+
+    def __init__(self, model: list, num_layers: int, num_experts: int, loss_names: list[str]):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        routers = [m for chunk in model for m in chunk.modules() if isinstance(m, TopKRouter)]
+        device = routers[0].weight.device if routers else torch.device("cpu")
+        self.num_layers, self.loss_names = num_layers, loss_names
+        self.tokens = torch.zeros((num_layers, num_experts), dtype=torch.int64, device=device)
+        self.micro_batches = 0  # training forwards of this rank's first MoE layer since the last report
+        self._first = min(routers, key=lambda r: r.layer_number) if routers else None
+        for router in routers:
+            router.register_forward_hook(self._count)
+
+    def _count(self, router, args, output) -> None:
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            self.tokens[router.layer_number - 1] += output[1].sum(dim=0)
+        if router is self._first:
+            self.micro_batches += 1
+
+    def report(self, cpu_group, iteration: int) -> dict | None:
+        """Collective: the window's figures (the same on every rank), or None when it saw no training forward."""
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        micro = torch.tensor([self.micro_batches], dtype=torch.int64)
+        torch.distributed.all_reduce(micro, op=torch.distributed.ReduceOp.MAX, group=cpu_group)
+        tokens = self.tokens.to("cpu", copy=True)
+        self.tokens.zero_()
+        self.micro_batches = 0
+        torch.distributed.all_reduce(tokens, group=cpu_group)
+        if int(micro) == 0:
+            return None
+        capture = _Capture()
+        if self.loss_names:
+            get_moe_metrics_tracker().report(loss_scale=1.0 / int(micro), iteration=iteration, writer=capture,
+                                             track_names=self.loss_names, force_initialize=True,
+                                             num_layers=self.num_layers)
+        # each token once: MoE at TP > 1 runs sequence parallel (config.py), each rank routing its own tokens
+        return expert_load_figures(tokens) | {"losses": capture.scalars}
+
+
+def expert_load_figures(tokens: torch.Tensor) -> dict:
+    """Figures of a [layers, experts] token count (layers that routed nothing are left out): per expert its share of
+    all routed tokens; the worst layer's busiest expert over that layer's mean (its index, from 0), how many (layer,
+    expert) pairs got no token, and the assignments each layer routed (tokens x top-k)."""
+    routed = tokens.sum(dim=1)
+    used = tokens[routed > 0].to(torch.float64)
+    if used.numel() == 0:
+        return {"share": [], "max_over_mean": None, "worst_layer": None, "idle": 0, "routed": routed.tolist()}
+    ratio = used.max(dim=1).values / used.mean(dim=1)
+    layer = int(torch.nonzero(routed > 0)[int(ratio.argmax())])
+    return {"share": (used.sum(dim=0) / used.sum()).tolist(), "max_over_mean": float(ratio.max()),
+            "worst_layer": layer, "idle": int((used == 0).sum()), "routed": routed.tolist()}
