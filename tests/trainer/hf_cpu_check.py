@@ -18,6 +18,7 @@ bf16 too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -308,6 +309,22 @@ def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32
                     compile_fusions=compile_fusions)
 
 
+@contextlib.contextmanager
+def fusions_compiled(compile_fusions: bool):
+    """Processes started inside inherit TORCHDYNAMO_DISABLE=1 unless `compile_fusions`: Megatron's jit_fuser
+    functions then run eagerly (torch.compile on the CPU costs about 10 s a process)."""
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    if not compile_fusions:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
 def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, work: Path,
              max_shard_bytes: int = 5 * 10**9, endpoint: str | None = None, ep: int = 1,
              experts: str = "grouped", compile_fusions: bool = True) -> list[dict]:
@@ -327,17 +344,9 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
     world = tp * pp * ep  # the expert grid (expert TP = TP) x EP must divide the world: data parallel = EP
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, args, port, results)) for r in range(world)]
-    saved = os.environ.get("TORCHDYNAMO_DISABLE")
-    if not compile_fusions:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"  # inherited by the spawned ranks
-    try:
+    with fusions_compiled(compile_fusions):
         for p in procs:
             p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = saved
     for p in procs:
         p.join(600)
         if p.is_alive():

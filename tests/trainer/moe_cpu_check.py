@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "contract")]
+sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "contract"), str(Path(__file__).resolve().parent)]
 
 HIDDEN, FFN = 16, 8  # fp32 rows of 16 and 8 elements: multiples of grouped_mm's 16 bytes
 
@@ -437,12 +437,12 @@ def worker(rank: int, world: int, check: str, tp: int, ep: int, port: int, out_p
 
 
 def run(check: str, world: int, tp: int, ep: int, work: Path, compile_fusions: bool = True) -> list[dict]:
-    """`check` in `world` spawned ranks; one result per rank. `compile_fusions=False` runs Megatron's jit_fuser
-    functions eagerly (TORCHDYNAMO_DISABLE: torch.compile on the CPU costs about 10 s a run, the same for both
-    modules)."""
+    """`check` in `world` spawned ranks; one result per rank. `compile_fusions=False`: hf_cpu_check.fusions_compiled
+    (the same for both modules compared)."""
     import socket
 
     import torch.multiprocessing as mp
+    from hf_cpu_check import fusions_compiled
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -450,17 +450,9 @@ def run(check: str, world: int, tp: int, ep: int, work: Path, compile_fusions: b
     out = str(work / f"{check}-tp{tp}-ep{ep}")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, check, tp, ep, port, out, str(work))) for r in range(world)]
-    saved = os.environ.get("TORCHDYNAMO_DISABLE")
-    if not compile_fusions:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"  # inherited by the spawned ranks
-    try:
+    with fusions_compiled(compile_fusions):
         for p in procs:
             p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = saved
     for p in procs:
         p.join(300)
         if p.is_alive():
