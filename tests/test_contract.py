@@ -109,11 +109,12 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert p.virtual_pipeline == spec.parallelism.virtual_pipeline
     assert p.expert_tensor == spec.parallelism.expert_tensor
     # explicit: as given; left to its default (on at TP > 1 with TE), the trainer decides from its image
-    # (and turns it on for MoE at TP > 1 whatever the image: megatron-core's MoE layer trains only with it)
+    # (and turns it on for MoE at TP > 1 whatever was asked: megatron-core's MoE layer trains only with it)
     explicit = spec.parallelism.sequence_parallel is True
     assert (p.sequence_parallel, p.sequence_parallel_auto) == (explicit, layout["sequenceParallel"] and not explicit)
-    for have_te, want in ((True, layout["sequenceParallel"] and not cfg.data.sft_packing),
-                          (False, explicit or (bool(m.num_experts) and p.sequence_parallel_auto))):
+    moe_tp = bool(m.num_experts) and p.tensor > 1
+    for have_te, want in ((True, (layout["sequenceParallel"] and not cfg.data.sft_packing) or moe_tp),
+                          (False, explicit or moe_tp)):
         assert resolve_sequence_parallel(cfg, have_te)[0].parallel.sequence_parallel == (want or explicit)
     assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (model["numLayers"], model["hiddenSize"],
                                                                     model["numAttentionHeads"])

@@ -609,14 +609,21 @@ def resolve_sequence_parallel(cfg: TrainerConfig, have_te: bool) -> tuple[Traine
     there it costs about 45 ms of a 1.7 s Llama-3-8B step at TP=2 on 2 x H200 (sequence-parallel
     all-gathers and reduce-scatters take longer than the all-reduces they replace, and nothing overlaps
     them without TE), for 2 GiB less memory. Returns the config (sequence_parallel set, auto cleared)
-    and the reason for the start-up log; None when nothing was left to decide."""
+    and the reason for the start-up log; None when nothing was left to decide.
+
+    A MoE model at TP > 1 gets it whatever was asked: megatron-core's MoE layer refuses to train without it
+    (moe_layer.py, MoELayer.forward), so a run without it could not start."""
     p = cfg.parallel
+    if cfg.model.num_experts and p.tensor > 1 and not p.sequence_parallel:
+        why = "MoE at TP > 1: megatron-core's MoE layer trains only with it (moe_layer.py)"
+        if not p.sequence_parallel_auto:
+            why += "; on although the command line did not ask for it"
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, sequence_parallel=True,
+                                                                     sequence_parallel_auto=False)), why
     if not p.sequence_parallel_auto or p.sequence_parallel:
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, sequence_parallel_auto=False)), None
     if p.tensor == 1:
         on, why = False, "TP = 1"
-    elif cfg.model.num_experts:
-        on, why = True, "MoE at TP > 1: megatron-core's MoE layer trains only with it (moe_layer.py)"
     elif takes_te_path(cfg, have_te):
         on, why = True, "Transformer Engine path, TP > 1"
     else:
@@ -700,11 +707,6 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
         _validate_moe(cfg)
     elif p.expert > 1:
         raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
-    else:
-        moe_only = [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
-                    if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(m, f.name) != f.default]
-        if moe_only:
-            raise ValueError(f"{', '.join(moe_only)} need(s) --num-experts (a mixture-of-experts model)")
 
 
 def _validate_moe(cfg: TrainerConfig) -> None:
@@ -720,9 +722,6 @@ def _validate_moe(cfg: TrainerConfig) -> None:
         # transformer_config.py: a softmax over one logit has a zero gradient
         raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen logit "
                          "would give the router no gradient)")
-    if p.tensor > 1 and not (p.sequence_parallel or p.sequence_parallel_auto):
-        raise ValueError("a MoE model at --tensor-model-parallel-size > 1 needs --sequence-parallel (or "
-                         "--sequence-parallel-auto): megatron-core's MoE layer refuses to train without it")
     expert_tp = p.expert_tensor or p.tensor
     if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size < 1:
         raise ValueError(f"--moe-ffn-hidden-size must be >= 1, got {m.moe_ffn_hidden_size}")
@@ -915,6 +914,9 @@ def ignored_flags(cfg: TrainerConfig) -> list[str]:
                 out.append(f.metadata["flags"][0])
     if cfg.training.eval_interval is not None and not cfg.data.sft_valid_path:
         out.append("--eval-interval")
+    if not cfg.model.num_experts:  # the router's flags of a dense model
+        out += [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
+                if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(cfg.model, f.name) != f.default]
     return out
 
 
