@@ -704,20 +704,19 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
         raise ValueError(f"--max-position-embeddings ({m.max_position_embeddings}) must be >= "
                          f"--seq-length ({m.seq_length})")
     if m.num_experts is not None:
+        if m.num_experts % p.expert:
+            raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({p.expert})")
+        if not 1 <= m.moe_router_topk <= m.num_experts:
+            raise ValueError("--moe-router-topk must be between 1 and --num-experts")
         _validate_moe(cfg)
     elif p.expert > 1:
         raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
 
 
 def _validate_moe(cfg: TrainerConfig) -> None:
+    """The router's flags (megatron-core's TransformerConfig and the experts' linear layers would fail on these)."""
     p, m = cfg.parallel, cfg.model
-    if m.num_experts < 1:
-        raise ValueError(f"--num-experts must be >= 1, got {m.num_experts}")
-    if m.num_experts % p.expert:
-        raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
-                         f"--expert-model-parallel-size ({p.expert})")
-    if not 1 <= m.moe_router_topk <= m.num_experts:
-        raise ValueError("--moe-router-topk must be between 1 and --num-experts")
     if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
         # transformer_config.py: a softmax over one logit has a zero gradient
         raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen logit "
