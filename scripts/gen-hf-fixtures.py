@@ -26,6 +26,11 @@ TINY = {
     "tiny-mistral": ("mistral", {"sliding_window": None}),
     "tiny-qwen2": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "tiny-qwen3": ("qwen3", {"head_dim": 32}),
+    # MoE: Qwen3-MoE with norm_topk_prob false (transformers' default: Megatron's pre-softmax router), Mixtral
+    # (top-k renormalised: Megatron's default router)
+    "tiny-qwen3-moe": ("qwen3_moe", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": False}),
+    "tiny-mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 
 

@@ -109,10 +109,12 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert p.virtual_pipeline == spec.parallelism.virtual_pipeline
     assert p.expert_tensor == spec.parallelism.expert_tensor
     # explicit: as given; left to its default (on at TP > 1 with TE), the trainer decides from its image
+    # (and turns it on for MoE at TP > 1 whatever was asked: megatron-core's MoE layer trains only with it)
     explicit = spec.parallelism.sequence_parallel is True
     assert (p.sequence_parallel, p.sequence_parallel_auto) == (explicit, layout["sequenceParallel"] and not explicit)
-    for have_te, want in ((True, layout["sequenceParallel"] and not cfg.data.sft_packing),
-                          (False, explicit)):
+    moe_tp = bool(m.num_experts) and p.tensor > 1
+    for have_te, want in ((True, (layout["sequenceParallel"] and not cfg.data.sft_packing) or moe_tp),
+                          (False, explicit or moe_tp)):
         assert resolve_sequence_parallel(cfg, have_te)[0].parallel.sequence_parallel == (want or explicit)
     assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (model["numLayers"], model["hiddenSize"],
                                                                     model["numAttentionHeads"])
@@ -279,6 +281,10 @@ def test_every_flag_admission_accepts_is_accepted_by_the_trainer():
 
 
 HF_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "hf").glob("*.json"))
+#: Mixture-of-experts fixtures: the one parser reads them, the trainer imports them (--num-experts and the --moe-*
+#: flags), but spec.model has no MoE block yet, so hf-config refuses them by name (the gap is asserted below).
+MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
+DENSE_FIXTURES = [p for p in HF_FIXTURES if p.stem not in MOE_FIXTURES]
 
 
 def _hf_job(config_path: Path, capsys) -> tuple[dict, object]:
@@ -301,7 +307,7 @@ def _hf_job(config_path: Path, capsys) -> tuple[dict, object]:
     return hf, job
 
 
-@pytest.mark.parametrize("config_path", HF_FIXTURES, ids=[p.stem for p in HF_FIXTURES])
+@pytest.mark.parametrize("config_path", DENSE_FIXTURES, ids=[p.stem for p in DENSE_FIXTURES])
 def test_hf_config_output_reaches_the_trainer_as_the_config_json_model(config_path, capsys):
     """For every fixture: hf-config's spec.model, rendered, parses in the trainer into the model that
     config.json describes (read here straight from the JSON, not through the operator's mapping)."""
@@ -413,7 +419,13 @@ def test_operator_and_trainer_agree_on_config_json(config, refused_from, tmp_pat
         assert (rc, lines) == (1, [f"{path}: {p}" for p in refusal.value.problems])
         assert (code, message) == (2, "the Hugging Face model cannot be imported: " + "; ".join(refusal.value.problems))
         return
-    model = operator_hf.spec_model(operator_hf.parse_config(config))
+    hf = operator_hf.parse_config(config)
+    if hf.moe:  # the documented gap: the trainer takes the file, spec.model cannot describe it yet
+        with pytest.raises(operator_hf.HfConfigError, match="spec.model has no MoE block yet"):
+            operator_hf.spec_model(hf)
+        assert trainer_hf.parse_config(config) == hf and hf.num_experts > 1
+        return
+    model = operator_hf.spec_model(hf)
     for changed in ({}, {"hiddenSize": model["hiddenSize"] * 2, "numLayers": model["numLayers"] * 2}):
         spec = {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2}, "model": {**model, **changed},
                 "training": {"trainIters": 10, "transformerImpl": "local"}}
@@ -512,7 +524,7 @@ def test_odd_values_and_structures_are_one_line_refusals_in_both_entry_points(tm
     hf_config = build_parser().parse_args(["hf-config", "-"])
     for fixture in HF_FIXTURES:
         base = json.loads(fixture.read_text())
-        cfg = _trainer_config_for(base)
+        cfg = _trainer_config_for(base) if fixture.stem in ENTRY_POINT_FIXTURES else None
         for name, config in _odd_cases(base):
             cases += 1
             text = json.dumps(config)

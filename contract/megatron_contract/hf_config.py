@@ -1,4 +1,4 @@
-"""A Hugging Face ``config.json`` of a dense Llama-family model -> the architecture it describes (pure).
+"""A Hugging Face ``config.json`` of a Llama-family model -> the architecture it describes (pure).
 
 The one reader of config.json: the operator's ``megatron-operator hf-config`` (spec.model from the
 file, or a job checked against it) and the trainer's ``--hf-init`` check (the file against its
@@ -7,7 +7,9 @@ with the same words. What each side compares the model with stays on its side
 (``megatron_operator.hf_config``, ``megatron_trainer.hf_config``).
 
 Architectures: Llama 2/3/3.1/3.2 (RoPE ``default`` or ``llama3``), Mistral, Qwen2/2.5 (QKV bias),
-Qwen3 (QK norm). Both layouts: transformers 5 (``rope_parameters``, ``dtype``) and 4.x (top-level
+Qwen3 (QK norm), and the mixture-of-experts Qwen3-MoE and Mixtral (the trainer imports them; ``spec.model``
+has no MoE block yet, so the operator's ``spec_model`` refuses them by name). DeepSeek-V2/V3, gpt-oss and
+Qwen2-MoE are refused by name. Both layouts: transformers 5 (``rope_parameters``, ``dtype``) and 4.x (top-level
 ``rope_theta``/``rope_scaling``, ``torch_dtype``). Every field that changes the math is mapped or
 refused by name; a field not known here is refused too (it may change the math). Any JSON value,
 of any type or shape, is either accepted or refused with HfConfigError, one line per problem.
@@ -31,8 +33,19 @@ MAX_ECHO = 80
 #: Unknown fields named one by one; the rest are counted in one line.
 MAX_UNKNOWN_NAMED = 10
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+DENSE_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3"}
+#: Mixture-of-experts architectures.
+MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
+#: Architectures refused with the reason (what in them the converter cannot represent).
+REFUSED_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA), sigmoid routing with an expert bias "
+                             "and shared experts",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-head latent attention (MLA) and shared experts",
+    "GptOssForCausalLM": "gpt-oss's attention sinks, router and expert biases and clamped SwiGLU",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE's gated shared expert",
+}
 # Megatron-Core 0.19 implements only Llama 3.1-style RoPE scaling, with these fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -47,6 +60,11 @@ MAPPED = frozenset({
     "vocab_size", "max_position_embeddings", "rms_norm_eps", "head_dim", "tie_word_embeddings", "hidden_act",
     "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "mlp_bias", "pretraining_tp",
     "attention_dropout", "sliding_window", "use_sliding_window", "layer_types", "partial_rotary_factor"})
+# Fields read for the mixture-of-experts architectures only (in a dense family they are refused as MoE fields).
+# router_aux_loss_coef and output_router_logits are training settings, not the network's math.
+MOE_MAPPED = frozenset({
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "router_aux_loss_coef", "output_router_logits"})
 
 
 class HfConfigError(ValueError):
@@ -80,6 +98,16 @@ class HfModel:
     attention_dropout: float
     seq_length: int  # the training sequence the sliding-window check used
     dtype: str | None  # the file's dtype (torch_dtype in 4.x), when it names one
+    # mixture of experts (0 experts: dense)
+    num_experts: int = 0
+    moe_topk: int = 0  # num_experts_per_tok
+    moe_ffn_hidden_size: int = 0  # each expert's MLP (Qwen3-MoE moe_intermediate_size, Mixtral intermediate_size)
+    moe_pre_softmax: bool = False  # softmax over all experts, top-k not renormalised (Qwen3-MoE norm_topk_prob false)
+    router_aux_loss_coef: float = 0.0  # the file's load-balancing coefficient (a training setting, a suggestion)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def explicit_head_dim(self) -> bool:
@@ -208,7 +236,8 @@ def _rope(d: dict[str, Any], problems: list[str]) -> tuple[int, float | None]:
 
 def _unknown_key_problem(key: str) -> str:
     if "expert" in key or "moe" in key or key.startswith("router") or key == "num_local_experts":
-        return f"config.json {_key(key)}: mixture-of-experts models: the converter cannot represent them (dense only)"
+        return (f"config.json {_key(key)}: mixture-of-experts field in a dense architecture: the converter cannot "
+                "represent it")
     if key == "quantization_config":
         return ("config.json quantization_config: quantized checkpoints: the converter cannot represent them; "
                 "start from the unquantized weights")
@@ -218,8 +247,8 @@ def _unknown_key_problem(key: str) -> str:
             "remove it only if you know it does not")
 
 
-def _unknown_keys(d: dict[str, Any]) -> list[str]:
-    unknown = sorted(set(d) - INFO_ONLY - MAPPED)
+def _unknown_keys(d: dict[str, Any], moe: bool) -> list[str]:
+    unknown = sorted(set(d) - INFO_ONLY - MAPPED - (MOE_MAPPED if moe else frozenset()))
     problems = [_unknown_key_problem(k) for k in unknown[:MAX_UNKNOWN_NAMED]]
     if len(unknown) > MAX_UNKNOWN_NAMED:
         problems.append(f"config.json: {len(unknown) - MAX_UNKNOWN_NAMED} more fields not known to the converter")
@@ -244,6 +273,53 @@ def _layer_types(d: dict[str, Any], layers: int, problems: list[str]) -> bool:
     return "sliding_attention" in layer_types
 
 
+def _moe(d: dict[str, Any], family: str, ffn: int, problems: list[str]) -> dict[str, Any]:
+    """The HfModel fields of a Qwen3-MoE or Mixtral config.json; what the converter cannot represent goes to
+    ``problems``. Qwen3-MoE: transformers 5 writes num_local_experts, the published files num_experts (either;
+    both must agree). Every layer must be a MoE layer (Megatron's moe_layer_freq is not wired)."""
+    if family == "qwen3_moe" and "num_experts" in d:
+        experts = _int(d, "num_experts", problems)
+        if "num_local_experts" in d and d["num_local_experts"] != d["num_experts"]:
+            problems.append(f"config.json num_local_experts {_show(d['num_local_experts'])} and num_experts "
+                            f"{_show(d['num_experts'])} disagree")
+    else:
+        experts = _int(d, "num_local_experts", problems)
+    topk = _int(d, "num_experts_per_tok", problems)
+    if topk > experts:
+        problems.append(f"config.json num_experts_per_tok {topk} is more than the {experts} experts")
+    if family == "qwen3_moe":
+        moe_ffn = _int(d, "moe_intermediate_size", problems)
+        norm = d.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            problems.append(f"config.json norm_topk_prob: expected true or false, got {_show(norm)}")
+            norm = False
+        step = d.get("decoder_sparse_step", 1)
+        if isinstance(step, bool) or step != 1:
+            problems.append(f"config.json decoder_sparse_step: {_show(step)}; dense MLP layers between the MoE "
+                            "layers: the converter cannot represent them (every layer must be MoE: 1)")
+        dense = d.get("mlp_only_layers")
+        if dense not in (None, []):
+            problems.append(f"config.json mlp_only_layers: {_show(dense)}; dense MLP layers among the MoE layers: "
+                            "the converter cannot represent them (only an empty list)")
+    else:  # mixtral: every expert is intermediate_size wide, the top-k always renormalised
+        moe_ffn, norm = ffn, True
+        jitter = d.get("router_jitter_noise", 0.0)
+        if _number(jitter) is None or jitter != 0:
+            problems.append(f"config.json router_jitter_noise: {_show(jitter)}; router input jitter: the converter "
+                            "cannot represent it (Megatron's moe_input_jitter_eps also applies it in evaluation; "
+                            "only 0)")
+    if topk == 1 and norm:
+        # every token's single weight is 1; Megatron's router needs pre-softmax at top-1 (transformer_config.py)
+        problems.append("config.json num_experts_per_tok 1 with renormalised top-k probabilities: the converter "
+                        "cannot represent it (Megatron's top-1 router weighs a token by its softmax probability)")
+    coef = d.get("router_aux_loss_coef", 0.0)
+    if _number(coef) is None or coef < 0:
+        problems.append(f"config.json router_aux_loss_coef: expected a number >= 0, got {_show(coef)}")
+        coef = 0.0
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": moe_ffn, "moe_pre_softmax": not norm,
+            "router_aux_loss_coef": float(coef)}
+
+
 def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
     """The model ``d`` describes; HfConfigError naming every field the converter cannot represent.
 
@@ -253,13 +329,17 @@ def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
     archs = d.get("architectures")
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str) else None
     family = ARCHITECTURES.get(arch or "")
+    if arch in REFUSED_ARCHITECTURES:
+        raise HfConfigError([f"config.json architectures: {arch} is not supported: the converter cannot represent "
+                             f"{REFUSED_ARCHITECTURES[arch]}; it handles {', '.join(sorted(ARCHITECTURES))}"])
     if arch is None or family is None:
         raise HfConfigError([f"config.json architectures: {_show(archs)} is not supported; the converter handles "
-                             f"{', '.join(sorted(ARCHITECTURES))} (dense Llama-family models)"])
+                             f"{', '.join(sorted(ARCHITECTURES))} (Llama-family models, dense or MoE)"])
     if d.get("model_type") != family:
         problems.append(f"config.json model_type: {_show(d.get('model_type'))} does not match architecture {arch} "
                         f"(expected {family!r})")
-    problems += _unknown_keys(d)
+    is_moe = family in MOE_ARCHITECTURES.values()
+    problems += _unknown_keys(d, is_moe)
     layers = _int(d, "num_hidden_layers", problems)
     hidden = _int(d, "hidden_size", problems)
     heads = _int(d, "num_attention_heads", problems)
@@ -301,7 +381,8 @@ def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
     seq = seq_length if seq_length is not None else min(max_pos, DEFAULT_MAX_SEQ_LENGTH)
     sliding_layers = _layer_types(d, layers, problems)
     window = d.get("sliding_window")
-    if window is not None and (family == "mistral" or bool(d.get("use_sliding_window")) or sliding_layers):
+    if window is not None and (family in ("mistral", "mixtral") or bool(d.get("use_sliding_window"))
+                               or sliding_layers):
         if isinstance(window, bool) or not isinstance(window, int):
             problems.append(f"config.json sliding_window: expected an integer or null, got {_show(window)}")
         elif window < seq:
@@ -310,11 +391,12 @@ def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
                             "of at most the window)")
     elif sliding_layers:
         problems.append("config.json layer_types: sliding_attention layers without a sliding_window")
+    experts = _moe(d, family, ffn, problems) if is_moe else {}
     if problems:
         raise HfConfigError(problems)
     dtype = d.get("dtype", d.get("torch_dtype"))
     return HfModel(family=family, architecture=arch, num_layers=layers, hidden_size=hidden, num_heads=heads,
                    num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_pos,
                    head_dim=head_dim, norm_epsilon=eps, rope_theta=theta, rope_scaling_factor=factor, tied=tie,
-                   qkv_bias=family == "qwen2", qk_norm=family == "qwen3", attention_dropout=dropout,
-                   seq_length=seq, dtype=dtype if isinstance(dtype, str) else None)
+                   qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"), attention_dropout=dropout,
+                   seq_length=seq, dtype=dtype if isinstance(dtype, str) else None, **experts)

@@ -17,8 +17,20 @@ from megatron_contract.hf_config import MAX_CONFIG_BYTES, HfConfigError, HfModel
 __all__ = ["MAX_CONFIG_BYTES", "HfConfigError", "HfModel", "load_config", "mismatches", "parse_config", "spec_model"]
 
 
+def _no_moe_block(hf: HfModel) -> str:
+    # The spec block is follow-up work (issue 50); it would carry numExperts, moeRouterTopk, the experts' hidden
+    # size (moe_intermediate_size / Mixtral's intermediate_size), moeRouterPreSoftmax (not norm_topk_prob) and
+    # the load-balancing coefficient (router_aux_loss_coef), as megatron_trainer.hf_config.mismatches compares.
+    return (f"spec.model.numExperts: config.json describes a mixture-of-experts model ({hf.architecture}, "
+            f"{hf.num_experts} experts, top-{hf.moe_topk}); spec.model has no MoE block yet (the trainer imports it "
+            "with --num-experts and the --moe-* flags in extraArgs)")
+
+
 def spec_model(hf: HfModel) -> dict[str, Any]:
-    """spec.model (wire names) for the model, with only what differs from the defaults left to them."""
+    """spec.model (wire names) for the model, with only what differs from the defaults left to them.
+    HfConfigError for a mixture-of-experts model (spec.model cannot describe one yet)."""
+    if hf.moe:
+        raise HfConfigError([_no_moe_block(hf)])
     out: dict[str, Any] = {
         "numLayers": hf.num_layers, "hiddenSize": hf.hidden_size, "numAttentionHeads": hf.num_heads,
         "numQueryGroups": hf.num_kv_heads, "ffnHiddenSize": hf.ffn_hidden_size, "seqLength": hf.seq_length,
@@ -73,7 +85,9 @@ def mismatches(model: dict[str, Any], hf: HfModel) -> list[str]:
     differ("normalization", model["normalization"], "normalization of the architecture", "RMSNorm")
     differ("positionEmbedding", model["positionEmbedding"], "position embedding of the architecture", "rope")
     differ("addBiasLinear", model["addBiasLinear"], "linear biases of the architecture", False)
-    if model["numExperts"]:
+    if hf.moe:
+        out.append(_no_moe_block(hf))
+    elif model["numExperts"]:
         out.append(f"spec.model.numExperts: {model['numExperts']} does not match config.json: the model is dense")
     return out
 

@@ -7,7 +7,8 @@ TP x PP, its weights filled by hf_torch.import_weights (each rank reads its own 
 fp32 logits on a fixed batch compared with transformers'. Then hf_torch.export_weights writes the
 model back out, and every tensor must be bit-identical to the source.
 
-    python tests/trainer/hf_cpu_check.py --tp 2 --pp 1 --arch tiny-qwen2 --out DIR
+    python tests/trainer/hf_cpu_check.py --tp 2 --pp 1 --arch tiny-qwen2 --work DIR
+    python tests/trainer/hf_cpu_check.py --tp 2 --ep 2 --arch tiny-qwen3-moe,tiny-mixtral --work DIR
 
 Used by tests/trainer/test_hf_torch.py (skipped where torch, megatron-core or transformers is
 missing) and, on GPUs, by the GPU suite's `hf_logits` scenario (e2e/gpu/hf.py; same functions, NCCL,
@@ -17,6 +18,7 @@ bf16 too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -58,13 +60,16 @@ def make_model(arch: str, directory: Path, dtype: str = "float32", seed: int = 0
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            if name.endswith(".gate.weight"):  # a MoE router: logits of order 1, so routing decides something
+                p.normal_(0.0, 0.3)
     model.save_pretrained(directory)
     make_tokenizer(directory, config.vocab_size)
     return json.loads((directory / "config.json").read_text())
 
 
-def trainer_argv(config: dict, tp: int, pp: int, precision: str) -> list[str]:
-    """The trainer command line for the model (what `megatron-operator hf-config` + render produce)."""
+def trainer_argv(config: dict, tp: int, pp: int, precision: str, ep: int = 1) -> list[str]:
+    """The trainer command line for the model (what `megatron-operator hf-config` + render produce; for a
+    mixture-of-experts model, the MoE flags the trainer compares with config.json)."""
     from megatron_trainer.hf_config import parse_config
 
     m = parse_config(config, SEQ)
@@ -87,6 +92,13 @@ def trainer_argv(config: dict, tp: int, pp: int, precision: str) -> list[str]:
         argv.append("--add-qkv-bias")
     if m.qk_norm:
         argv.append("--qk-layernorm")
+    if m.moe:
+        argv += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_topk),
+                 "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size), "--expert-model-parallel-size", str(ep)]
+        if m.moe_pre_softmax:
+            argv.append("--moe-router-pre-softmax")
+        if tp > 1:  # megatron-core trains MoE at TP > 1 only with it
+            argv.append("--sequence-parallel")
     if precision == "bf16":
         argv.append("--bf16")
     return argv
@@ -131,6 +143,16 @@ def megatron_logits(model: list, tokens, vocab: int, device: str):
         return full[:, :, :vocab].float().cpu()
 
 
+def describe_experts(model: list) -> str | None:
+    """The experts' module class of the built model (None for a dense one)."""
+    from megatron_trainer.checkpoint import unwrap
+
+    for module in unwrap(model[0]).modules():
+        if hasattr(module, "num_local_experts") and type(module).__name__ != "MoELayer":
+            return type(module).__name__
+    return None
+
+
 class Env:
     """What export_weights needs of the trainer's DistEnv."""
 
@@ -142,13 +164,15 @@ class Env:
         return self.rank == 0
 
 
-def build(argv: list[str], device: str):
-    """The trainer's own model construction (no DDP, no optimizer) for a parsed command line."""
+def build(argv: list[str], device: str, experts: str = "grouped"):
+    """The trainer's own model construction (no DDP, no optimizer) for a parsed command line; `experts`: the
+    MEGATRON_TRAINER_MOE_EXPERTS choice for a MoE model."""
     from megatron_trainer.config import parse_args
-    from megatron_trainer.model import build_model, choose_path, transformer_config
+    from megatron_trainer.model import build_model, choose_path, moe_experts_path, transformer_config
 
     cfg = parse_args(argv)
     path = choose_path(cfg, have_te=False)
+    moe_experts_path(cfg, path, experts, 0)
     tconfig = transformer_config(cfg, path)
     if device == "cpu":
         tconfig.use_cpu_initialization = True
@@ -180,11 +204,16 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
         torch.distributed.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world,
                                              **({"device_id": torch.device("cuda", rank)} if device == "cuda" else {}))
         cpu_group = torch.distributed.new_group(backend="gloo")
-        ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                     expert_model_parallel_size=args.ep)
         if device == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(1234)
+        else:  # sequence parallelism forks the CUDA RNG for its dropout (none here): a tracker that forks nothing
+            from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+            initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         env = Env(rank, world, cpu_group)
         result["jobs"] = []
         for src, dst, precision in args.jobs:
@@ -192,8 +221,9 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
             job: dict = {"src": src.name, "precision": precision}
             result["jobs"].append(job)
             config = json.loads((src / "config.json").read_text())
-            argv = trainer_argv(config, args.tp, args.pp, precision)
-            cfg, model, padded = build(argv + ["--hf-init", str(src.resolve())], device)
+            argv = trainer_argv(config, args.tp, args.pp, precision, args.ep)
+            cfg, model, padded = build(argv + ["--hf-init", str(src.resolve())], device, args.experts)
+            job["path"] = describe_experts(model)
             source = validate_source(src, cfg)
             job["import"] = import_weights(model, source, args.tp, ps.get_tensor_model_parallel_rank(), padded)
             torch.manual_seed(7)
@@ -259,8 +289,11 @@ def compare_export(src: Path, out: Path) -> dict:
 
 
 def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32",), device: str = "cpu",
-        work: Path | None = None, max_shard_bytes: int = 5 * 10**9) -> list[dict]:
-    """Every (arch, precision) at one TP x PP layout, in one set of worker processes: one result each."""
+        work: Path | None = None, max_shard_bytes: int = 5 * 10**9, ep: int = 1, experts: str = "grouped",
+        compile_fusions: bool = True) -> list[dict]:
+    """Every (arch, precision) at one TP x PP (x EP) layout, in one set of worker processes: one result each.
+    `compile_fusions=False` runs Megatron's jit_fuser functions (the experts' weighted SwiGLU) eagerly: torch.compile
+    on the CPU costs about 10 s a process."""
 
 
     work = work or Path(tempfile.mkdtemp(prefix="hfcheck-"))
@@ -271,12 +304,30 @@ def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32
             if not src.exists():
                 src.mkdir(parents=True)
                 make_model(arch, src, "float32" if precision == "fp32" else "bfloat16")
-            jobs.append((str(src), str(work / f"{arch}-tp{tp}pp{pp}-{precision}-export"), precision))
-    return run_jobs(jobs, tp, pp, device, work, max_shard_bytes)
+            jobs.append((str(src), str(work / f"{arch}-tp{tp}pp{pp}ep{ep}-{experts}-{precision}-export"), precision))
+    return run_jobs(jobs, tp, pp, device, work, max_shard_bytes, ep=ep, experts=experts,
+                    compile_fusions=compile_fusions)
+
+
+@contextlib.contextmanager
+def fusions_compiled(compile_fusions: bool):
+    """Processes started inside inherit TORCHDYNAMO_DISABLE=1 unless `compile_fusions`: Megatron's jit_fuser
+    functions then run eagerly (torch.compile on the CPU costs about 10 s a process)."""
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    if not compile_fusions:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
 
 
 def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, work: Path,
-             max_shard_bytes: int = 5 * 10**9, endpoint: str | None = None) -> list[dict]:
+             max_shard_bytes: int = 5 * 10**9, endpoint: str | None = None, ep: int = 1,
+             experts: str = "grouped", compile_fusions: bool = True) -> list[dict]:
     """(HF source directory, export directory or s3://BUCKET/PREFIX, precision) jobs at one layout, one set
     of workers. An s3:// export goes to `endpoint` (credentials from boto3's chain); the caller downloads
     it to compare (no "roundtrip" here)."""
@@ -287,14 +338,15 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = argparse.Namespace(tp=tp, pp=pp, jobs=jobs, device=device, max_shard_bytes=max_shard_bytes,
-                              endpoint=endpoint)
-    results = str(work / f"results-{tp}-{pp}")
-    world = tp * pp
+    args = argparse.Namespace(tp=tp, pp=pp, ep=ep, experts=experts, jobs=jobs, device=device,
+                              max_shard_bytes=max_shard_bytes, endpoint=endpoint)
+    results = str(work / f"results-{tp}-{pp}-{ep}-{experts}")
+    world = tp * pp * ep  # the expert grid (expert TP = TP) x EP must divide the world: data parallel = EP
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, args, port, results)) for r in range(world)]
-    for p in procs:
-        p.start()
+    with fusions_compiled(compile_fusions):
+        for p in procs:
+            p.start()
     for p in procs:
         p.join(600)
         if p.is_alive():
@@ -304,7 +356,7 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
     errors = [r["error"] for r in per_rank if "error" in r]
     out = []
     for i, (src, dst, precision) in enumerate(jobs):
-        summary = {"arch": Path(src).name.split("-src")[0], "tp": tp, "pp": pp, "precision": precision}
+        summary = {"arch": Path(src).name.split("-src")[0], "tp": tp, "pp": pp, "ep": ep, "precision": precision}
         done = [r["jobs"][i] for r in per_rank if len(r.get("jobs", [])) > i]
         if len(done) < world or errors:
             summary["error"] = errors[0] if errors else "not run"
@@ -317,6 +369,7 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
                                                  "logit_scale", "argmax_equal", "argmax_equal_vs_hf_same_dtype",
                                                  "hf_bf16_argmax_vs_fp32")})
         summary["import_s_max"] = max(d["import"]["seconds"] for d in done)
+        summary["experts"] = last.get("path")
         summary["export"] = [d.get("export") for d in done]
         if not dst.startswith("s3://"):
             summary["roundtrip"] = compare_export(Path(src), Path(dst))
@@ -329,12 +382,14 @@ def main() -> int:
     ap.add_argument("--arch", default="tiny-llama3", help="comma-separated fixture names")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--experts", default="grouped", choices=("grouped", "sequential"))
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32,bf16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--work")
     args = ap.parse_args()
     out = run(args.arch.split(","), args.tp, args.pp, tuple(args.precision.split(",")), args.device,
-              Path(args.work) if args.work else None)
+              Path(args.work) if args.work else None, ep=args.ep, experts=args.experts)
     print(json.dumps(out, indent=2))
     return 0 if all("error" not in r for r in out) else 1
 

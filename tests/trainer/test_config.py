@@ -9,6 +9,7 @@ import pytest
 from conftest import without
 from megatron_trainer.config import (
     build_parser,
+    ignored_flags,
     parse_args,
     parse_blend,
     resolve_cuda_graph,
@@ -122,6 +123,13 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--save", "s3://ckpt-bucket/r", "--load", "s3://ckpt-bucket/r", "--hf-export",
                     "s3://ckpt-bucket/r/hf"], "overlaps the checkpoint location s3://ckpt-bucket/r"),
     (lambda a: a + ["--hf-export", "s3://B/hf"], "is not an s3://BUCKET/PREFIX URL"),
+    (lambda a: a + ["--num-experts", "4", "--moe-router-topk", "1"], "--moe-router-topk 1 needs --moe-router-pre-softmax"),
+    (lambda a: a + ["--num-experts", "4", "--moe-z-loss-coeff", "-1"], "--moe-z-loss-coeff must be >= 0"),
+    (lambda a: a + ["--num-experts", "4", "--moe-aux-loss-coeff", "nan"], "--moe-aux-loss-coeff must be >= 0"),
+    (lambda a: a + ["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1"),
+    (lambda a: without(a, "--tensor-model-parallel-size") + ["--tensor-model-parallel-size", "2", "--num-experts", "4",
+                                                             "--sequence-parallel", "--moe-ffn-hidden-size", "33"],
+     "experts' hidden size (33) must be divisible by the expert tensor-parallel size (2)"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -176,6 +184,40 @@ def test_rope_modes():
         assert (rt.compile_rope, rt.rope_exact) == want, raw
     with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_COMPILE_ROPE='yes': expected one of 0, 1, exact"):
         runtime_from_env({"MEGATRON_TRAINER_COMPILE_ROPE": "yes"})
+
+
+def test_moe_flags_map_to_the_config(mock_argv):
+    m = parse_args(mock_argv + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                                "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "seq_aux_loss",
+                                "--moe-aux-loss-coeff", "0.001", "--moe-z-loss-coeff", "0.0001",
+                                "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]).model
+    assert (m.num_experts, m.moe_router_topk, m.effective_moe_ffn_hidden_size, m.moe_router_pre_softmax) == \
+        (8, 2, 64, True)
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == ("seq_aux_loss", 1e-3, 1e-4)
+    assert (m.moe_router_dtype, m.moe_token_dispatcher_type) == ("fp32", "alltoall")
+    # defaults are Megatron-LM's; the experts' size falls back to --ffn-hidden-size
+    d = parse_args(mock_argv + ["--num-experts", "4", "--moe-router-pre-softmax", "--moe-router-topk", "1"]).model
+    assert (d.effective_moe_ffn_hidden_size, d.moe_router_load_balancing_type, d.moe_aux_loss_coeff) == \
+        (256, "aux_loss", 0.0)
+    assert (d.moe_z_loss_coeff, d.moe_router_dtype, d.moe_token_dispatcher_type) == (None, None, "allgather")
+
+
+def test_router_flags_of_a_dense_model_are_named_as_unused(mock_argv):
+    cfg = parse_args(mock_argv + ["--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall",
+                                  "--moe-router-topk", "4"])
+    assert ignored_flags(cfg) == ["--moe-aux-loss-coeff", "--moe-token-dispatcher-type"]
+    assert ignored_flags(parse_args(mock_argv + ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"])) == []
+
+
+def test_moe_experts_knobs():
+    rt = runtime_from_env({})
+    assert (rt.moe_experts, rt.moe_group_align) == ("grouped", 0)
+    rt = runtime_from_env({"MEGATRON_TRAINER_MOE_EXPERTS": " Sequential ", "MEGATRON_TRAINER_MOE_GROUP_ALIGN": "1"})
+    assert (rt.moe_experts, rt.moe_group_align) == ("sequential", 1)
+    with pytest.raises(ValueError, match=r"MEGATRON_TRAINER_MOE_EXPERTS='loop': expected one of grouped, sequential"):
+        runtime_from_env({"MEGATRON_TRAINER_MOE_EXPERTS": "loop"})
+    with pytest.raises(ValueError, match="MEGATRON_TRAINER_MOE_GROUP_ALIGN must be >= 0"):
+        runtime_from_env({"MEGATRON_TRAINER_MOE_GROUP_ALIGN": "-8"})
 
 
 def test_deterministic_attention_modes():
@@ -263,6 +305,9 @@ def test_cuda_graph_auto(mock_argv, extra, have_te, impl, reason):
     (["--sequence-parallel-auto", "--sequence-parallel"], False, True, None),  # forced on
     (["--sequence-parallel"], False, True, None),
     ([], True, False, None),
+    # megatron-core's MoE layer refuses to train at TP > 1 without it, on either path, asked for or not
+    (["--sequence-parallel-auto", "--num-experts", "4"], False, True, "MoE at TP > 1"),
+    (["--num-experts", "4"], True, True, "on although the command line did not ask for it"),
 ])
 def test_sequence_parallel_auto(mock_argv, extra, have_te, on, reason):
     """`--sequence-parallel-auto` (the operator's default at TP > 1): on where the run takes the TE path,

@@ -107,6 +107,41 @@ def test_refusals_name_the_field(config, message):
     assert message in str(e.value)
 
 
+def test_mapping_of_the_moe_fixtures():
+    q = parse_config(fixture("tiny-qwen3-moe"), 128)
+    assert (q.family, q.moe, q.num_experts, q.moe_topk, q.moe_ffn_hidden_size, q.moe_pre_softmax, q.qk_norm) == \
+        ("qwen3_moe", True, 8, 2, 32, True, True)
+    assert q.ffn_hidden_size == 96 and q.router_aux_loss_coef == 0.001  # the dense size; a training suggestion
+    # the published Qwen3-MoE files spell it num_experts (transformers 5 writes num_local_experts), norm on
+    published = _mutated("tiny-qwen3-moe", num_local_experts=None, num_experts=128, norm_topk_prob=True,
+                         num_experts_per_tok=8)
+    assert (lambda m: (m.num_experts, m.moe_topk, m.moe_pre_softmax))(parse_config(published, 128)) == (128, 8, False)
+    x = parse_config(fixture("tiny-mixtral"), 128)
+    assert (x.family, x.num_experts, x.moe_topk, x.moe_ffn_hidden_size, x.moe_pre_softmax, x.qk_norm) == \
+        ("mixtral", 4, 2, 96, False, False)
+    assert not parse_config(fixture("tiny-qwen3"), 128).moe
+
+
+@pytest.mark.parametrize("config, message", [
+    (_mutated("tiny-qwen3-moe", mlp_only_layers=[0, 2]), "mlp_only_layers: [0, 2]; dense MLP layers"),
+    (_mutated("tiny-qwen3-moe", decoder_sparse_step=2), "decoder_sparse_step: 2; dense MLP layers"),
+    (_mutated("tiny-qwen3-moe", num_experts=16), "num_local_experts 8 and num_experts 16 disagree"),
+    (_mutated("tiny-qwen3-moe", num_experts_per_tok=9), "num_experts_per_tok 9 is more than the 8 experts"),
+    (_mutated("tiny-qwen3-moe", num_experts_per_tok=1, norm_topk_prob=True), "num_experts_per_tok 1 with renormalised"),
+    (_mutated("tiny-qwen3-moe", norm_topk_prob="yes"), "norm_topk_prob: expected true or false"),
+    (_mutated("tiny-qwen3-moe", moe_intermediate_size=None), "moe_intermediate_size: expected an integer"),
+    (_mutated("tiny-mixtral", router_jitter_noise=0.01), "router_jitter_noise: 0.01; router input jitter"),
+    (_mutated("tiny-mixtral", sliding_window=64), "sliding_window: 64 tokens is shorter than the sequence (128)"),
+    (_mutated("tiny-qwen3-moe", architectures=["DeepseekV3ForCausalLM"]), "multi-head latent attention (MLA)"),
+    (_mutated("tiny-qwen3-moe", architectures=["GptOssForCausalLM"]), "attention sinks"),
+    (_mutated("tiny-qwen3-moe", shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+])
+def test_moe_refusals_name_the_field(config, message):
+    with pytest.raises(HfConfigError) as e:
+        parse_config(config, seq_length=128)
+    assert message in str(e.value)
+
+
 def test_a_sliding_window_at_least_the_sequence_is_accepted():
     assert parse_config(_mutated("tiny-mistral", sliding_window=128), 128).family == "mistral"
 
@@ -125,6 +160,20 @@ def _argv_for(name: str, **over) -> list[str]:
 def test_flags_from_the_config_match_it(name):
     cfg = parse_args(_argv_for(name))
     assert mismatches(cfg, parse_config(fixture(name), cfg.model.seq_length)) == []
+
+
+def test_a_moe_mismatch_names_both_values():
+    argv = without(_argv_for("tiny-qwen3-moe"), "--num-experts", "--moe-router-pre-softmax") + ["--num-experts", "4"]
+    problems = mismatches(parse_args(argv), parse_config(fixture("tiny-qwen3-moe"), 24))
+    assert "--num-experts 4 does not match config.json the number of experts 8" in problems
+    assert "--moe-router-pre-softmax False does not match config.json norm_topk_prob (negated) True" in problems
+    argv = without(_argv_for("tiny-mixtral"), "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                   "--expert-model-parallel-size")
+    assert "--num-experts None does not match config.json the number of experts 4" in \
+        mismatches(parse_args(argv), parse_config(fixture("tiny-mixtral"), 24))
+    dense = mismatches(parse_args(_argv_for("tiny-llama3") + ["--num-experts", "4"]),
+                       parse_config(fixture("tiny-llama3"), 24))
+    assert "--num-experts 4: the Hugging Face model is dense" in dense
 
 
 def test_a_mismatch_names_both_values():
@@ -255,6 +304,16 @@ def megatron_reference(m, hf: dict, name: str, tp: int, padded: int) -> list[np.
         full = np.concatenate([q.reshape(m.num_kv_heads, per * d, *rest), k.reshape(m.num_kv_heads, d, *rest),
                                v.reshape(m.num_kv_heads, d, *rest)], axis=1).reshape(-1, *rest)
         return np.split(full, tp, axis=0)
+    moe = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+           "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(m.family)
+    if name.endswith("mlp.router.weight"):
+        return [hf[p + f"{moe[0]}.gate.weight"]] * tp  # replicated
+    if ".local_experts." in name:  # experts.E.{gate ; up} split over (expert) TP like the dense MLP
+        e = int(name.split(".")[6])
+        w = {k: hf[p + f"{moe[0]}.experts.{e}.{n}.weight"] for k, n in zip(("gate", "up", "down"), moe[1:], strict=True)}
+        if name.endswith("linear_fc1.weight"):
+            return [np.concatenate([a, b]) for a, b in zip(np.split(w["gate"], tp), np.split(w["up"], tp), strict=True)]
+        return np.split(w["down"], tp, axis=1)
     if name.endswith("linear_fc1.weight"):
         g, u = np.split(hf[p + "mlp.gate_proj.weight"], tp), np.split(hf[p + "mlp.up_proj.weight"], tp)
         return [np.concatenate([a, b]) for a, b in zip(g, u, strict=True)]
@@ -283,10 +342,12 @@ def apply(plan, hf: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("name, tp", [("tiny-llama3", 1), ("tiny-llama3", 2), ("tiny-llama3", 4),
                                       ("tiny-qwen2", 2), ("tiny-qwen3", 2), ("tiny-llama32-tied", 2),
-                                      ("tiny-mistral", 4)])
+                                      ("tiny-mistral", 4), ("tiny-qwen3-moe", 1), ("tiny-qwen3-moe", 2),
+                                      ("tiny-mixtral", 4)])
 def test_plans_build_megatrons_layout_and_export_inverts_them(name, tp):
     """GQA with TP < groups, = groups and > groups (tiny models have 2 KV heads), QKV bias, QK norm,
-    tied embeddings, a vocabulary (1001) that TP does not divide."""
+    tied embeddings, a vocabulary (1001) that TP does not divide; MoE routers and every expert's weights (here
+    split over TP: the expert TP the caller passes for them)."""
     m = parse_config(fixture(name), 24)
     rng = np.random.default_rng(tp)
     hf = random_hf(m, rng)
@@ -334,6 +395,16 @@ def hf_dir(tmp_path: Path, name: str, tokenizer: bool = True, drop: str | None =
     if tokenizer:
         (d / "tokenizer.json").write_text("{}")
     return d
+
+
+def test_source_check_of_a_moe_directory(tmp_path):
+    cfg = parse_args(_argv_for("tiny-mixtral") + ["--hf-init", str(tmp_path / "tiny-mixtral")])
+    src = validate_source(hf_dir(tmp_path, "tiny-mixtral"), cfg)
+    assert src.model.num_experts == 4 and "model.layers.3.block_sparse_moe.experts.3.w2.weight" in src.checkpoint.tensors
+    gone = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    (tmp_path / "again").mkdir()
+    with pytest.raises(Fatal, match=f"missing tensor\\(s\\) {gone}"):
+        validate_source(hf_dir(tmp_path / "again", "tiny-mixtral", drop=gone), cfg)
 
 
 def test_source_check_accepts_a_complete_directory(tmp_path):

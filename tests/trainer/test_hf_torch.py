@@ -41,3 +41,26 @@ def test_logits_match_transformers_and_export_is_bit_identical(tmp_path, archs, 
         rt = r["roundtrip"]
         assert not rt["not_identical"] and not rt["extra"] and rt["config_equal"], rt
         assert rt["tensors"] == rt["exported"]
+
+
+@pytest.mark.parametrize("tp, ep, experts", [
+    (1, 1, "grouped"),
+    (1, 2, "sequential"),  # Megatron's SequentialMLP reads and writes the same names
+    (2, 1, "grouped"),     # experts split over TP (sequence parallel, as MoE at TP > 1 must be)
+    (2, 2, "grouped"),     # four ranks: EP 2 x TP 2
+])
+def test_moe_logits_match_transformers_and_export_is_bit_identical(tmp_path, tp, ep, experts):
+    """Qwen3-MoE (8 experts, top-2, QK norm, norm_topk_prob false: Megatron's pre-softmax router) and Mixtral
+    (4 experts, top-2 renormalised), routers scaled so routing decides (hf_cpu_check.make_model): fp32 logits
+    against transformers', argmax equal, and the export (each EP rank writes its own experts' shards) bit-identical
+    to the source. Flipping the router's pre-softmax moves the logits by 0.015-0.02, so 1e-4 can fail."""
+    for r in hc.run(["tiny-qwen3-moe", "tiny-mixtral"], tp, 1, ("fp32",), "cpu", tmp_path, ep=ep, experts=experts,
+                    compile_fusions=False):
+        assert "error" not in r, r.get("error")
+        assert r["experts"] == ("GroupedMLP" if experts == "grouped" else "SequentialMLP"), r
+        assert r["max_abs_diff"] <= FP32_TOL and r["logit_scale"] > 0.1, r
+        assert r["argmax_equal"] == 1.0, r
+        rt = r["roundtrip"]
+        assert not rt["not_identical"] and not rt["extra"] and rt["config_equal"], rt
+        assert rt["tensors"] == rt["exported"]
+        assert [e["shards"] for e in r["export"]] == [ep] * (tp * ep)  # one writer per EP rank (small model)

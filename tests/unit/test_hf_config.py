@@ -13,7 +13,9 @@ from megatron_operator.hf_config import MAX_CONFIG_BYTES, HfConfigError, load_co
 from test_cli import cli, write
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
-CONFIGS = sorted(FIXTURES.glob("*.json"))
+# mixture-of-experts fixtures: the trainer's (tests/trainer/test_hf_pure.py); spec.model has no MoE block yet
+MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
+CONFIGS = sorted(p for p in FIXTURES.glob("*.json") if p.stem not in MOE_FIXTURES)
 
 LLAMA_TINY_COMMON = {"numLayers": 4, "hiddenSize": 64, "numAttentionHeads": 4, "numQueryGroups": 2,
                      "ffnHiddenSize": 96, "seqLength": 256, "maxPositionEmbeddings": 256, "vocabSize": 1001,
@@ -198,6 +200,26 @@ def test_refusals_name_the_field(case_id, base, mutate, fragment):
     with pytest.raises(HfConfigError) as exc:
         parse_config(d)
     assert any(fragment in p for p in exc.value.problems), exc.value.problems
+
+
+@pytest.mark.parametrize("name", sorted(MOE_FIXTURES))
+def test_moe_configs_are_refused_by_name_until_spec_model_has_a_moe_block(name):
+    r = cli("hf-config", str(FIXTURES / f"{name}.json"))
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "spec.model has no MoE block yet" in r.stderr
+    assert "spec.model.numExperts: config.json describes a mixture-of-experts model (" in r.stderr
+
+
+@pytest.mark.parametrize("arch, fragment", [
+    ("DeepseekV3ForCausalLM", "multi-head latent attention (MLA)"),
+    ("GptOssForCausalLM", "attention sinks"),
+])
+def test_architectures_refused_with_the_reason(arch, fragment):
+    d = config("tiny-llama3")
+    d["architectures"] = [arch]
+    with pytest.raises(HfConfigError) as exc:
+        parse_config(d)
+    assert f"{arch} is not supported: the converter cannot represent" in str(exc.value) and fragment in str(exc.value)
 
 
 def test_refusal_through_the_cli_is_one_line_per_problem_and_exit_1(tmp_path):

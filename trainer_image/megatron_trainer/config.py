@@ -99,6 +99,25 @@ class ModelConfig:
         "--num-experts", type=int, help="Experts per MoE layer (MoE models only)."))
     moe_router_topk: int = field(default=2, metadata=flag(
         "--moe-router-topk", type=int, help="Experts each token is routed to."))
+    moe_ffn_hidden_size: int | None = field(default=None, metadata=flag(
+        "--moe-ffn-hidden-size", type=int, help="Hidden size of each expert's MLP (default --ffn-hidden-size)."))
+    moe_router_pre_softmax: bool = field(default=False, metadata=flag(
+        "--moe-router-pre-softmax", action="store_true",
+        help="Softmax over all experts, then top-k, the k probabilities not renormalised (Hugging Face "
+             "norm_topk_prob false); default: top-k of the logits, softmax over the k."))
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata=flag(
+        "--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        help="Load-balancing loss: per micro-batch (aux_loss), per sequence, per global batch, or none."))
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=flag(
+        "--moe-aux-loss-coeff", type=float, help="Coefficient of the load-balancing loss (0: not computed)."))
+    moe_z_loss_coeff: float | None = field(default=None, metadata=flag(
+        "--moe-z-loss-coeff", type=float, help="Coefficient of the router z-loss (ST-MoE; default: none)."))
+    moe_router_dtype: str | None = field(default=None, metadata=flag(
+        "--moe-router-dtype", choices=("fp32", "fp64"),
+        help="Precision of the router's logits and probabilities (default: the model's)."))
+    moe_token_dispatcher_type: str = field(default="allgather", metadata=flag(
+        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+        help="How tokens reach their experts' ranks: all-gather over the expert group, or all-to-all."))
     swiglu: bool = field(default=False, metadata=flag(
         "--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GeLU."))
     normalization: str = field(default="LayerNorm", metadata=flag(
@@ -147,6 +166,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def effective_moe_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.effective_ffn_hidden_size
 
 
 @dataclass(frozen=True)
@@ -508,6 +531,13 @@ class RuntimeConfig:
     """MEGATRON_TRAINER_CE_FUSION: 1 uses Megatron's native fused vocab-parallel cross entropy (opt-in, bf16)."""
     profile: str | None = None
     """MEGATRON_TRAINER_PROFILE=FIRST:LAST:DIR: a torch.profiler trace of those iterations."""
+    moe_experts: str = "grouped"
+    """MEGATRON_TRAINER_MOE_EXPERTS (MOE_EXPERTS_IMPLS), MoE models on the local path: grouped (the default) runs each
+    layer's experts on two grouped GEMMs (moe.GroupedMLP); sequential runs Megatron-Core's SequentialMLP, one GEMM pair
+    per expert. Both write the same checkpoints (either loads the other's)."""
+    moe_group_align: int = 0
+    """MEGATRON_TRAINER_MOE_GROUP_ALIGN=N: pad each expert's tokens to a multiple of N rows for the grouped GEMM
+    (0, the default: 16 bytes' worth on CUDA, 8 bf16 rows, and none on the CPU; 1: never pad). moe.py says why."""
     optim_in_place: bool = True
     """MEGATRON_TRAINER_OPTIM_IN_PLACE: 0 builds the fully reshardable optimizer state Megatron's way (a gather
     of the whole state through host memory on every save) instead of in place (optim_state.py); for A/B runs."""
@@ -586,8 +616,17 @@ def resolve_sequence_parallel(cfg: TrainerConfig, have_te: bool) -> tuple[Traine
     there it costs about 45 ms of a 1.7 s Llama-3-8B step at TP=2 on 2 x H200 (sequence-parallel
     all-gathers and reduce-scatters take longer than the all-reduces they replace, and nothing overlaps
     them without TE), for 2 GiB less memory. Returns the config (sequence_parallel set, auto cleared)
-    and the reason for the start-up log; None when nothing was left to decide."""
+    and the reason for the start-up log; None when nothing was left to decide.
+
+    A MoE model at TP > 1 gets it whatever was asked: megatron-core's MoE layer refuses to train without it
+    (moe_layer.py, MoELayer.forward), so a run without it could not start."""
     p = cfg.parallel
+    if cfg.model.num_experts and p.tensor > 1 and not p.sequence_parallel:
+        why = "MoE at TP > 1: megatron-core's MoE layer trains only with it (moe_layer.py)"
+        if not p.sequence_parallel_auto:
+            why += "; on although the command line did not ask for it"
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, sequence_parallel=True,
+                                                                     sequence_parallel_auto=False)), why
     if not p.sequence_parallel_auto or p.sequence_parallel:
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, sequence_parallel_auto=False)), None
     if p.tensor == 1:
@@ -677,8 +716,27 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
                              f"--expert-model-parallel-size ({p.expert})")
         if not 1 <= m.moe_router_topk <= m.num_experts:
             raise ValueError("--moe-router-topk must be between 1 and --num-experts")
+        _validate_moe(cfg)
     elif p.expert > 1:
         raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+
+
+def _validate_moe(cfg: TrainerConfig) -> None:
+    """The router's flags (megatron-core's TransformerConfig and the experts' linear layers would fail on these)."""
+    p, m = cfg.parallel, cfg.model
+    if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
+        # transformer_config.py: a softmax over one logit has a zero gradient
+        raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen logit "
+                         "would give the router no gradient)")
+    expert_tp = p.expert_tensor or p.tensor
+    if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size < 1:
+        raise ValueError(f"--moe-ffn-hidden-size must be >= 1, got {m.moe_ffn_hidden_size}")
+    if m.effective_moe_ffn_hidden_size % expert_tp:  # each expert's MLP is split over the expert TP ranks
+        raise ValueError(f"the experts' hidden size ({m.effective_moe_ffn_hidden_size}) must be divisible by the "
+                         f"expert tensor-parallel size ({expert_tp})")
+    for name, value in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-z-loss-coeff", m.moe_z_loss_coeff)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _validate_training(cfg: TrainerConfig) -> None:
@@ -862,6 +920,9 @@ def ignored_flags(cfg: TrainerConfig) -> list[str]:
                 out.append(f.metadata["flags"][0])
     if cfg.training.eval_interval is not None and not cfg.data.sft_valid_path:
         out.append("--eval-interval")
+    if not cfg.model.num_experts:  # the router's flags of a dense model
+        out += [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
+                if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(cfg.model, f.name) != f.default]
     return out
 
 
@@ -893,6 +954,8 @@ def _env_bool(value: str | None) -> bool:
 ROPE_MODES = ("0", "1", "exact")
 # MEGATRON_TRAINER_DETERMINISTIC_ATTENTION: flash (the default) or math (RuntimeConfig.deterministic_attention)
 DETERMINISTIC_ATTENTION_MODES = ("flash", "math")
+# MEGATRON_TRAINER_MOE_EXPERTS: grouped (the default) or sequential (RuntimeConfig.moe_experts)
+MOE_EXPERTS_IMPLS = ("grouped", "sequential")
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
@@ -940,6 +1003,8 @@ def runtime_from_env(env: Mapping[str, str]) -> RuntimeConfig:
         tp_overlap_chunks=num("MEGATRON_TRAINER_TP_OVERLAP_CHUNKS", 1, int),
         tp_overlap_sm_carveout=num("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT", 0, int),
         profile=env.get("MEGATRON_TRAINER_PROFILE") or None,
+        moe_experts=_choice(env, "MEGATRON_TRAINER_MOE_EXPERTS", MOE_EXPERTS_IMPLS, "grouped"),
+        moe_group_align=num("MEGATRON_TRAINER_MOE_GROUP_ALIGN", 0, int),
     )
 
 

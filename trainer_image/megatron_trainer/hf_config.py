@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` of a dense Llama-family model <-> this trainer's flags (pure: no torch).
+"""Hugging Face `config.json` of a Llama-family model (dense, or Qwen3-MoE / Mixtral) <-> this trainer's flags
+(pure: no torch).
 
 The file is read and parsed by `megatron_contract.hf_config`, the one reader the operator's
 `megatron-operator hf-config` uses too (the architectures, layouts and refusals are described
@@ -76,7 +77,15 @@ def mismatches(cfg: TrainerConfig, hf: HfModel) -> list[str]:
     differ("--normalization", m.normalization, "normalization of the architecture", "RMSNorm")
     differ("--position-embedding-type", m.position_embedding_type, "position embedding of the architecture", "rope")
     differ("--disable-bias-linear (biases)", m.add_bias_linear, "linear biases of the architecture", False)
-    if m.num_experts:
+    if hf.moe:
+        differ("--num-experts", m.num_experts, "the number of experts", hf.num_experts)
+        differ("--moe-router-topk", m.moe_router_topk, "num_experts_per_tok", hf.moe_topk)
+        differ("--moe-ffn-hidden-size (the experts' hidden size)", m.effective_moe_ffn_hidden_size,
+               "moe_intermediate_size" if hf.family == "qwen3_moe" else "intermediate_size", hf.moe_ffn_hidden_size)
+        differ("--moe-router-pre-softmax", m.moe_router_pre_softmax,
+               "norm_topk_prob (negated)" if hf.family == "qwen3_moe" else f"architecture {hf.architecture}",
+               hf.moe_pre_softmax)
+    elif m.num_experts:
         out.append(f"--num-experts {m.num_experts}: the Hugging Face model is dense")
     return out
 
@@ -95,7 +104,10 @@ def export_config(cfg: TrainerConfig, source: dict[str, Any] | None, dtype: str)
             out["torch_dtype"] = dtype
         return out
     m = cfg.model
-    family = "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias else "llama"
+    if m.num_experts:
+        family = "qwen3_moe" if m.qk_layernorm or m.moe_router_pre_softmax else "mixtral"
+    else:
+        family = "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias else "llama"
     arch = {v: k for k, v in ARCHITECTURES.items()}[family]
     out = {
         "architectures": [arch], "model_type": family, "hidden_act": "silu", "hidden_size": m.hidden_size,
@@ -112,8 +124,16 @@ def export_config(cfg: TrainerConfig, source: dict[str, Any] | None, dtype: str)
                                   "factor": m.rope_scaling_factor, **LLAMA3_FIXED}
     if family == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    if family == "qwen3_moe":
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                   moe_intermediate_size=m.effective_moe_ffn_hidden_size, norm_topk_prob=not m.moe_router_pre_softmax,
+                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=m.moe_aux_loss_coeff)
+    if family == "mixtral":
+        out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                   intermediate_size=m.effective_moe_ffn_hidden_size, router_aux_loss_coef=m.moe_aux_loss_coeff,
+                   router_jitter_noise=0.0)
     return out
 
 

@@ -16,6 +16,16 @@ Megatron-Core GPTModel names (global layer index L), local spec [Transformer Eng
     decoder.final_layernorm.weight                   <- model.norm.weight
     output_layer.weight                              <- lm_head.weight (embed_tokens when tied)
 
+Mixture of experts (Qwen3-MoE `mlp.`, Mixtral `block_sparse_moe.`; global expert index E, SequentialMLP's names,
+which moe.GroupedMLP's 3-D weights are presented as by hf_torch.global_params):
+
+    decoder.layers.L.mlp.router.weight               <- mlp.gate.weight / block_sparse_moe.gate.weight
+    decoder.layers.L.mlp.experts.local_experts.E.linear_fc1.weight <- experts.E.gate_proj ; up_proj  (w1 ; w3)
+    decoder.layers.L.mlp.experts.local_experts.E.linear_fc2.weight <- experts.E.down_proj            (w2)
+
+An expert's fc1/fc2 are split over the expert tensor-parallel ranks (ETP, which may differ from TP): the caller
+passes that size and rank for them (`is_expert`).
+
 The QKV layout is Megatron's (attention.py, get_query_key_value_tensors): the full output dimension
 is, per query group g, [q heads of g (heads/groups x d) | k_g (d) | v_g (d)], and TP rank r holds the
 contiguous r-th 1/TP of it (also when TP > groups, where a rank holds part of one group). SwiGLU's
@@ -50,6 +60,22 @@ class ParamPlan:
     pieces: tuple[Piece, ...]  # what is not covered is zero (vocabulary padding)
 
 
+#: HF names of the MoE block per family: (prefix under the layer, gate name, up name, down name).
+MOE_NAMES = {"qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+             "mixtral": ("block_sparse_moe.", "w1", "w3", "w2")}
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def is_expert(name: str) -> bool:
+    """A Megatron name of an expert's weight (split over the expert tensor-parallel ranks)."""
+    return ".mlp.experts.local_experts." in name
+
+
+def _expert_hf(m: HfModel, L: int, e: int, which: str) -> str:
+    prefix, gate, up, down = MOE_NAMES[m.family]
+    return f"model.layers.{L}.{prefix}experts.{e}.{dict(gate=gate, up=up, down=down)[which]}.weight"
+
+
 def hf_tensor_shapes(m: HfModel) -> dict[str, tuple[int, ...]]:
     """Every tensor the HF checkpoint holds for this architecture, with its shape, in export order."""
     h, d, q, kv = m.hidden_size, m.head_dim, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -66,6 +92,13 @@ def hf_tensor_shapes(m: HfModel) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.k_norm.weight"] = (d,)
         out[p + "self_attn.o_proj.weight"] = (h, q)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if m.moe:
+            out[p + MOE_NAMES[m.family][0] + "gate.weight"] = (m.num_experts, h)
+            f = m.moe_ffn_hidden_size
+            for e in range(m.num_experts):
+                for which, shape in (("gate", (f, h)), ("up", (f, h)), ("down", (h, f))):
+                    out[_expert_hf(m, L, e, which)] = shape
+            continue
         out[p + "mlp.gate_proj.weight"] = (m.ffn_hidden_size, h)
         out[p + "mlp.up_proj.weight"] = (m.ffn_hidden_size, h)
         out[p + "mlp.down_proj.weight"] = (h, m.ffn_hidden_size)
@@ -106,8 +139,9 @@ def _qkv_pieces(m: HfModel, L: int, suffix: str, start: int, end: int) -> list[P
 
 
 def param_plan(name: str, m: HfModel, tp: int, rank: int, padded_vocab: int) -> ParamPlan:
-    """The plan of one Megatron parameter (global layer index in `name`) on TP rank `rank`.
-    ValueError for a parameter this converter does not know."""
+    """The plan of one Megatron parameter (global layer and expert index in `name`) on TP rank `rank` (for an
+    expert's weight: the expert tensor-parallel size and rank). ValueError for a parameter this converter does
+    not know."""
     h, q, ffn = m.hidden_size, m.num_heads * m.head_dim, m.ffn_hidden_size
 
     def whole(hf: str, shape: tuple[int, ...]) -> ParamPlan:
@@ -147,6 +181,21 @@ def param_plan(name: str, m: HfModel, tp: int, rank: int, padded_vocab: int) -> 
     if rest == "self_attention.linear_proj.weight":
         a, b = _split(q, tp, rank, "attention output columns")
         return ParamPlan(name, (h, b - a), (Piece(p + "self_attn.o_proj.weight", 1, (0, b - a), (a, b)),))
+    if m.moe and rest == "mlp.router.weight":
+        return whole(p + MOE_NAMES[m.family][0] + "gate.weight", (m.num_experts, h))
+    expert = _EXPERT.match(rest) if m.moe else None
+    if expert is not None:
+        e, fc = int(expert.group(1)), expert.group(2)
+        if e >= m.num_experts:
+            raise ValueError(f"{name}: expert {e} of {m.num_experts}")
+        a, b = _split(m.moe_ffn_hidden_size, tp, rank, "the experts' hidden size")
+        n = b - a
+        if fc == "linear_fc1":
+            return ParamPlan(name, (2 * n, h), (Piece(_expert_hf(m, L, e, "gate"), 0, (0, n), (a, b)),
+                                                Piece(_expert_hf(m, L, e, "up"), 0, (n, 2 * n), (a, b))))
+        return ParamPlan(name, (h, n), (Piece(_expert_hf(m, L, e, "down"), 1, (0, n), (a, b)),))
+    if m.moe:
+        raise ValueError(f"no Hugging Face tensor for Megatron parameter {name} (a MoE layer)")
     if rest == "mlp.linear_fc1.weight":
         a, b = _split(ffn, tp, rank, "--ffn-hidden-size")
         n = b - a
@@ -170,6 +219,12 @@ def megatron_names(m: HfModel, te_norms: bool = False) -> list[str]:
         if m.qk_norm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
+        if m.moe:  # the TE spec fuses no norm into a MoE layer
+            names += [p + "pre_mlp_layernorm.weight", p + "mlp.router.weight"]
+            for e in range(m.num_experts):
+                names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            continue
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_norms else "pre_mlp_layernorm.weight"))
         names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")

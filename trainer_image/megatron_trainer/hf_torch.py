@@ -28,9 +28,9 @@ import torch
 from .checkpoint import unwrap
 from .config import TrainerConfig
 from .exitcodes import ExitCode, Fatal
-from .hf_config import HF_DTYPES, HfModel, export_config, generation_config, parse_config
+from .hf_config import HF_DTYPES, HfModel, export_config, generation_config, mismatches, parse_config
 from .hf_export import export_target
-from .hf_mapping import ParamPlan, exported_by, hf_tensor_shapes, megatron_names, param_plan
+from .hf_mapping import ParamPlan, exported_by, hf_tensor_shapes, is_expert, megatron_names, param_plan
 from .hf_source import HfSource, copy_tokenizer
 from .safetensors_io import (
     INDEX_NAME,
@@ -53,17 +53,39 @@ CODES = {v: k for k, v in TORCH_DTYPES.items()}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def global_params(model: list) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(Megatron name with the GLOBAL layer index, parameter) for every parameter of this rank's chunks."""
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
+_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(weight|bias)([12])$")
+
+
+def _global_layer(name: str, global_index: dict[int, int]) -> str:
+    match = _LAYER.match(name)
+    return f"decoder.layers.{global_index[int(match.group(1))]}.{match.group(2)}" if match else name
+
+
+def global_params(model: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Megatron name with the GLOBAL layer and expert indices, parameter) for every parameter of this rank's
+    chunks. Experts are named as SequentialMLP names them (`mlp.experts.local_experts.{expert}.linear_fc1.weight`,
+    the expert index global over EP); moe.GroupedMLP's 3-D weights are given as one view per expert under those
+    names (an import writes through the view, an export reads it)."""
     for chunk in model:
         gpt = unwrap(chunk)
         layers = gpt.decoder.layers if getattr(gpt, "decoder", None) is not None else []
         global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+        # each MoE layer's first expert on this rank (its EP rank's share)
+        first_expert = {_global_layer(name, global_index) + ".": module.ep_group.rank() * module.num_local_experts
+                        for name, module in gpt.named_modules() if name.endswith(".mlp.experts")}
         for name, param in gpt.named_parameters():
-            match = _LAYER.match(name)
-            if match:
-                name = f"decoder.layers.{global_index[int(match.group(1))]}.{match.group(2)}"
-            yield name, param
+            name = _global_layer(name, global_index)
+            if local := _LOCAL_EXPERT.match(name):
+                first = first_expert[local.group(1)]
+                yield f"{local.group(1)}local_experts.{first + int(local.group(2))}.{local.group(3)}", param
+            elif grouped := _GROUPED.match(name):
+                first = first_expert[grouped.group(1)]
+                fc = f"linear_fc{grouped.group(3)}.{grouped.group(2)}"
+                for i in range(param.shape[0]):
+                    yield f"{grouped.group(1)}local_experts.{first + i}.{fc}", param[i]
+            else:
+                yield name, param
 
 
 # ------------------------------------------------------------------------------------------ import
@@ -85,15 +107,23 @@ def _read(info: TensorInfo, axis: int, start: int, end: int) -> torch.Tensor:
     return out
 
 
+def _expert_tp() -> tuple[int, int]:
+    """This rank's expert tensor-parallel size and rank (experts' weights are split over them, not over TP)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+
+
 def import_weights(model: list, source: HfSource, tp: int, tp_rank: int, padded_vocab: int) -> dict:
     """Fill this rank's parameters from the HF checkpoint; figures for the log."""
     t0 = time.monotonic()
     m = source.model
-    plans: list[tuple[ParamPlan, torch.nn.Parameter]] = []
+    plans: list[tuple[ParamPlan, torch.Tensor]] = []
     problems = []
+    etp, etp_rank = _expert_tp() if m.moe else (tp, tp_rank)
     for name, param in global_params(model):
         try:
-            plan = param_plan(name, m, tp, tp_rank, padded_vocab)
+            plan = param_plan(name, m, *((etp, etp_rank) if is_expert(name) else (tp, tp_rank)), padded_vocab)
         except ValueError as e:
             problems.append(str(e))
             continue
@@ -169,75 +199,93 @@ def _export(model: list, cfg: TrainerConfig, env, iteration: int, padded_vocab: 
     target.begin(detail)
 
     m, source_config = hf_model_for_export(cfg)
+    diff = mismatches(cfg, m)
+    if diff:  # a model no Hugging Face architecture here describes (flags without --hf-init)
+        raise Fatal(ExitCode.BAD_ARGUMENTS, f"hf export: the model cannot be written as {m.architecture}: "
+                    + "; ".join(diff))
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    # experts: split over the expert TP ranks, spread over EP, replicated over the expert data-parallel ranks
+    etp, etp_rank = _expert_tp() if m.moe else (tp, tp_rank)
+    ep_rank = ps.get_expert_model_parallel_rank() if m.moe else 0
+    edp_rank = ps.get_expert_data_parallel_rank() if m.moe else dp_rank
     local = dict(global_params(model))
     dtype = next(iter(local.values())).dtype
     code = CODES[dtype]
-    # Which stage owns each Megatron parameter (every rank learns every rank's names).
-    mine = (pp_rank, dp_rank, sorted(local))
+
+    def writer_of(name: str) -> tuple[int, int]:
+        """Who writes a parameter's tensors: the first rank of its pipeline stage, or for an expert the first
+        expert-TP, expert-DP rank of its EP rank (which is that first rank for EP rank 0)."""
+        return (pp_rank, ep_rank) if is_expert(name) else (pp_rank, 0)
+
+    def holds_the_copy(name: str) -> bool:  # the data-parallel replica that is gathered and written
+        return edp_rank == 0 if is_expert(name) else dp_rank == 0
+
+    # Which rank writes each Megatron parameter (every rank learns every rank's names).
+    mine = [(n, writer_of(n)) for n in sorted(local) if holds_the_copy(n)]
     everyone = [None] * env.world_size
     torch.distributed.all_gather_object(everyone, mine, group=env.cpu_group)
-    stage_of: dict[str, int] = {}
-    for stage, dp, names in everyone:
-        if dp == 0:
-            for n in names:
-                stage_of.setdefault(n, stage)
-    te_norms = any(n.endswith("layer_norm_weight") for n in stage_of)
-    order = [n for n in megatron_names(m, te_norms) if n in stage_of or (n == "output_layer.weight" and m.tied)]
-    missing = [n for n in megatron_names(m, te_norms) if n not in stage_of and not (n == "output_layer.weight"
-                                                                                    and m.tied)]
+    writer: dict[str, tuple[int, int]] = {}
+    for entries in everyone:
+        for n, w in entries:
+            writer.setdefault(n, tuple(w))
+    te_norms = any(n.endswith("layer_norm_weight") for n in writer)
+    every = megatron_names(m, te_norms)
+    missing = [n for n in every if n not in writer and not (n == "output_layer.weight" and m.tied)]
     if missing:
         raise Fatal(ExitCode.BAD_ARGUMENTS, f"hf export: the model has no {missing[0]} (architecture mismatch)")
+    # each writer's tensors together (a shard never mixes writers), in Megatron's order within
+    order = sorted((n for n in every if n in writer), key=lambda n: writer[n])
     shapes = hf_tensor_shapes(m)
-    planned = [(PlannedTensor(hf, code, shapes[hf]), stage_of[n]) for n in order for hf in exported_by(n, m)]
+    planned = [(PlannedTensor(hf, code, shapes[hf]), writer[n]) for n in order for hf in exported_by(n, m)]
     shards = plan_shards(planned, max_shard_bytes)
     names = [shard_name(i, len(shards)) for i in range(len(shards))]
     weight_map = {t.name: names[i] for i, (_, ts) in enumerate(shards) for t in ts}
     total = sum(t.nbytes for t, _ in planned)
 
     written = 0
-    if dp_rank == 0:
-        group = ps.get_tensor_model_parallel_group()
-        dst = torch.distributed.get_global_rank(group, 0) if tp > 1 else env.rank
-        my_shards = [(names[i], ts) for i, (stage, ts) in enumerate(shards) if stage == pp_rank]
-        shard_iter = iter(my_shards)
-        writer: StreamingWriter | None = None
-        pending: list[PlannedTensor] = []
-        for name in order:
-            if name not in local or not exported_by(name, m):
-                continue
-            param = local[name].detach().contiguous()
-            if tp > 1:
-                gathered = [torch.empty_like(param) for _ in range(tp)] if tp_rank == 0 else None
-                torch.distributed.gather(param, gathered, dst=dst, group=group)
-            else:
-                gathered = [param]
-            if tp_rank != 0:
-                continue
-            outputs = {hf: torch.empty(shapes[hf], dtype=dtype) for hf in exported_by(name, m)}
-            for r, shard in enumerate(gathered):
-                shard_cpu = shard.cpu()
-                for piece in param_plan(name, m, tp, r, padded_vocab).pieces:
-                    if piece.hf in outputs:
-                        outputs[piece.hf].narrow(piece.axis, piece.src[0], piece.src[1] - piece.src[0]).copy_(
-                            shard_cpu.narrow(piece.axis, piece.dst[0], piece.dst[1] - piece.dst[0]))
-            del gathered
-            for hf, tensor in outputs.items():
-                if not pending:
-                    fname, planned_here = next(shard_iter)
-                    pending = list(planned_here)
-                    writer = StreamingWriter(target.shard_path(fname), planned_here, {"format": "pt"})
-                writer.write(hf, tensor.contiguous().view(-1).view(torch.uint8).numpy())
-                written += tensor.numel() * tensor.element_size()
-                pending.pop(0)
-                if not pending:
-                    writer.close()
-                    target.shard_written(fname, writer.path)
-                    writer = None
-        if writer is not None:
-            writer.close()
+    keys = {(pp_rank, 0)} if dp_rank == 0 and tp_rank == 0 else set()
+    if m.moe and edp_rank == 0 and etp_rank == 0:
+        keys.add((pp_rank, ep_rank))
+    shard_iter = iter([(names[i], ts) for i, (w, ts) in enumerate(shards) if w in keys])
+    writer_file: StreamingWriter | None = None
+    pending: list[PlannedTensor] = []
+    for name in order:
+        if name not in local or not exported_by(name, m) or not holds_the_copy(name):
+            continue
+        size, rank, group = (etp, etp_rank, ps.get_expert_tensor_parallel_group) if is_expert(name) else \
+            (tp, tp_rank, ps.get_tensor_model_parallel_group)
+        param = local[name].detach().contiguous()
+        if size > 1:
+            gathered = [torch.empty_like(param) for _ in range(size)] if rank == 0 else None
+            torch.distributed.gather(param, gathered, dst=torch.distributed.get_global_rank(group(), 0), group=group())
+        else:
+            gathered = [param]
+        if rank != 0:
+            continue
+        outputs = {hf: torch.empty(shapes[hf], dtype=dtype) for hf in exported_by(name, m)}
+        for r, shard in enumerate(gathered):
+            shard_cpu = shard.cpu()
+            for piece in param_plan(name, m, size, r, padded_vocab).pieces:
+                if piece.hf in outputs:
+                    outputs[piece.hf].narrow(piece.axis, piece.src[0], piece.src[1] - piece.src[0]).copy_(
+                        shard_cpu.narrow(piece.axis, piece.dst[0], piece.dst[1] - piece.dst[0]))
+        del gathered
+        for hf, tensor in outputs.items():
+            if not pending:
+                fname, planned_here = next(shard_iter)
+                pending = list(planned_here)
+                writer_file = StreamingWriter(target.shard_path(fname), planned_here, {"format": "pt"})
+            writer_file.write(hf, tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            written += tensor.numel() * tensor.element_size()
+            pending.pop(0)
+            if not pending:
+                writer_file.close()
+                target.shard_written(fname, writer_file.path)
+                writer_file = None
+    if writer_file is not None:
+        writer_file.close()
     torch.distributed.barrier(group=env.cpu_group)
 
     if env.is_rank0:

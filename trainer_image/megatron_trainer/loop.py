@@ -26,6 +26,7 @@ from .model import (
     build_model,
     choose_path,
     count_parameters,
+    moe_experts_path,
     te_available,
     tp_overlap_chunks,
     transformer_config,
@@ -143,6 +144,7 @@ class Trainer:
         if runtime.tp_overlap_sm_carveout and self.path.tp_overlap_chunks == 1:
             log.info("MEGATRON_TRAINER_TP_OVERLAP_SM_CARVEOUT=%d ignored: it applies to the overlapped pieces only "
                      "(MEGATRON_TRAINER_TP_OVERLAP_CHUNKS > 1)", runtime.tp_overlap_sm_carveout)
+        moe_experts_path(cfg, self.path, runtime.moe_experts, runtime.moe_group_align)
         note = apply_deterministic_attention(cfg, self.path, runtime.deterministic_attention,
                                              runtime.deterministic_attention_set)
         if note:
@@ -155,6 +157,7 @@ class Trainer:
 
             restart_rope_positions(self.model)
         self.num_params_rank = count_parameters(self.model)
+        self.router_monitor = self._router_monitor() if m.num_experts else None
         torch.cuda.synchronize()
         self.mem_after_model = torch.cuda.memory_allocated()
 
@@ -271,7 +274,8 @@ class Trainer:
         self.tokens_per_iteration = gbs * m.seq_length
         self.flops_per_iteration = flops_mod.megatron_flops_per_iteration(
             gbs, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.effective_num_query_groups,
-            m.effective_ffn_hidden_size, self.padded_vocab, swiglu=m.swiglu, kv_channels=m.kv_channels,
+            m.effective_moe_ffn_hidden_size if m.num_experts else m.effective_ffn_hidden_size, self.padded_vocab,
+            swiglu=m.swiglu, kv_channels=m.kv_channels,
             moe_topk=m.moe_router_topk if m.num_experts else 1)
         self.classic_flops_per_iteration = flops_mod.classic_flops_per_iteration(
             gbs, m.seq_length, m.num_layers, m.hidden_size, self.vocab_size)
@@ -665,7 +669,36 @@ class Trainer:
                 self.tensorboard.write(losses, StepFigures(
                     self.state.iteration, self.env.layout.global_batch_size, self.env.world_size, lr, grad_norm,
                     seconds_per_iteration, tp["tflops_per_gpu"], torch.cuda.memory_stats()))
+        if self.router_monitor is not None:
+            self._log_moe()
         self._write_progress()
+
+    # ----------------------------------------------------------------------------- MoE routing
+    def _router_monitor(self):
+        """Expert load and router losses for the log line and the metrics (moe.RouterMonitor)."""
+        from .moe import RouterMonitor, router_loss_names
+
+        m = self.cfg.model
+        return RouterMonitor(self.model, m.num_layers, m.num_experts, router_loss_names(m))
+
+    def _log_moe(self) -> None:
+        """Collective: the router's figures since the last log line to the log (last rank) and the metrics."""
+        got = self.router_monitor.report(self.env.cpu_group, self.state.iteration)
+        if got is None:
+            return
+        losses = got["losses"]
+        for name, value in (("moe_load_balancing_loss", next((v for k, v in losses.items() if k != "z_loss"), None)),
+                            ("moe_z_loss", losses.get("z_loss")),
+                            ("moe_expert_load_max_over_mean", got["max_over_mean"]), ("moe_idle_experts", got["idle"])):
+            self.metrics.set(name, value)
+        for expert, share in enumerate(got["share"]):
+            self.metrics.set("moe_expert_token_share", share, expert=str(expert))
+        if self.is_logging_rank and got["max_over_mean"] is not None:
+            text = "".join(f" {k}: {v:.4E} |" for k, v in losses.items())
+            print(f" [{datetime.now():%Y-%m-%d %H:%M:%S}] MoE iteration {self.state.iteration:8d} |{text}"
+                  f" tokens per expert, busiest/mean: {got['max_over_mean']:.2f} (layer {got['worst_layer'] + 1} of "
+                  f"{len(got['routed'])}) |"
+                  f" idle (layer, expert) pairs: {got['idle']} |", flush=True)
 
     def _report_stage(self, stage: str) -> None:
         """A start-up stage (or training again after a capture) to status.progress, right away."""

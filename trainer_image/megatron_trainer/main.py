@@ -71,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
     if rank == 0:
         logging.getLogger("megatron_trainer").info("CUDA graph: %s (%s)", cfg.training.cuda_graph_impl, graph_reason)
         if sp_reason:
-            logging.getLogger("megatron_trainer").info("sequence parallelism (auto): %s (%s)",
+            logging.getLogger("megatron_trainer").info("sequence parallelism: %s (%s)",
                                                        "on" if cfg.parallel.sequence_parallel else "off", sp_reason)
 
     from .distributed import destroy_distributed, reap_children

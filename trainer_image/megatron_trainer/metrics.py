@@ -21,7 +21,16 @@ _GAUGES = {
     "checkpoint_load_seconds": "Seconds the resume load took.",
     "last_checkpoint_iteration": "Iteration of the newest published checkpoint.",
     "restarts": "Gang restarts seen (MEGATRON_RESTART_ATTEMPT).",
+    # MoE models (moe.RouterMonitor), over the iterations since the last log line
+    "moe_load_balancing_loss": "MoE load-balancing loss over its coefficient, mean over layers and micro-batches.",
+    "moe_z_loss": "MoE router z-loss over its coefficient, mean over layers and micro-batches.",
+    "moe_expert_load_max_over_mean": "MoE: the busiest expert's tokens over the mean, in the most imbalanced layer "
+                                     "(1 = balanced; top-k x experts / k when one expert takes every token).",
+    "moe_idle_experts": "MoE: (layer, expert) pairs routed no token.",
+    "moe_expert_token_share": "MoE: share of all routed tokens that went to the expert (label expert), over the layers.",
 }
+#: The label names of the gauges that have labels.
+_LABELS = {"moe_expert_token_share": ("expert",)}
 
 
 class Metrics:
@@ -39,7 +48,7 @@ class Metrics:
             return
         registry = CollectorRegistry()
         for name, doc in _GAUGES.items():
-            self._gauges[name] = Gauge(f"megatron_trainer_{name}", doc, registry=registry)
+            self._gauges[name] = Gauge(f"megatron_trainer_{name}", doc, _LABELS.get(name, ()), registry=registry)
         try:
             start_http_server(port, registry=registry)
             self.port = port
@@ -47,7 +56,7 @@ class Metrics:
             log.warning("metrics: cannot listen on port %d: %s", port, e)
             self._gauges = {}
 
-    def set(self, name: str, value: float | None) -> None:
+    def set(self, name: str, value: float | None, **labels: str) -> None:
         gauge = self._gauges.get(name)
         if gauge is not None and value is not None:
-            gauge.set(value)
+            (gauge.labels(**labels) if labels else gauge).set(value)

@@ -34,12 +34,19 @@ class ModelPath:
     # (MEGATRON_TRAINER_DETERMINISTIC_ATTENTION; "": no SDPA under --deterministic-mode, so neither applies). Set by the
     # trainer before the model is built; math when not set.
     deterministic_attention: str = "math"
+    # MoE experts on the local path (moe_experts_path): "" for a dense model, "grouped" (moe.GroupedMLP) or
+    # "sequential" (Megatron's SequentialMLP); set by the trainer before the model is built.
+    moe_experts: str = ""
+    moe_group_align: int = 0  # MEGATRON_TRAINER_MOE_GROUP_ALIGN (0: moe.default_align)
+    moe_experts_note: str = ""  # how the grouped experts run, for describe()
 
     def describe(self) -> str:
         text = f"transformer_impl={self.transformer_impl}, attention={self.attention}"
         if self.transformer_impl != "local":
             return text
         text += f", wgrad accumulation fusion={self.wgrad_fusion}"
+        if self.moe_experts:
+            text += f", MoE experts={self.moe_experts_note or self.moe_experts}"
         if self.tp_overlap_chunks > 1:
             text += f", TP forward all-reduce overlapped in {self.tp_overlap_chunks} pieces"
             if self.tp_overlap_sm_carveout:
@@ -77,6 +84,33 @@ def apply_deterministic_attention(cfg: TrainerConfig, path: ModelPath, requested
         return (f"MEGATRON_TRAINER_DETERMINISTIC_ATTENTION={requested} ignored: it applies to the local path's SDPA "
                 "attention under --deterministic-mode")
     return None
+
+
+def moe_experts_path(cfg: TrainerConfig, path: ModelPath, requested: str, align: int) -> None:
+    """Sets path.moe_experts (MEGATRON_TRAINER_MOE_EXPERTS on the local path for MoE models; the Transformer Engine
+    path keeps its own experts) and says how the grouped GEMMs will run for this model's dtype and sizes."""
+    m, t = cfg.model, cfg.training
+    if not m.num_experts or path.transformer_impl != "local":
+        path.moe_experts = ""
+        return
+    path.moe_experts, path.moe_group_align = requested, align
+    if requested == "sequential":
+        path.moe_experts_note = "SequentialMLP (MEGATRON_TRAINER_MOE_EXPERTS=sequential)"
+        return
+    import torch
+
+    from .moe import default_align, grouped_mm_problem
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t.precision]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    expert_tp = cfg.parallel.expert_tensor or cfg.parallel.tensor
+    ffn = m.effective_moe_ffn_hidden_size // expert_tp
+    problem = grouped_mm_problem(dtype, device, (m.hidden_size, ffn * (2 if m.swiglu else 1), ffn))
+    if problem:
+        path.moe_experts_note = f"GroupedMLP looping over its experts ({problem})"
+    else:
+        rows = align or default_align(dtype, device)
+        path.moe_experts_note = "GroupedMLP on grouped_mm" + (f" (groups padded to {rows} rows)" if rows > 1 else "")
 
 
 def te_available() -> bool:
@@ -151,8 +185,12 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         recompute_num_layers=t.recompute_num_layers,
         num_moe_experts=m.num_experts,
         moe_router_topk=m.moe_router_topk if m.num_experts else 2,
+        **moe_kwargs(cfg),
         # Fusions: torch-only ones are on (Megatron-LM defaults); TE/apex-only ones off on the local path.
-        bias_activation_fusion=not t.no_bias_activation_fusion and (m.swiglu or gelu_fusable),
+        # An expert's MLP fuses only SwiGLU without bias (mlp.py: its weighted fusions take the router's
+        # per-token probabilities and no bias; GeLU has none).
+        bias_activation_fusion=not t.no_bias_activation_fusion and (
+            (m.swiglu and not m.add_bias_linear) if m.num_experts else (m.swiglu or gelu_fusable)),
         bias_dropout_fusion=not t.no_bias_dropout_fusion,
         masked_softmax_fusion=not local and not t.no_masked_softmax_fusion,
         apply_rope_fusion=not local and m.position_embedding_type == "rope" and not t.no_rope_fusion,
@@ -169,6 +207,17 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
     if t.fp8_format:
         kwargs.update(fp8=t.fp8_format)
     return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(cfg: TrainerConfig) -> dict:
+    """The MoE fields of TransformerConfig (none for a dense model)."""
+    m = cfg.model
+    if not m.num_experts:
+        return {}
+    return dict(moe_ffn_hidden_size=m.effective_moe_ffn_hidden_size, moe_router_pre_softmax=m.moe_router_pre_softmax,
+                moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff,
+                moe_router_dtype=m.moe_router_dtype, moe_token_dispatcher_type=m.moe_token_dispatcher_type)
 
 
 def layer_spec(cfg: TrainerConfig, path: ModelPath):
@@ -208,6 +257,10 @@ def layer_spec(cfg: TrainerConfig, path: ModelPath):
             spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
         else:
             mlp.submodules.linear_fc2 = row
+    if path.moe_experts == "grouped":
+        from .moe import grouped_experts_spec
+
+        grouped_experts_spec(spec, align=path.moe_group_align or None)
     return spec
 
 

@@ -1,0 +1,264 @@
+"""GroupedMLP (megatron_trainer/moe.py) against Megatron-Core's SequentialMLP on gloo ranks on the CPU
+(tests/trainer/moe_cpu_check.py): outputs and gradients, whole MoE layers at TP 1, EP 2 and TP 2, checkpoints
+written by either module loaded by the other (also from EP 2 into EP 1), and the grouped-GEMM index math.
+Needs torch and megatron-core: `make torch-tests`. What the CPU cannot show (grouped_mm's CUDA kernel, bf16 on
+Hopper, the all-to-all dispatcher, speed) is tests/trainer/moe_gpu_check.py's, on a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import require
+
+torch = require("torch")
+require("megatron.core")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import moe_cpu_check as mc  # noqa: E402
+
+FP32_TOL = 1e-5
+
+
+def ok(results: list[dict]) -> list[dict]:
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
+
+
+def test_grouped_experts_match_sequential_mlp(tmp_path):
+    """Same seed, same weights; the gradients of the tokens, the router probabilities and every expert weight
+    within 1e-5 in fp32, for SwiGLU (Megatron's fused weighted SwiGLU, compiled, and unfused) and GeLU, 4, 6 and
+    8 experts, top-1/2/3, uneven counts with experts that get no token (their weight gradients exactly zero), and
+    no token at all; on grouped_mm, on grouped_mm with groups padded to 8 rows (CUDA's default), and looping."""
+    (r,) = ok(mc.run("experts", 1, 1, 1, tmp_path, compile_fusions=False))
+    assert len(r["experts"]) == 6
+    for row in r["experts"]:
+        assert row["init_equal"] and row["problem"] is None, row
+        assert row["scale"] > 0.1 or "[0, 0, 0, 0]" in row["case"], row  # outputs of order 1: 1e-5 means something
+        for mode in ("grouped", "loop", "grouped_padded8"):
+            assert max(v for k, v in row[mode].items() if isinstance(v, float)) <= FP32_TOL, (row["case"], mode, row)
+        for mode in ("grouped", "loop"):
+            assert row[mode]["idle_grad_zero"], (row["case"], mode)
+        assert row["grouped"]["grouped_mm_calls"] == 2, row  # both GEMMs went through grouped_mm
+        assert row["loop"]["grouped_mm_calls"] == 0
+    # sizes grouped_mm cannot take: the module says why and loops, with the same results
+    assert "not multiples of 16 bytes" in r["odd_sizes"]["problem"]
+    assert r["odd_sizes"]["out"] <= FP32_TOL and r["odd_sizes"]["dx"] <= FP32_TOL
+    # linear biases against MLP's math written out
+    assert [b["act"] for b in r["bias"]] == ["swiglu", "gelu"]
+    assert all(b[mode] <= FP32_TOL for b in r["bias"] for mode in ("grouped", "loop", "padded"))
+    for layer in r["layers"]:
+        assert layer["scale"] > 0.1 and max(layer["out"], layer["dx"], layer["drouter"]) <= FP32_TOL, layer
+        assert layer["grouped_params"] == ["experts.weight1", "experts.weight2"] and layer["sequential_params"] > 2
+    assert r["layers_grouped_mm_calls"] >= 2 * len(r["layers"])
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 2), (2, 1)])
+def test_layers_and_checkpoints_at_two_ranks(tmp_path, tp, ep):
+    """At EP 2 (two experts a rank, all-gather dispatcher) and at TP 2 (experts split over TP, sequence parallel):
+    whole layers equal; every checkpoint entry of GroupedMLP is SequentialMLP's (key, global shape and offset,
+    fragmentation, replica id, data); each loads the other's checkpoint; the trainer's in-place optimizer state
+    maps GroupedMLP's factories; at EP 2, a SequentialMLP checkpoint loads into GroupedMLP at EP 1."""
+    results = ok(mc.run("dist", 2, tp, ep, tmp_path, compile_fusions=False))
+    for r in results:
+        for layer in r["layers"]:
+            assert max(layer["out"], layer["dx"], layer["drouter"]) <= FP32_TOL and layer["scale"] > 0.1, layer
+        for act in ("swiglu", "gelu"):
+            e = r[f"entries_{act}"]
+            assert e["same_places"] and e["sequential"] == e["grouped"] > 0, e
+            assert not e["metadata_differs"] and not e["data_differs"], e
+        # SwiGLU's fc1: two halves per expert; fc2: one piece per expert (2 local experts at EP 2, 4 at TP 2)
+        local = 4 // ep
+        assert r["optimizer_chunks"] == {"decoder.layers.mlp.experts.weight1": 2 * local,
+                                         "decoder.layers.mlp.experts.weight2": local}
+        assert r["load"] == {"sequential->grouped": {"equal": True, "changed": True},
+                             "grouped->sequential": {"equal": True, "changed": True}}
+    if ep == 2:
+        # each EP rank saved its own experts (own seeds); at EP 1 they come back in global order
+        expected = [results[0]["weights_ep2"][i] + results[1]["weights_ep2"][i] for i in range(2)]
+        assert results[0]["weights_ep2"] != results[1]["weights_ep2"]
+        for r in results:
+            assert r["reshard"]["experts"] == 4 and r["reshard"]["loaded"] == expected
+
+
+def test_padded_rows_place_each_group_at_an_aligned_start():
+    from megatron_trainer.moe import padded_rows
+
+    counts = torch.tensor([3, 0, 5, 1])
+    dest, offs, rows = padded_rows(counts, 4, 9)
+    # groups [0,3) [3,3) [3,8) [8,9) padded to 4, 0, 8, 4 rows: starts 0, 4, 4, 12; the buffer holds 9 + 4 x 3 rows,
+    # rounded up to 24, and the last group runs to its end (grouped_mm writes no row past the last offset)
+    assert dest.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 12]
+    assert offs.dtype == torch.int32 and offs.tolist() == [4, 4, 12, 24] and rows == 24
+    dest, offs, rows = padded_rows(torch.tensor([2, 7]), 1, 9)  # align 1: the identity
+    assert dest.tolist() == list(range(9)) and offs.tolist() == [2, 9] and rows == 9
+    dest, offs, rows = padded_rows(torch.zeros(3, dtype=torch.int64), 8, 0)
+    assert dest.numel() == 0 and offs.tolist() == [0, 0, 24] and rows == 24  # 3 x 7 rounded up to 8
+
+
+@pytest.mark.parametrize("dtype, device, dims, problem", [
+    (torch.bfloat16, "cuda", (2048, 1536, 768), None),
+    (torch.float32, "cuda", (2048, 1536, 768), "CUDA takes bf16 only"),
+    (torch.float32, "cpu", (16, 16, 8), None),
+    (torch.bfloat16, "cpu", (16, 12, 6), "not multiples of 16 bytes (8 elements)"),
+    (torch.float16, "cpu", (16, 16, 8), "takes bf16 or fp32"),
+])
+def test_grouped_mm_problem(dtype, device, dims, problem):
+    from megatron_trainer.moe import default_align, grouped_mm_problem
+
+    got = grouped_mm_problem(dtype, device, dims)
+    assert (got is None) if problem is None else (problem in got), got
+    assert default_align(torch.bfloat16, "cuda") == 8 and default_align(torch.float32, "cpu") == 1
+
+
+def test_unsupported_configurations_are_refused_by_name():
+    from megatron_trainer.moe import GroupedMLP
+
+    class Cfg:  # only what __init__ reads before it refuses
+        fp8 = fp4 = None
+        moe_latent_size = None
+        use_te_activation_func = False
+        moe_mlp_glu_interleave_size = None
+        delay_wgrad_compute = overlap_dispatch_backward_with_experts_wgrad = False
+        expert_gtp_remat_size = 1
+        bias_activation_fusion = True
+        add_bias_linear = True
+        gated_linear_unit = False
+        activation_func = torch.nn.functional.gelu
+
+    with pytest.raises(ValueError, match="bias_activation_fusion with linear biases.*MEGATRON_TRAINER_MOE_EXPERTS"):
+        GroupedMLP(4, Cfg())
+
+
+@pytest.mark.parametrize("knob, experts_cls", [("grouped", "GroupedMLP"), ("sequential", "SequentialMLP")])
+def test_the_trainer_spec_takes_the_experts_the_knob_names(mock_argv, knob, experts_cls):
+    """model.layer_spec on the local path: MEGATRON_TRAINER_MOE_EXPERTS picks the experts; the MoE flags reach
+    TransformerConfig; an expert's bias-activation fusion only for SwiGLU without biases (mlp.py has no other
+    weighted fusion)."""
+    from conftest import without
+    from megatron_trainer.config import parse_args
+    from megatron_trainer.model import choose_path, layer_spec, moe_experts_path, transformer_config
+
+    argv = without(mock_argv, "--bf16") + ["--num-experts", "4", "--moe-ffn-hidden-size", "32",
+                                           "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+    cfg = parse_args(argv + ["--swiglu", "--disable-bias-linear"])
+    path = choose_path(cfg, have_te=False)
+    moe_experts_path(cfg, path, knob, 0)
+    experts = layer_spec(cfg, path).submodules.mlp.keywords["submodules"].experts
+    assert (experts.func.__name__, path.moe_experts) == (experts_cls, knob)
+    assert ("GroupedMLP on grouped_mm" if knob == "grouped" else "SequentialMLP") in path.describe()
+    tc = transformer_config(cfg, path)
+    assert (tc.num_moe_experts, tc.moe_ffn_hidden_size, tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (4, 32, 0.01, 1e-3)
+    assert tc.bias_activation_fusion and not transformer_config(parse_args(argv), path).bias_activation_fusion
+    # a dense model keeps Megatron's MLP and no experts note
+    dense = parse_args(mock_argv)
+    path = choose_path(dense, have_te=False)
+    moe_experts_path(dense, path, knob, 0)
+    assert path.moe_experts == "" and "MoE" not in path.describe()
+
+
+def test_router_monitor_counts_training_tokens_and_reports_megatrons_router_losses(tmp_path):
+    """moe.RouterMonitor on a 2-layer MoE GPTModel (4 experts, top-2): the tokens counted are the training
+    forwards' (2 micro-batches of 2 x 16 tokens, top-2: 128 per layer; the evaluation forward is left out), the
+    losses are megatron-core's tracker's; a router made to send every token to experts 0 and 1 shows as half the
+    tokens each, 2 x the mean, 4 idle (layer, expert) pairs, and a load-balancing loss of 2: Megatron's switch loss
+    over its coefficient, E / (k T^2) x sum_i (sum_t p_ti) n_i = 4 / (2 x 32^2) x (16 x 32 + 16 x 32)."""
+    (r,) = ok(mc.run("router", 1, 1, 1, tmp_path, compile_fusions=False))
+    assert "MoE experts=GroupedMLP on grouped_mm" in r["path"]
+    assert r["names"] == ["load_balancing_loss", "z_loss"]
+    rep = r["report"]
+    assert rep["routed"] == [128, 128] and rep["idle"] == 0
+    assert abs(sum(rep["share"]) - 1) < 1e-12 and 1 <= rep["max_over_mean"] < 2
+    assert set(rep["losses"]) == {"load_balancing_loss", "z_loss"} and rep["losses"]["load_balancing_loss"] > 0.9
+    assert r["empty"] is None  # nothing since the last report
+    skew = r["skewed"]
+    assert skew["routed"] == [64, 64] and skew["share"] == [0.5, 0.5, 0.0, 0.0]
+    assert (skew["max_over_mean"], skew["idle"]) == (2.0, 4)
+    assert abs(skew["losses"]["load_balancing_loss"] - 2.0) < 1e-4
+
+
+def test_expert_load_figures():
+    from megatron_trainer.moe import expert_load_figures
+
+    tokens = torch.tensor([[10, 10, 10, 10], [0, 0, 0, 0], [30, 6, 4, 0]])  # layer 1 ran on another stage
+    got = expert_load_figures(tokens)
+    assert got["routed"] == [40, 0, 40] and got["worst_layer"] == 2 and got["idle"] == 1
+    assert got["max_over_mean"] == 3.0 and got["share"] == [0.5, 0.2, 0.175, 0.125]
+    assert expert_load_figures(torch.zeros(2, 4, dtype=torch.int64))["max_over_mean"] is None
+
+
+def test_the_loop_logs_the_router_figures_and_sets_the_gauges(capsys):
+    """Trainer._log_moe (loop.py): the report's figures to the log line (last rank) and the gauges (rank 0)."""
+    import types
+
+    from megatron_trainer.loop import Trainer
+
+    class Recorder:
+        def __init__(self):
+            self.values = {}
+
+        def set(self, name, value, **labels):
+            self.values[(name, *labels.values())] = value
+
+    figures = {"share": [0.5, 0.5, 0.0, 0.0], "max_over_mean": 2.0, "worst_layer": 1, "idle": 4, "routed": [64, 64],
+               "losses": {"load_balancing_loss": 2.0, "z_loss": 0.5}}
+    me = types.SimpleNamespace(router_monitor=types.SimpleNamespace(report=lambda group, it: figures),
+                               env=types.SimpleNamespace(cpu_group=None), state=types.SimpleNamespace(iteration=7),
+                               metrics=Recorder(), is_logging_rank=True)
+    Trainer._log_moe(me)
+    assert me.metrics.values == {("moe_load_balancing_loss",): 2.0, ("moe_z_loss",): 0.5,
+                                 ("moe_expert_load_max_over_mean",): 2.0, ("moe_idle_experts",): 4,
+                                 ("moe_expert_token_share", "0"): 0.5, ("moe_expert_token_share", "1"): 0.5,
+                                 ("moe_expert_token_share", "2"): 0.0, ("moe_expert_token_share", "3"): 0.0}
+    line = capsys.readouterr().out
+    assert "MoE iteration        7 | load_balancing_loss: 2.0000E+00 | z_loss: 5.0000E-01 |" in line
+    assert "busiest/mean: 2.00 (layer 2 of 2) | idle (layer, expert) pairs: 4 |" in line
+    # a window without a training forward sets nothing and prints nothing
+    me.router_monitor, me.metrics = types.SimpleNamespace(report=lambda group, it: None), Recorder()
+    Trainer._log_moe(me)
+    assert me.metrics.values == {} and capsys.readouterr().out == ""
+
+
+def test_a_checkpoint_of_either_experts_module_loads_into_the_other_with_its_optimizer_state(tmp_path):
+    """Through the trainer's Checkpointer and distributed optimizer (optimizer state saved in place), at EP 2 on two
+    gloo ranks (moe_optim_check.py): SequentialMLP saves known Adam state, GroupedMLP loads it and saves again,
+    SequentialMLP loads that; every weight, fp32 main parameter and Adam moment is bit-identical across the three,
+    each expert's under its global index (the loading runs start from other weights)."""
+    import os
+    import socket
+    import subprocess
+
+    def run(experts: str, actions: str, ckpt_in: str, ckpt_out: str) -> Path:
+        out = tmp_path / f"{experts}-{actions.replace(',', '-')}"
+        out.mkdir()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, TMPDIR=str(tmp_path), TORCHDYNAMO_DISABLE="1")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                               f"--master-port={port}", str(Path(__file__).parent / "moe_optim_check.py"), experts,
+                               actions, str(tmp_path / ckpt_in), str(tmp_path / ckpt_out), str(out)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return out
+
+    def same(a: Path, b: Path) -> int:
+        n = 0
+        for rank in (0, 1):
+            x, y = torch.load(a.parent / f"{a.name}_rank{rank}.pt"), torch.load(b.parent / f"{b.name}_rank{rank}.pt")
+            for part in ("weights", "opt"):
+                assert x[part].keys() == y[part].keys(), (part, sorted(x[part].keys() ^ y[part].keys())[:4])
+                for key, value in x[part].items():
+                    assert torch.equal(value, y[part][key]), (rank, part, key)
+                    n += 1
+        return n
+
+    first = run("sequential", "save", "a", "a")
+    second = run("grouped", "load,save", "a", "b")
+    third = run("sequential", "load", "b", "b")
+    counted = same(first / "saved", second / "loaded")
+    assert counted == same(second / "saved", third / "loaded") == same(first / "saved", third / "loaded")
+    expert_states = [k for k in torch.load(first / "saved_rank1.pt")["opt"] if "local_experts" in k]
+    assert len(expert_states) == 2 * 2 * 2 * 3  # 2 layers x 2 local experts x fc1/fc2 x (param, exp_avg, exp_avg_sq)
