@@ -85,9 +85,9 @@ $(TORCH_STAMP): constraints-torch.txt constraints-objstore.txt scripts/find-pyth
 	@touch $(TORCH_STAMP)
 
 torch-tests: $(TORCH_STAMP) versitygw
+	@# every tests/trainer/test_*_torch.py (a new one is never left out) and test_torch_paths.py
 	MEGATRON_TORCH_TESTS=1 $(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	  tests/trainer/test_sft_torch.py tests/trainer/test_hf_torch.py tests/trainer/test_torch_paths.py \
-	  tests/trainer/test_object_store_torch.py tests/trainer/test_optim_state_torch.py tests/trainer/test_volume_full_torch.py
+	  $(sort $(wildcard tests/trainer/test_*_torch.py)) tests/trainer/test_torch_paths.py
 
 unit: helm promtool s3-venv versitygw  # helm, promtool: chart and alert tests; versitygw: object-storage tests
 	$(VENV)/bin/ruff check operator trainer_image contract tests e2e bench scripts
