@@ -689,3 +689,4 @@ class Scenario(NamedTuple):
     run: Callable[[dict], dict]  # the scenario: ctx -> its result, whose "ok" says whether it passed
     summary: str  # one line, for --list
     seconds: int = 60  # rough seconds per layout: suite.py skips a scenario that would not end before the deadline
+    min_gpus: int = 1  # GPUs its fixed layouts need (TP=2, PP=2): suite.py skips it, saying so, on a smaller call

@@ -319,13 +319,13 @@ def scenario_hf_pods(ctx) -> dict:
 # name -> Scenario(the function, its line in --list, rough seconds per layout); suite.py registers them.
 SCENARIOS = {
     "hf_logits": Scenario(scenario_hf_logits, "HF fixtures imported at TP=1, TP=2, PP=2 in fp32 and bf16: logits vs "
-                          "transformers; export round trip bit-identical", 120),
+                          "transformers; export round trip bit-identical", 120, min_gpus=2),
     "hf_train": Scenario(scenario_hf_train, "--hf-init, 20 iterations, --hf-export; export-only under PP=2 identical; "
-                         "resume without the HF directory", 150),
+                         "resume without the HF directory", 150, min_gpus=2),
     "hf_bench": Scenario(scenario_hf_bench, "a Llama-3.2-1B-shaped model: HF start vs torch_dist resume, peak RSS per "
-                         "rank, export time", 200),
+                         "rank, export time", 200, min_gpus=2),
     "hf_pods": Scenario(scenario_hf_pods, "the rendered pods of e2e/gpu/jobs/hf-llama-tp2.yaml: import, SIGTERM, "
-                        "resume, export on the PVC", 200),
+                        "resume, export on the PVC", 200, min_gpus=2),
     "hf_store": Scenario(scenario_hf_store, "hf_train's import, checkpoints and export in the object store "
-                         "(--object-store)", 200),
+                         "(--object-store)", 200, min_gpus=2),
 }

@@ -106,8 +106,21 @@ class ListScenarios(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         width = max(map(len, SCENARIOS))
-        print("\n".join(f"{name:{width}s}  {s.summary}" for name, s in SCENARIOS.items()))
+        print("\n".join(f"{name:{width}s}  {s.summary}" + (f" [{s.min_gpus}+ GPUs]" if s.min_gpus > 1 else "")
+                        for name, s in SCENARIOS.items()))
         parser.exit()
+
+
+def skip_reason(scenario: Scenario | None, gpus: int, layouts: int, seconds_left: float) -> str | None:
+    """Why a scenario does not run in this call, or None. Too few GPUs for its fixed layouts: two ranks on one GPU
+    hang in NCCL's set-up instead of failing (hf_logits did on 1 GPU, 2026-11-28). Too little time: its rough
+    seconds per layout times `layouts` would end after the deadline."""
+    if scenario is not None and gpus < scenario.min_gpus:
+        return f"needs {scenario.min_gpus} GPUs, this call has {gpus}"
+    need = (scenario.seconds if scenario is not None else 60) * layouts
+    if need > seconds_left:
+        return f"deadline (needs ~{need} s)"
+    return None
 
 
 def main() -> int:
@@ -217,9 +230,10 @@ def main() -> int:
                  "resume": len(ctx["resume_on"]) if ctx["resume_on"] else n_layouts}.get(name, 1)
         # Rough seconds a scenario needs (Scenario.seconds, per layout); one that would not finish before the
         # deadline is skipped.
-        need = (SCENARIOS[name].seconds if name in SCENARIOS else 60) * scale
-        if time.monotonic() + need > DEADLINE[0]:
-            results[name] = {"ok": False, "skipped": f"deadline (needs ~{need} s)"}
+        why = skip_reason(SCENARIOS.get(name), gpus, scale, DEADLINE[0] - time.monotonic())
+        if why:
+            results[name] = {"ok": False, "skipped": why}
+            print(f"=== {name}: skipped: {why}", flush=True)
             continue
         t0 = time.monotonic()
         print(f"=== {name} (t={t0 - started:.0f}s)", flush=True)

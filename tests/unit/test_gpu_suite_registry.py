@@ -126,3 +126,21 @@ def test_the_suites_state_lives_in_the_harness_alone():
         for var in STATE:
             if hasattr(module, var):
                 assert getattr(module, var) is getattr(harness, var), f"{name}.{var} is a copy"
+
+
+def test_a_scenario_is_skipped_with_its_reason_on_too_few_gpus_or_too_little_time():
+    two = S.Scenario(lambda ctx: {"ok": True}, "needs TP=2", 100, min_gpus=2)
+    assert S.skip_reason(two, 1, 1, 10_000) == "needs 2 GPUs, this call has 1"
+    assert S.skip_reason(two, 2, 1, 10_000) is None
+    assert S.skip_reason(two, 2, 3, 250) == "deadline (needs ~300 s)"
+    assert S.skip_reason(two, 2, 3, 300) is None
+    assert S.skip_reason(None, 1, 1, 59) == "deadline (needs ~60 s)"
+
+
+def test_the_hf_scenarios_with_fixed_tp2_and_pp2_layouts_say_they_need_two_gpus():
+    # hf_logits on a 1-GPU call hung at its TP=2 step until the call's timeout (2026-11-28, call 1)
+    for name in ("hf_logits", "hf_train", "hf_bench", "hf_pods", "hf_store"):
+        assert S.SCENARIOS[name].min_gpus == 2, name
+    listed = run_suite_without_torch("--list").stdout.splitlines()
+    assert any(line.startswith("hf_logits") and line.endswith("[2+ GPUs]") for line in listed)
+    assert any(line.startswith("layouts") and "GPUs]" not in line for line in listed)
