@@ -31,7 +31,7 @@ def test_grouped_experts_match_sequential_mlp(tmp_path):
     """Same seed, same weights; the gradients of the tokens, the router probabilities and every expert weight
     within 1e-5 in fp32, for SwiGLU (Megatron's fused weighted SwiGLU, compiled, and unfused) and GeLU, 4, 6 and
     8 experts, top-1/2/3, uneven counts with experts that get no token (their weight gradients exactly zero), and
-    no token at all; on grouped_mm, on grouped_mm with groups padded to 8 rows (CUDA's default), and looping."""
+    no token at all; on grouped_mm, on grouped_mm with groups padded to 8 rows (MEGATRON_TRAINER_MOE_GROUP_ALIGN=8), and looping."""
     (r,) = ok(mc.run("experts", 1, 1, 1, tmp_path, compile_fusions=False))
     assert len(r["experts"]) == 6
     for row in r["experts"]:
@@ -110,7 +110,7 @@ def test_grouped_mm_problem(dtype, device, dims, problem):
 
     got = grouped_mm_problem(dtype, device, dims)
     assert (got is None) if problem is None else (problem in got), got
-    assert default_align(torch.bfloat16, "cuda") == 8 and default_align(torch.float32, "cpu") == 1
+    assert default_align(torch.bfloat16, "cuda") == 1 and default_align(torch.float32, "cpu") == 1
 
 
 def test_unsupported_configurations_are_refused_by_name():
