@@ -681,6 +681,14 @@ def render_table(results: dict) -> str:
         if name == "memory":
             for rec in r.get("records", []):
                 lines.append(f"  MEM {rec}")
+        if name.startswith("moe_") and "ours" in r:  # moe.py: one line per program
+            for key in ("ours", "megatron_lm", "ours_sequential"):
+                v = r.get(key, {})
+                lines.append(f"  MOE {r.get('layout')} {key:15s} {v.get('iter_ms')} ms MFU {v.get('mfu_pct_active_params')}% "
+                             f"tok/s/gpu {v.get('tokens_per_s_per_gpu')} losses {v.get('losses_1_3')} "
+                             f"{v.get('not_run') or v.get('skipped') or ''}")
+            lines.append(f"  MOE ours/Megatron-LM {r.get('ours_speedup_vs_megatron_lm')} (target {r.get('target')}), "
+                         f"sequential/Megatron-LM {r.get('ours_sequential_speedup_vs_megatron_lm')}")
         if name == "probe":
             lines.append(f"  {json.dumps({k: v for k, v in r.items() if k not in ('ok',)}, default=str)[:900]}")
     return "\n".join(lines) + "\n"

@@ -228,3 +228,16 @@ def test_the_comparison_against_the_target_and_its_table(tmp_path):
     assert "| ours (grouped GEMM experts) | 1000.0 |" in md and "| 2.5 |" in md
     assert "| ours, SequentialMLP experts | deadline (needs ~300 s) |" in md
     assert json.loads((tmp_path / "moe_qwen3_ep2.json").read_text())["target"]["met"] is True
+
+
+def test_the_suites_table_has_a_line_per_program():
+    import harness as H
+
+    result = {"ok": True, "layout": "ep2", "ours": {"iter_ms": 1000.0, "mfu_pct_active_params": 9.0},
+              "megatron_lm": {"not_run": "--moe-skip-mlm"}, "ours_speedup_vs_megatron_lm": None,
+              "target": {"speedup_vs_megatron_lm": 2.0, "met": None}}
+    lines = H.render_table({"device": ["H200"], "gpus": 2, "moe_qwen3": result}).splitlines()
+    moe_lines = [line for line in lines if line.startswith("  MOE")]
+    assert len(moe_lines) == 4
+    assert "ours" in moe_lines[0] and "1000.0 ms MFU 9.0%" in moe_lines[0]
+    assert moe_lines[1].rstrip().endswith("--moe-skip-mlm")
