@@ -117,8 +117,10 @@ def bounded(timeout: float) -> float:
     return max(1.0, min(timeout, DEADLINE[0] + OVERRUN_S - time.monotonic()))
 
 
-def model_args(name: str) -> list[str]:
-    m = MODELS[name]
+def model_args(name: str | dict) -> list[str]:
+    """The model's shape flags; `name` is a MODELS entry's name, or a shape of the same keys (moe.py's MoE shapes,
+    kept out of MODELS so that no dense scenario picks them)."""
+    m = MODELS[name] if isinstance(name, str) else name
     return ["--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
             "--num-attention-heads", str(m["heads"]), "--ffn-hidden-size", str(m["ffn"]),
             "--seq-length", str(m["seq"]), "--max-position-embeddings", str(m["seq"]),
@@ -132,14 +134,15 @@ NO_SP = "--no-sequence-parallel"
 
 def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="flash", lr="1e-3",
                  warmup=5, dist_opt=True, extra=(), data=None, save=None, save_interval=None,
-                 async_save=True) -> list[str]:
+                 async_save=True, ep=1) -> list[str]:
     """A command line shaped like the operator's rendering (docs/trainer-contract.md; the flags that
     change what runs are checked against render.megatron_args in tests/unit/test_gpu_suite_args.py).
     The operator renders --sequence-parallel-auto at TP > 1 by default (spec.parallelism.sequenceParallel
     unset, transformerImpl transformer_engine: on where the trainer runs TE, off on the local path), so
-    this does too, unless `extra` holds NO_SP or --sequence-parallel (forced on)."""
+    this does too, unless `extra` holds NO_SP or --sequence-parallel (forced on). `model`: a MODELS name or a
+    shape (model_args); `ep`: the expert-parallel size of a MoE shape."""
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--context-parallel-size", "1", "--expert-model-parallel-size", "1", *model_args(model),
+            "--context-parallel-size", "1", "--expert-model-parallel-size", str(ep), *model_args(model),
             "--transformer-impl", "transformer_engine", "--attention-backend", attn,
             "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs or mbs),
             "--train-iters", str(iters), "--lr", lr, "--min-lr", f"{float(lr) / 10:g}",
@@ -678,6 +681,14 @@ def render_table(results: dict) -> str:
         if name == "memory":
             for rec in r.get("records", []):
                 lines.append(f"  MEM {rec}")
+        if name.startswith("moe_") and "ours" in r:  # moe.py: one line per program
+            for key in ("ours", "megatron_lm", "ours_sequential"):
+                v = r.get(key, {})
+                lines.append(f"  MOE {r.get('layout')} {key:15s} {v.get('iter_ms')} ms MFU {v.get('mfu_pct_active_params')}% "
+                             f"tok/s/gpu {v.get('tokens_per_s_per_gpu')} losses {v.get('losses_1_3')} "
+                             f"{v.get('not_run') or v.get('skipped') or ''}")
+            lines.append(f"  MOE ours/Megatron-LM {r.get('ours_speedup_vs_megatron_lm')} (target {r.get('target')}), "
+                         f"sequential/Megatron-LM {r.get('ours_sequential_speedup_vs_megatron_lm')}")
         if name == "probe":
             lines.append(f"  {json.dumps({k: v for k, v in r.items() if k not in ('ok',)}, default=str)[:900]}")
     return "\n".join(lines) + "\n"

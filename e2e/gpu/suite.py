@@ -14,6 +14,7 @@ documented in its module's docstring:
   performance.py  bench, perf, memory, detcost, objbench, collectives, rope, disk: speed, memory and I/O
                   against the peers and the hardware
   mlm_compare.py  threeway, stepdump: ours against Megatron-LM's own pretrain_gpt.py
+  moe.py          moe_qwen3, moe_mixtral: mixture-of-experts shapes, ours against Megatron-LM (issue 50)
   scale.py        goodput, diskfull: what a job loses to saves, starts, failures and layout changes; a full
                   checkpoint volume
   hf.py           hf_logits, hf_train, hf_bench, hf_pods, hf_store: Hugging Face import and export
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import correctness
 import mlm_compare
+import moe
 import performance
 import scale
 from correctness import POD_JOBS, layouts_for
@@ -59,6 +61,7 @@ from harness import (
     start_object_store,
 )
 from mlm_compare import MLM_VARIANTS, THREEWAY, THREEWAY_VARIANTS
+from moe import MOE_LAYOUTS
 from performance import MEMORY_CONFIGS, PERF_VARIANTS, bench_layouts
 
 
@@ -73,7 +76,7 @@ def optional_family(name: str):
 
 
 # The scenario families, each a module with a SCENARIOS table: a new family is its module and one line here.
-FAMILIES = [correctness, performance, mlm_compare, scale, optional_family("hf"), optional_family("sft")]
+FAMILIES = [correctness, performance, mlm_compare, scale, moe, optional_family("hf"), optional_family("sft")]
 
 # The order a run without --only takes (and --list shows): the suite's order before the families were split out,
 # so that indexed's data and layouts' reference runs come before the scenarios that use them (resume, sigterm,
@@ -170,6 +173,16 @@ def main() -> int:
     ap.add_argument("--stepdump", default="dp1:llama1b",
                     help="layout:model[:Megatron-LM variant[:ours' variant]] of the stepdump scenario, comma-separated "
                          "(layouts as --threeway's; e2e/gpu/stepdump.py)")
+    ap.add_argument("--moe-layout", default="ep2", choices=sorted(MOE_LAYOUTS),
+                    help="layout of moe_qwen3/moe_mixtral (ep2: 2 GPUs; tp2ep2, ep4: 4 GPUs)")
+    ap.add_argument("--moe-iters", type=int, default=None, help="iterations of each MoE run (default 15)")
+    ap.add_argument("--moe-warmup", type=int, default=None,
+                    help="first iterations of each MoE run left out of its timing (default 5)")
+    ap.add_argument("--moe-layers", type=int, default=None, help="layers of the MoE shape (default: moe.MOE_MODELS')")
+    ap.add_argument("--moe-gbs", type=int, default=None, help="global batch of the MoE runs (default 32)")
+    ap.add_argument("--moe-sequential", default="auto", choices=("auto", "on", "off"),
+                    help="ours with SequentialMLP experts as a third run: auto where the deadline leaves time")
+    ap.add_argument("--moe-skip-mlm", action="store_true", help="MoE scenarios without Megatron-LM (recorded as not run)")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
                     "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
@@ -213,7 +226,10 @@ def main() -> int:
            "threeway_skip_overlap": args.threeway_skip_overlap, "threeway_skip_mlm": args.threeway_skip_mlm,
            "goodput_gbs": args.goodput_gbs, "goodput_interval": args.goodput_interval,
            "diskfull_mib": args.diskfull_mib,
-           "pod_jobs": tuple(filter(None, args.pod_jobs.split(",")))}
+           "pod_jobs": tuple(filter(None, args.pod_jobs.split(","))),
+           "moe_layout": args.moe_layout, "moe_iters": args.moe_iters, "moe_warmup": args.moe_warmup,
+           "moe_layers": args.moe_layers, "moe_gbs": args.moe_gbs, "moe_sequential": args.moe_sequential,
+           "moe_skip_mlm": args.moe_skip_mlm}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
     ctx["det_env"] = dict(MATH_DETERMINISTIC_ENV) if args.deterministic_attention == "math" else {}

@@ -25,8 +25,9 @@ BEFORE_THE_SPLIT = ["probe", "indexed", "layouts", "resume", "sigterm", "reshard
                     "rope", "disk", "hf_logits", "hf_train", "hf_bench", "hf_pods", "hf_store", "sft_reverse",
                     "sft_bench", "sft_pods", "sft_sigterm", "stepdump"]
 SCALE = ["goodput", "diskfull"]  # issue 49's family (scale.py), added after the split
-NOW = BEFORE_THE_SPLIT + SCALE
-FAMILIES = ["correctness", "performance", "mlm_compare", "scale", "hf", "sft"]
+MOE = ["moe_qwen3", "moe_mixtral"]  # issue 50's family (moe.py)
+NOW = BEFORE_THE_SPLIT + SCALE + MOE
+FAMILIES = ["correctness", "performance", "mlm_compare", "scale", "moe", "hf", "sft"]
 
 
 def run_suite_without_torch(*argv: str) -> subprocess.CompletedProcess:
