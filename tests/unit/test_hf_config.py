@@ -13,7 +13,7 @@ from megatron_operator.hf_config import MAX_CONFIG_BYTES, HfConfigError, load_co
 from test_cli import cli, write
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
-# mixture-of-experts fixtures: the trainer's (tests/trainer/test_hf_pure.py); spec.model has no MoE block yet
+# mixture-of-experts fixtures (tests/trainer/test_hf_pure.py for the trainer's side): tested apart below
 MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
 CONFIGS = sorted(p for p in FIXTURES.glob("*.json") if p.stem not in MOE_FIXTURES)
 
@@ -202,12 +202,49 @@ def test_refusals_name_the_field(case_id, base, mutate, fragment):
     assert any(fragment in p for p in exc.value.problems), exc.value.problems
 
 
+MOE_EXPECTED = {
+    "tiny-qwen3-moe": {"numExperts": 8, "moeRouterTopk": 2, "moeFfnHiddenSize": 32, "moeRouterPreSoftmax": True,
+                       "moeAuxLossCoeff": 0.001, "ffnHiddenSize": 96, "qkLayernorm": True, "kvChannels": 32},
+    "tiny-mixtral": {"numExperts": 4, "moeRouterTopk": 2, "moeFfnHiddenSize": 96, "moeAuxLossCoeff": 0.001,
+                     "ffnHiddenSize": 96},
+}
+
+
 @pytest.mark.parametrize("name", sorted(MOE_FIXTURES))
-def test_moe_configs_are_refused_by_name_until_spec_model_has_a_moe_block(name):
+def test_moe_configs_map_to_the_moe_fields(name, tmp_path):
+    """Qwen3-MoE and Mixtral (issue 50): hf-config prints their experts, router and experts' hidden size, a block
+    admission takes (at tensor 2: the experts split over 2 expert-tensor ranks, no biases), and --check finds
+    nothing to tell apart."""
     r = cli("hf-config", str(FIXTURES / f"{name}.json"))
-    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    assert r.stderr.count("\n") == 1 and "spec.model has no MoE block yet" in r.stderr
-    assert "spec.model.numExperts: config.json describes a mixture-of-experts model (" in r.stderr
+    assert r.returncode == 0, r.stderr
+    model = yaml.safe_load(r.stdout)["model"]
+    assert {k: model.get(k) for k in MOE_EXPECTED[name]} == MOE_EXPECTED[name]
+    if name == "tiny-mixtral":  # renormalised top-k: Megatron's default
+        assert "moeRouterPreSoftmax" not in model
+    job = make_job(numNodes=1, parallelism={"tensor": 2, "expert": 2}, model=model,
+                   training={"trainIters": 10, "microBatchSize": 1})
+    assert cli("validate", write(tmp_path, "job.yaml", [job])).returncode == 0
+    r = cli("hf-config", str(FIXTURES / f"{name}.json"), "--check", write(tmp_path, "job.yaml", [job]))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name, field, value, fragment", [
+    ("tiny-qwen3-moe", "numExperts", 16, "spec.model.numExperts: 16 does not match config.json the number of "
+                                         "experts 8"),
+    ("tiny-qwen3-moe", "moeRouterPreSoftmax", False, "spec.model.moeRouterPreSoftmax: false does not match "
+                                                     "config.json norm_topk_prob (negated) true"),
+    ("tiny-qwen3-moe", "moeFfnHiddenSize", 64, "spec.model.moeFfnHiddenSize: 64 does not match config.json "
+                                               "moe_intermediate_size 32"),
+    ("tiny-mixtral", "moeRouterTopk", 1, "spec.model.moeRouterTopk: 1 does not match config.json num_experts_per_tok 2"),
+])
+def test_check_names_a_moe_field_that_differs(name, field, value, fragment, tmp_path):
+    model = yaml.safe_load(cli("hf-config", str(FIXTURES / f"{name}.json")).stdout)["model"]
+    model[field] = value
+    if field == "moeRouterTopk":
+        model["moeRouterPreSoftmax"] = True  # top-1 needs it (admission)
+    job = make_job(numNodes=1, parallelism={"tensor": 2}, model=model, training={"trainIters": 10})
+    r = cli("hf-config", str(FIXTURES / f"{name}.json"), "--check", write(tmp_path, "job.yaml", [job]))
+    assert r.returncode == 1 and fragment in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("arch, fragment", [
