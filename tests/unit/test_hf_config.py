@@ -325,3 +325,27 @@ def test_the_finetune_example_matches_the_published_llama31_config():
     example = Path(__file__).parents[2] / "examples" / "llama3-8b-finetune.yaml"
     r = cli("hf-config", str(FIXTURES / "llama31-8b-published.json"), "--check", str(example))
     assert r.returncode == 0, r.stderr
+
+
+# Qwen3-30B-A3B's config.json as published (transformers 4.51 layout).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_the_qwen3_moe_example_is_what_hf_config_prints_for_qwen3_30b_a3b(tmp_path):
+    example = Path(__file__).parents[2] / "examples" / "qwen3-moe-30b-a3b.yaml"
+    config = write(tmp_path, "config.json", json.dumps(QWEN3_30B_A3B))
+    r = cli("hf-config", config, "--check", str(example))
+    assert r.returncode == 0, r.stdout + r.stderr
+    printed = yaml.safe_load(cli("hf-config", config).stdout)["model"]
+    # the dispatcher is the layout's choice (expert parallel 8), not the file's
+    assert yaml.safe_load(example.read_text())["spec"]["model"] == {**printed, "moeTokenDispatcherType": "alltoall"}
