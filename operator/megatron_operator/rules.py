@@ -349,10 +349,10 @@ def _all(exprs) -> Expr:
 
 
 def _any(exprs) -> Expr:
-    out: Expr = Lit(False)
-    for e in exprs:
-        out = out | e
-    return out
+    first, *rest = exprs
+    for e in rest:
+        first = first | e
+    return first
 
 
 def _given(flag: str) -> Expr:
