@@ -20,7 +20,10 @@ EXTRA_CASES = {
     # flags the examples do not exercise
     "vpp-moe-etp": {"numNodes": 2, "gpusPerNode": 8,
                     "parallelism": {"tensor": 2, "pipeline": 2, "virtualPipeline": 2, "expert": 4, "expertTensor": 1},
-                    "model": {"preset": "llama3-8b", "numExperts": 8, "moeRouterTopk": 2},
+                    "model": {"preset": "llama3-8b", "numExperts": 8, "moeRouterTopk": 2, "moeFfnHiddenSize": 1792,
+                              "moeRouterPreSoftmax": True, "moeRouterLoadBalancingType": "seq_aux_loss",
+                              "moeAuxLossCoeff": 0.001, "moeZLossCoeff": 1e-05, "moeRouterDtype": "fp32",
+                              "moeTokenDispatcherType": "alltoall"},
                     "training": {"trainIters": 10, "microBatchSize": 1, "globalBatchSize": 16, "precision": "fp16",
                                  "distributedOptimizer": False, "recompute": "full",
                                  "extraArgs": ["--overlap-grad-reduce", "--num-workers", "4"]},
@@ -127,6 +130,14 @@ def test_trainer_parses_the_rendered_command_line(job):
     assert m.normalization == model["normalization"]
     assert m.position_embedding_type == model["positionEmbedding"]
     assert (m.num_experts or 0) == (model["numExperts"] or 0)
+    if m.num_experts:  # the MoE block (issue 50): each field reaches its trainer flag; unset, the same default
+        sm = spec.model
+        assert (m.moe_router_topk, m.effective_moe_ffn_hidden_size, m.moe_router_pre_softmax) == (
+            model["moeRouterTopk"], model["moeFfnHiddenSize"], model["moeRouterPreSoftmax"])
+        assert (m.moe_router_load_balancing_type, m.moe_token_dispatcher_type) == (
+            model["moeRouterLoadBalancingType"], model["moeTokenDispatcherType"])
+        assert m.moe_aux_loss_coeff == (sm.moe_aux_loss_coeff or 0.0)
+        assert (m.moe_z_loss_coeff, m.moe_router_dtype) == (sm.moe_z_loss_coeff, sm.moe_router_dtype)
     assert m.untie_embeddings_and_output_weights == model["untieEmbeddings"]
     assert m.add_bias_linear == model["addBiasLinear"]
     assert m.norm_epsilon == model["normEpsilon"]
@@ -281,10 +292,11 @@ def test_every_flag_admission_accepts_is_accepted_by_the_trainer():
 
 
 HF_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "hf").glob("*.json"))
-#: Mixture-of-experts fixtures: the one parser reads them, the trainer imports them (--num-experts and the --moe-*
-#: flags), but spec.model has no MoE block yet, so hf-config refuses them by name (the gap is asserted below).
+#: Mixture-of-experts fixtures: hf-config maps them to spec.model's MoE fields, the trainer imports them (--num-experts
+#: and the --moe-* flags).
 MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
 DENSE_FIXTURES = [p for p in HF_FIXTURES if p.stem not in MOE_FIXTURES]
+MOE_FIXTURE_PATHS = [p for p in HF_FIXTURES if p.stem in MOE_FIXTURES]
 
 
 def _hf_job(config_path: Path, capsys) -> tuple[dict, object]:
@@ -332,6 +344,26 @@ def test_hf_config_output_reaches_the_trainer_as_the_config_json_model(config_pa
     assert (m.swiglu, m.normalization, m.position_embedding_type, m.add_bias_linear) == (True, "RMSNorm", "rope",
                                                                                          False)
     assert (m.num_experts or 0) == 0
+
+
+@pytest.mark.parametrize("config_path", MOE_FIXTURE_PATHS, ids=[p.stem for p in MOE_FIXTURE_PATHS])
+def test_hf_config_output_reaches_the_trainer_as_the_moe_of_config_json(config_path, capsys):
+    """Qwen3-MoE and Mixtral (issue 50): hf-config's spec.model, rendered, parses in the trainer into the experts,
+    router and experts' hidden size that config.json describes (read here straight from the JSON), and the trainer
+    finds nothing to tell apart from the file."""
+    from megatron_trainer import hf_config as trainer_hf
+
+    hf, job = _hf_job(config_path, capsys)
+    cfg = parse_args(trainer_argv(job))
+    m = cfg.model
+    qwen = hf["model_type"] == "qwen3_moe"
+    assert m.num_experts == hf.get("num_experts", hf.get("num_local_experts"))
+    assert m.moe_router_topk == hf["num_experts_per_tok"]
+    assert m.effective_moe_ffn_hidden_size == hf["moe_intermediate_size" if qwen else "intermediate_size"]
+    assert m.moe_router_pre_softmax == (qwen and not hf["norm_topk_prob"])
+    assert m.moe_aux_loss_coeff == hf["router_aux_loss_coef"]
+    assert m.qk_layernorm == qwen
+    assert trainer_hf.mismatches(cfg, trainer_hf.parse_config(hf, m.seq_length)) == []
 
 
 def _trainer_config_for(config: dict):
@@ -420,13 +452,12 @@ def test_operator_and_trainer_agree_on_config_json(config, refused_from, tmp_pat
         assert (code, message) == (2, "the Hugging Face model cannot be imported: " + "; ".join(refusal.value.problems))
         return
     hf = operator_hf.parse_config(config)
-    if hf.moe:  # the documented gap: the trainer takes the file, spec.model cannot describe it yet
-        with pytest.raises(operator_hf.HfConfigError, match="spec.model has no MoE block yet"):
-            operator_hf.spec_model(hf)
-        assert trainer_hf.parse_config(config) == hf and hf.num_experts > 1
-        return
     model = operator_hf.spec_model(hf)
-    for changed in ({}, {"hiddenSize": model["hiddenSize"] * 2, "numLayers": model["numLayers"] * 2}):
+    changes: list[dict] = [{}, {"hiddenSize": model["hiddenSize"] * 2, "numLayers": model["numLayers"] * 2}]
+    if hf.moe:  # the MoE fields both sides compare (issue 50)
+        changes.append({"numExperts": hf.num_experts * 2, "moeRouterTopk": 1, "moeRouterPreSoftmax": True,
+                        "moeFfnHiddenSize": hf.moe_ffn_hidden_size * 2})
+    for changed in changes:
         spec = {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2}, "model": {**model, **changed},
                 "training": {"trainIters": 10, "transformerImpl": "local"}}
         job = parse_job({"apiVersion": "megatron-operator.io/v1alpha1", "kind": "MegatronJob",

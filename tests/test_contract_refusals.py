@@ -32,6 +32,13 @@ OPERATOR_ONLY = {
     "pod-labels-not-reserved": "pod labels",
     "data-exactly-one": "the spec's data section shape (rendered as one of --mock-data and --data-path)",
     "topk-within-experts": "without experts the router's top-k is not rendered",
+    "moe-fields-need-experts": "without experts the MoE flags are not rendered (the trainer would note them as "
+                               "ignored, config.ignored_flags)",
+    "moe-tensor-needs-sequence-parallel": "the trainer turns sequence parallelism on itself for MoE at TP > 1 "
+                                          "(resolve_sequence_parallel); admission refuses the explicit false that "
+                                          "would be ignored",
+    "moe-aux-loss-needs-balancing": "megatron-core ignores the weight of a loss it does not compute; admission "
+                                    "refuses the setting that would do nothing",
     "data-paths-with-pvc": "the spec's data section shape (nothing to render)",
     "data-tokenizer-with-pvc": "the spec's data section shape (nothing to render)",
     "tokenizer-path": "the spec's data section shape (nothing to render)",
@@ -194,6 +201,21 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "--num-experts ({}) must be divisible by --expert-model-parallel-size ({})": ("rule", "bad-experts-vs-expert"),
     "--moe-router-topk must be between 1 and --num-experts": ("rule", "bad-topk-above-experts"),
     "--expert-model-parallel-size > 1 needs --num-experts": ("rule", "bad-expert-without-experts"),
+    # _validate_moe (issue 50: the MoE block of spec.model)
+    "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen logit would give the router "
+    "no gradient)": ("rule", "bad-moe-topk1"),
+    "--moe-ffn-hidden-size must be >= 1, got {}":
+        ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeFfnHiddenSize=0),
+         "spec.model.moeFfnHiddenSize"),
+    "the experts' hidden size ({}) must be divisible by the expert tensor-parallel size ({})":
+        ("rule", "bad-moe-ffn-vs-etp"),
+    "MoE with linear biases needs an expert tensor-parallel size of 1, got {}; give --disable-bias-linear or "
+    "--expert-tensor-parallel-size 1": ("rule", "bad-moe-bias-etp"),
+    # --moe-aux-loss-coeff and --moe-z-loss-coeff: one message, both fields bounded the same way in the schema
+    # (test_moe_loss_weights_are_bounded_by_the_schema checks the other)
+    "{} must be >= 0 (a loss weight), got {}":
+        ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeAuxLossCoeff=-0.01),
+         "spec.model.moeAuxLossCoeff"),
     "--bf16 and --fp16 are mutually exclusive": ("rendered", ["bf16", "fp16"], "precision renders one of them"),
     "--fp8-format needs --bf16 (or --fp16)": ("rendered", ["fp8-format", "bf16"], "precision fp8 renders both"),
     "--fp8-format needs --transformer-impl transformer_engine (the local implementation has no FP8 kernels)":
@@ -294,8 +316,8 @@ TRAINER_REFUSALS: dict[str, tuple] = {
          "spec.checkpoint.objectStore.prefix"),
 }
 #: Where the trainer refuses at start-up from its command line and environment alone.
-REFUSING_FUNCTIONS = {"config.py": {"_validate_parallel_and_model", "_validate_training", "_validate_data",
-                                    "_validate_sft", "_validate_checkpoint", "_check_export_apart_from_checkpoints",
+REFUSING_FUNCTIONS = {"config.py": {"_validate_parallel_and_model", "_validate_moe", "_validate_training",
+                                    "_validate_data", "_validate_sft", "_validate_checkpoint", "_check_export_apart_from_checkpoints",
                                     "parse_blend", "world_layout", "runtime_from_env", "_choice", "num"},
                       "objstore.py": {"parse_s3_url"}}
 
@@ -351,6 +373,15 @@ def test_every_refusal_of_the_trainer_is_listed():
     assert len(found) > 60  # the scan sees the validation functions
     assert sorted(found - TRAINER_REFUSALS.keys()) == [], "a refusal of the trainer without an admission twin"
     assert sorted(TRAINER_REFUSALS.keys() - found) == [], "listed, but the trainer no longer says it"
+
+
+def test_moe_loss_weights_are_bounded_by_the_schema():
+    """The trainer's one loss-weight refusal covers two flags; the listed twin is the aux loss', this is the
+    z-loss' (and the MoE refusals are where the scan looks)."""
+    assert "_validate_moe" in REFUSING_FUNCTIONS["config.py"]
+    with pytest.raises(SpecError) as refused:
+        parse_job(_m(model__numExperts=4, model__addBiasLinear=False, model__moeZLossCoeff=-1.0))
+    assert [p.field for p in refused.value.problems] == ["spec.model.moeZLossCoeff"]
 
 
 @pytest.mark.parametrize("template", sorted(TRAINER_REFUSALS))
@@ -409,6 +440,16 @@ def jobs(draw):
                         ("ropeScalingFactor", [8]), ("kvChannels", [64])):
         if (key == "numExperts" and par["expert"] > 1) or draw(st.integers(0, 7)) == 0:
             model[key] = draw(one(values))
+    if "numExperts" in model or draw(st.integers(0, 15)) == 0:  # the MoE block (issue 50), now and then without experts
+        if draw(st.integers(0, 3)) == 0:
+            par["expertTensor"] = draw(one([1, 2]))
+        for key, values in (("moeRouterTopk", [1, 2]), ("moeFfnHiddenSize", [256, 1025]),
+                            ("moeRouterPreSoftmax", [True, False]), ("addBiasLinear", [False]),
+                            ("moeRouterLoadBalancingType", ["aux_loss", "none"]), ("moeAuxLossCoeff", [0.0, 0.01]),
+                            ("moeZLossCoeff", [0.001]), ("moeTokenDispatcherType", ["alltoall"]),
+                            ("moeRouterDtype", ["fp32"])):
+            if draw(st.integers(0, 2)) == 0:
+                model[key] = draw(one(values))
     training = {"microBatchSize": draw(one([1, 2])), "trainIters": draw(one([5, 100])),
                 "precision": mostly("bf16", "fp16", "fp8"), "transformerImpl": mostly("transformer_engine", "local"),
                 "attentionBackend": mostly("flash", "unfused"), "cudaGraph": mostly("auto", "none", "fullIteration"),

@@ -7,8 +7,8 @@ with the same words. What each side compares the model with stays on its side
 (``megatron_operator.hf_config``, ``megatron_trainer.hf_config``).
 
 Architectures: Llama 2/3/3.1/3.2 (RoPE ``default`` or ``llama3``), Mistral, Qwen2/2.5 (QKV bias),
-Qwen3 (QK norm), and the mixture-of-experts Qwen3-MoE and Mixtral (the trainer imports them; ``spec.model``
-has no MoE block yet, so the operator's ``spec_model`` refuses them by name). DeepSeek-V2/V3, gpt-oss and
+Qwen3 (QK norm), and the mixture-of-experts Qwen3-MoE and Mixtral (the trainer imports them; the operator's
+``spec_model`` maps them to spec.model's MoE fields). DeepSeek-V2/V3, gpt-oss and
 Qwen2-MoE are refused by name. Both layouts: transformers 5 (``rope_parameters``, ``dtype``) and 4.x (top-level
 ``rope_theta``/``rope_scaling``, ``torch_dtype``). Every field that changes the math is mapped or
 refused by name; a field not known here is refused too (it may change the math). Any JSON value,

@@ -17,20 +17,24 @@ from megatron_contract.hf_config import MAX_CONFIG_BYTES, HfConfigError, HfModel
 __all__ = ["MAX_CONFIG_BYTES", "HfConfigError", "HfModel", "load_config", "mismatches", "parse_config", "spec_model"]
 
 
-def _no_moe_block(hf: HfModel) -> str:
-    # The spec block is follow-up work (issue 50); it would carry numExperts, moeRouterTopk, the experts' hidden
-    # size (moe_intermediate_size / Mixtral's intermediate_size), moeRouterPreSoftmax (not norm_topk_prob) and
-    # the load-balancing coefficient (router_aux_loss_coef), as megatron_trainer.hf_config.mismatches compares.
-    return (f"spec.model.numExperts: config.json describes a mixture-of-experts model ({hf.architecture}, "
-            f"{hf.num_experts} experts, top-{hf.moe_topk}); spec.model has no MoE block yet (the trainer imports it "
-            "with --num-experts and the --moe-* flags in extraArgs)")
+def _moe_block(hf: HfModel) -> dict[str, Any]:
+    """The MoE fields of spec.model for Qwen3-MoE and Mixtral: the experts, the router's top-k and the experts'
+    hidden size always (Qwen3-MoE's differs from its intermediate_size), pre-softmax where the file does not
+    renormalise the top-k (Qwen3-MoE norm_topk_prob false), and the file's load-balancing coefficient as the
+    starting point (a training setting: the job may change it)."""
+    out: dict[str, Any] = {"numExperts": hf.num_experts, "moeRouterTopk": hf.moe_topk,
+                           "moeFfnHiddenSize": hf.moe_ffn_hidden_size}
+    if hf.moe_pre_softmax:
+        out["moeRouterPreSoftmax"] = True
+    if hf.router_aux_loss_coef:
+        out["moeAuxLossCoeff"] = hf.router_aux_loss_coef
+    return out
 
 
 def spec_model(hf: HfModel) -> dict[str, Any]:
-    """spec.model (wire names) for the model, with only what differs from the defaults left to them.
-    HfConfigError for a mixture-of-experts model (spec.model cannot describe one yet)."""
-    if hf.moe:
-        raise HfConfigError([_no_moe_block(hf)])
+    """spec.model (wire names) for the model, with only what differs from the defaults left to them; the MoE
+    fields for Qwen3-MoE and Mixtral. (What the converter cannot map, DeepSeek's MLA, gpt-oss's attention sinks,
+    Qwen2-MoE's shared expert, parse_config refuses by name.)"""
     out: dict[str, Any] = {
         "numLayers": hf.num_layers, "hiddenSize": hf.hidden_size, "numAttentionHeads": hf.num_heads,
         "numQueryGroups": hf.num_kv_heads, "ffnHiddenSize": hf.ffn_hidden_size, "seqLength": hf.seq_length,
@@ -50,6 +54,8 @@ def spec_model(hf: HfModel) -> dict[str, Any]:
     out["addBiasLinear"] = False
     if hf.attention_dropout:
         out["attentionDropout"] = hf.attention_dropout
+    if hf.moe:
+        out.update(_moe_block(hf))
     return out
 
 
@@ -85,8 +91,14 @@ def mismatches(model: dict[str, Any], hf: HfModel) -> list[str]:
     differ("normalization", model["normalization"], "normalization of the architecture", "RMSNorm")
     differ("positionEmbedding", model["positionEmbedding"], "position embedding of the architecture", "rope")
     differ("addBiasLinear", model["addBiasLinear"], "linear biases of the architecture", False)
-    if hf.moe:
-        out.append(_no_moe_block(hf))
+    if hf.moe:  # the fields megatron_trainer.hf_config.mismatches compares before an import
+        differ("numExperts", model["numExperts"], "the number of experts", hf.num_experts)
+        differ("moeRouterTopk", model["moeRouterTopk"], "num_experts_per_tok", hf.moe_topk)
+        differ("moeFfnHiddenSize", model["moeFfnHiddenSize"],
+               "moe_intermediate_size" if hf.family == "qwen3_moe" else "intermediate_size", hf.moe_ffn_hidden_size)
+        differ("moeRouterPreSoftmax", model["moeRouterPreSoftmax"],
+               "norm_topk_prob (negated)" if hf.family == "qwen3_moe" else f"architecture {hf.architecture}",
+               hf.moe_pre_softmax)
     elif model["numExperts"]:
         out.append(f"spec.model.numExperts: {model['numExperts']} does not match config.json: the model is dense")
     return out

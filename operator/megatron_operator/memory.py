@@ -7,12 +7,17 @@ loss dominate. Terms, in bytes:
 - weights / gradients / optimizer: parameters per tensor x pipeline shard (experts over expert x
   expert-tensor parallel), with Megatron's mixed-precision layout: 2-byte bf16/fp16 weights, fp32
   gradient buffer (``grad_reduce_in_fp32``), and 12 bytes of fp32 master weights + Adam moments,
-  divided by the data-parallel size (data x context) with the distributed optimizer;
+  divided by the data-parallel size (data x context) with the distributed optimizer; the experts'
+  optimizer state by the expert-data-parallel size instead (world / (expertTensor x expert x
+  pipeline), Megatron 0.19's expert grid), the router (replicated over TP) with the dense part;
 - activations: per layer and micro-batch after Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models" (sequence split by context parallelism; divided by
   TP where sequence parallelism or TP splits them; the s x s score term only for unfused
   attention; selective and full recomputation), times the micro-batches in flight on the first
   stage (1F1B: min(PP, micro-batches); interleaved: x (1 + (PP-1)/(PP x VPP)));
+- mixture of experts (``_moe_layer_bytes``): the routed top-k copies of each token through the experts' MLPs
+  (even routing assumed), the router's fp32 logits and probabilities, and the token dispatcher's buffers of
+  one layer at a time (all-gather: the expert group's tokens; all-to-all: the send and receive buffers);
 - output layer and loss: bf16 logits plus their fp32 copy in the cross-entropy (vocabulary split
   by TP);
 - other: a fixed allowance for the allocator's workspaces.
@@ -20,7 +25,8 @@ loss dominate. Terms, in bytes:
 It predicts ``torch.cuda.max_memory_allocated()``; the fit check adds what the allocator never
 sees (CUDA context, NCCL buffers, fragmentation) as ``RESERVED_OVERHEAD_GIB``. The constants were
 checked against measured runs (docs/benchmarks/memory-estimator.md#2026-11-21-predicted-vs-measured,
-tests/unit/test_memory.py).
+tests/unit/test_memory.py), dense models only: the MoE terms (``UNCALIBRATED_MOE_TERMS``) are arithmetic
+from megatron-core's code, not yet compared with a measured MoE run.
 """
 
 from __future__ import annotations
@@ -52,6 +58,17 @@ LOGITS_BYTES = 6
 # not, nor does torch's fused AdamW, which the trainer uses since 2026-11-26. Kept until the records
 # that set it (m03, m04) are re-measured with the fused kernel: until then it errs on the safe side.
 TORCH_ADAM_STEP_BYTES = 4
+#: The MoE terms no measured run has checked yet (GPU calibration: later, as for the dense terms in
+#: docs/benchmarks/memory-estimator.md). estimate() lists them in Estimate.details["uncalibrated"] for a MoE model.
+UNCALIBRATED_MOE_TERMS = (
+    "routed activations: top-k copies of each token through the experts, routing assumed even (dropless "
+    "routing lets a busy expert take more)",
+    "router: fp32 logits and probabilities per token and expert",
+    "dispatcher: one layer's all-gather or all-to-all buffers",
+    "expert optimizer state over expert data parallel (world / (expertTensor x expert x pipeline))",
+)
+# Bytes per token and expert the router keeps: fp32 logits and fp32 probabilities (router.py computes both).
+ROUTER_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,32 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab / m) * m)
 
 
+def _mlp_params(h: int, ffn: int, swiglu: bool, bias: bool) -> int:
+    """One MLP's parameters: fc1 (two halves with SwiGLU), fc2, and their biases."""
+    return (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
+
+
+def _moe_layer_bytes(tokens: float, h: int, moe_ffn: int, experts: int, topk: int, ep: int, etp: int, swiglu: bool,
+                     dispatcher: str, act_bytes: int) -> tuple[float, float]:
+    """A MoE layer's activations on one GPU: (kept for the backward, transient while the layer runs). ``tokens``:
+    the tokens of this rank's sequence slice (s x b / TP: a MoE layer at TP > 1 runs sequence parallel).
+    Uncalibrated (UNCALIBRATED_MOE_TERMS).
+
+    With routing even, the EP ranks of an expert group share their tokens' top-k copies evenly: each receives
+    its own tokens x topk, times ETP (an expert-tensor group runs every token of its ranks through its slice
+    of each expert). Kept: the experts' input rows, fc1's output (the activation's input, two halves with SwiGLU)
+    and fc2's input (megatron-core's MLP, per expert), and the router's fp32 logits and probabilities. Transient:
+    the dispatcher's buffers - all-gather: the hidden states of the whole ETP x EP group, then the permuted rows;
+    all-to-all: the permuted rows sent and received."""
+    rows = tokens * topk * etp
+    kept = act_bytes * rows * (h + ((2 if swiglu else 1) + 1) * moe_ffn / etp) + ROUTER_BYTES * tokens * experts
+    if dispatcher == "alltoall":
+        transient = act_bytes * h * 2 * rows
+    else:
+        transient = act_bytes * h * (tokens * ep * etp + rows)
+    return kept, transient
+
+
 def estimate(job: MegatronJob) -> Estimate:
     wire = job.spec.wire()
     m = resolved_model(wire)
@@ -144,6 +187,9 @@ def estimate(job: MegatronJob) -> Estimate:
     swiglu = m["activation"] == "swiglu"
     bias = m["addBiasLinear"]
     experts = m["numExperts"] or 0
+    # MoE at TP > 1 runs sequence parallel whatever was asked (the trainer turns it on: megatron-core's MoE layer)
+    sp = sp or (experts > 0 and tp > 1)
+    moe_ffn = m["moeFfnHiddenSize"]
     head_dim = m["kvChannels"] or h / a  # kvChannels: heads sized apart from hidden / heads (Qwen3)
     q = a * head_dim
     kv = g * head_dim
@@ -152,10 +198,11 @@ def estimate(job: MegatronJob) -> Estimate:
     # ---- parameters per GPU -------------------------------------------------------------------
     attn_params = (h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if bias else 0)
                    + (q + 2 * kv if m["addQkvBias"] and not bias else 0))
-    mlp_one = (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
+    mlp_one = _mlp_params(h, ffn, swiglu, bias)
     norm_params = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
-    dense_per_layer = attn_params / tp + norm_params + (0 if experts else mlp_one / tp)
-    expert_per_layer = (experts * mlp_one / (ep * etp) + h * experts) if experts else 0.0
+    # a MoE layer: the router (experts x hidden, replicated over TP) is dense; the experts split over EP x ETP
+    dense_per_layer = attn_params / tp + norm_params + (h * experts if experts else mlp_one / tp)
+    expert_per_layer = experts * _mlp_params(h, moe_ffn, swiglu, bias) / (ep * etp) if experts else 0.0
     layers_per_stage = L / pp
     embed = v * h / tp + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)
     output = v * h / tp if (m["untieEmbeddings"] or pp > 1) else 0  # tied + PP>1: a copy on the last stage
@@ -189,12 +236,11 @@ def estimate(job: MegatronJob) -> Estimate:
     attn_out = act_bytes * sbh / tp  # attention output = input of the output projection
     scores = UNFUSED_SCORE_BYTES * (a / tp) * s * s * b if tr.attention_backend == "unfused" else 0.0
     lse = 4 * s * b * a / tp if tr.attention_backend != "unfused" else 0.0  # flash's fp32 log-sum-exp
+    moe_transient = 0.0
     if experts:
-        topk = m["moeRouterTopk"]
-        # routed tokens (topk copies) through expert MLPs split over expert-tensor parallel, plus the
-        # permuted/unpermuted token buffers and the router's fp32 logits (not calibrated: no MoE run)
-        mlp = act_bytes * topk * s * b * ((2 if swiglu else 1) + 1) * ffn / etp \
-            + act_bytes * 2 * topk * sbh + 4 * s * b * experts
+        mlp, moe_transient = _moe_layer_bytes(tokens=s * b / tp, h=h, moe_ffn=moe_ffn, experts=experts,
+                                              topk=m["moeRouterTopk"], ep=ep, etp=etp, swiglu=swiglu,
+                                              dispatcher=m["moeTokenDispatcherType"], act_bytes=act_bytes)
     else:
         mlp = act_bytes * ((2 if swiglu else 1) + 1) * s * b * ffn / tp  # activation input + fc2 input
     full_layer = replicated + qkv + attn_out + scores + lse + mlp
@@ -208,6 +254,7 @@ def estimate(job: MegatronJob) -> Estimate:
     else:
         per_layer = full_layer
         recompute_peak = backward_scores
+    recompute_peak += moe_transient  # one layer's dispatcher buffers at a time
 
     num_micro = lay["numMicrobatches"]
     if pp == 1:
@@ -233,16 +280,18 @@ def estimate(job: MegatronJob) -> Estimate:
         step = TORCH_ADAM_STEP_BYTES * shard if torch_adam else 0.0
         return WORKSPACE_GIB * GIB + max(0.0, step - acts)
 
+    moe_details = {"expertParamsPerGpu": expert_params, "expertDataParallel": expert_dp,
+                   "uncalibrated": list(UNCALIBRATED_MOE_TERMS)} if experts else {}
     w0, g0, o0 = static(dense_first)
     first = Estimate(w0, g0, o0, stage0_acts, other(dense_first, stage0_acts), "first" if pp > 1 else "only",
                      {"paramsPerGpu": dense_first + expert_params, "inFlight": in_flight,
-                      "perLayerActivationBytes": per_layer})
+                      "perLayerActivationBytes": per_layer, **moe_details})
     if pp == 1:
         return first
     w1, g1, o1 = static(dense_last)
     last = Estimate(w1, g1, o1, last_acts, other(dense_last, last_acts), "last",
                     {"paramsPerGpu": dense_last + expert_params, "inFlight": 1,
-                     "perLayerActivationBytes": per_layer})
+                     "perLayerActivationBytes": per_layer, **moe_details})
     return first if first.total >= last.total else last
 
 
@@ -263,8 +312,8 @@ def model_parameters(job: MegatronJob) -> int:
     bias, swiglu, experts = m["addBiasLinear"], m["activation"] == "swiglu", m["numExperts"] or 0
     attn = (h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if bias else 0)
             + (q + 2 * kv if m["addQkvBias"] and not bias else 0))
-    mlp_one = (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
-    mlp = experts * mlp_one + h * experts if experts else mlp_one
+    mlp_one = _mlp_params(h, ffn, swiglu, bias)
+    mlp = experts * _mlp_params(h, m["moeFfnHiddenSize"], swiglu, bias) + h * experts if experts else mlp_one
     norms = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
     v = padded_vocab(m["vocabSize"], tp)
     embed = v * h + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)

@@ -10,7 +10,7 @@ run the same job.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .failures import FAIL_MESSAGE_PATTERN, FAIL_RULE_NAME, NON_RETRIABLE_EXIT_CODES
@@ -43,7 +43,7 @@ from .names import (
 )
 from .rules import derived_layout, resolved_model
 from .settings import Settings
-from .spec import MegatronJob, MegatronJobSpec
+from .spec import MegatronJob, MegatronJobSpec, ModelSpec
 
 CONTAINER_NAME = TRAINER_CONTAINER
 
@@ -118,6 +118,25 @@ def _fmt(x: float) -> str:
     return repr(float(x))  # round-trips exactly through float()
 
 
+def _moe_flags(m: ModelSpec, flag: Callable[..., None]) -> None:
+    """The MoE block's flags beyond --num-experts and --moe-router-topk, each only when set (unset: the
+    trainer's defaults, which are megatron-core's)."""
+    if m.moe_ffn_hidden_size is not None:
+        flag("moe-ffn-hidden-size", m.moe_ffn_hidden_size)
+    if m.moe_router_pre_softmax:
+        flag("moe-router-pre-softmax")
+    if m.moe_router_load_balancing_type is not None:
+        flag("moe-router-load-balancing-type", m.moe_router_load_balancing_type)
+    if m.moe_aux_loss_coeff is not None:
+        flag("moe-aux-loss-coeff", _fmt(m.moe_aux_loss_coeff))
+    if m.moe_z_loss_coeff is not None:
+        flag("moe-z-loss-coeff", _fmt(m.moe_z_loss_coeff))
+    if m.moe_router_dtype is not None:
+        flag("moe-router-dtype", m.moe_router_dtype)
+    if m.moe_token_dispatcher_type is not None:
+        flag("moe-token-dispatcher-type", m.moe_token_dispatcher_type)
+
+
 def megatron_args(job: MegatronJob) -> list[str]:
     """Megatron-LM flags for the spec (the table in docs/trainer-contract.md)."""
     spec = job.spec
@@ -159,6 +178,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
     if model["numExperts"]:
         flag("num-experts", model["numExperts"])
         flag("moe-router-topk", model["moeRouterTopk"])
+        _moe_flags(spec.model, flag)
     if model["activation"] == "swiglu":
         flag("swiglu")
     flag("normalization", model["normalization"])

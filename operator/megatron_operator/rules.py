@@ -125,6 +125,15 @@ ffn = model_value("ffnHiddenSize", cond(activation.eq("swiglu"), (hidden // 24) 
 max_positions = model_value("maxPositionEmbeddings", seq)
 experts = model_value("numExperts", 0)
 topk = model_value("moeRouterTopk", 2)
+# The rest of the MoE block, with megatron-core's defaults (TransformerConfig): each expert's MLP as wide as the
+# dense one, top-k of the logits then softmax, the per-micro-batch aux loss, the all-gather dispatcher.
+moe_ffn = model_value("moeFfnHiddenSize", ffn)
+moe_pre_softmax = model_value("moeRouterPreSoftmax", False)
+moe_balancing = model_value("moeRouterLoadBalancingType", "aux_loss")
+moe_dispatcher = model_value("moeTokenDispatcherType", "allgather")
+#: spec.model's MoE fields besides numExperts and moeRouterTopk (which has its own rule, topk-within-experts).
+MOE_FIELDS = ("moeFfnHiddenSize", "moeRouterPreSoftmax", "moeRouterLoadBalancingType", "moeAuxLossCoeff",
+              "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType")
 normalization = model_value("normalization", "LayerNorm")
 position_embedding = model_value("positionEmbedding", "learned_absolute")
 rotary_base = model_value("rotaryBase", 10000)
@@ -141,7 +150,9 @@ rope_scaling_factor = model_value("ropeScalingFactor", 0)
 MODEL_VALUES: dict[str, Expr] = {
     "numLayers": layers, "hiddenSize": hidden, "numAttentionHeads": heads, "numQueryGroups": groups,
     "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
-    "numExperts": experts, "moeRouterTopk": topk, "activation": activation, "normalization": normalization,
+    "numExperts": experts, "moeRouterTopk": topk, "moeFfnHiddenSize": moe_ffn, "moeRouterPreSoftmax": moe_pre_softmax,
+    "moeRouterLoadBalancingType": moe_balancing, "moeTokenDispatcherType": moe_dispatcher,
+    "activation": activation, "normalization": normalization,
     "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
     "addBiasLinear": add_bias_linear, "normEpsilon": norm_epsilon, "kvChannels": kv_channels,
     "qkLayernorm": qk_layernorm, "addQkvBias": add_qkv_bias, "ropeScalingFactor": rope_scaling_factor,
@@ -160,7 +171,8 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "sequence-parallel-auto",
     "num-layers", "hidden-size", "num-attention-heads", "group-query-attention", "num-query-groups",
     "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
-    "moe-router-topk", "swiglu", "normalization", "position-embedding-type", "rotary-base",
+    "moe-router-topk", "moe-ffn-hidden-size", "moe-router-pre-softmax", "moe-router-load-balancing-type",
+    "moe-aux-loss-coeff", "moe-z-loss-coeff", "moe-router-dtype", "moe-token-dispatcher-type", "swiglu", "normalization", "position-embedding-type", "rotary-base",
     "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
     "add-qkv-bias", "use-rope-scaling", "rope-scaling-factor", "hidden-dropout", "attention-dropout",
     "transformer-impl", "attention-backend", "cuda-graph-impl",
@@ -336,6 +348,13 @@ def _all(exprs) -> Expr:
     return out
 
 
+def _any(exprs) -> Expr:
+    first, *rest = exprs
+    for e in rest:
+        first = first | e
+    return first
+
+
 def _given(flag: str) -> Expr:
     return Size(Filter(extra_args, "x", Var("x").eq(flag))) > 0
 
@@ -468,6 +487,42 @@ SPEC_RULES: list[Rule] = [
          (topk <= experts) & (experts > 0), when=has("model.moeRouterTopk"),
          message=fmt("spec.model.moeRouterTopk: ", topk.str(), " needs a mixture-of-experts model with at least ",
                       topk.str(), " experts (numExperts is ", experts.str(), ")")),
+    # ours: the router's flags are rendered only for a MoE model (the trainer would only note them as ignored)
+    Rule("moe-fields-need-experts", "model",
+         experts > 0, when=_any(has(f"model.{name}") for name in MOE_FIELDS),
+         message=fmt("spec.model:", *[cond(has(f"model.{name}"), f" {name}", "") for name in MOE_FIELDS],
+                     " apply to a mixture-of-experts model only; set numExperts or omit them")),
+    # transformer_config.py (TransformerConfig.__post_init__: a softmax over one logit has a zero gradient)
+    Rule("moe-topk-1-needs-pre-softmax", "model.moeRouterPreSoftmax",
+         moe_pre_softmax, when=(experts > 0) & topk.eq(1),
+         message=lit("spec.model.moeRouterPreSoftmax: moeRouterTopk 1 needs moeRouterPreSoftmax: true (a softmax "
+                     "over the one chosen logit would give the router no gradient); set moeRouterPreSoftmax: true "
+                     "or a moeRouterTopk above 1")),
+    # experts' linear layers (each expert's MLP is split over the expert tensor-parallel ranks)
+    Rule("moe-ffn-divisible-by-expert-tensor", "model.moeFfnHiddenSize",
+         (moe_ffn % etp).eq(0), when=experts > 0,
+         message=fmt("spec.model.moeFfnHiddenSize: the experts' hidden size ", moe_ffn.str(), " (default "
+                     "ffnHiddenSize) is not divisible by the expert tensor-parallel size ", etp.str(),
+                     " (spec.parallelism.expertTensor, default tensor); use a multiple of ", etp.str(),
+                     multiple_hint(moe_ffn, etp), ", or a smaller expertTensor")),
+    # transformer_config.py (TransformerConfig.__post_init__: "Bias in Moe is only supported when ETP==1")
+    Rule("moe-bias-needs-expert-tensor-1", "model.addBiasLinear",
+         etp.eq(1), when=(experts > 0) & add_bias_linear,
+         message=fmt("spec.model.addBiasLinear: a mixture-of-experts model with linear biases needs an expert "
+                     "tensor-parallel size of 1 (it is ", etp.str(), ": spec.parallelism.expertTensor, default "
+                     "tensor); set addBiasLinear: false or spec.parallelism.expertTensor: 1")),
+    # moe_layer.py (MoELayer.forward): the trainer turns sequence parallelism on for MoE at TP > 1, an explicit
+    # false would be ignored
+    Rule("moe-tensor-needs-sequence-parallel", "parallelism.sequenceParallel",
+         f("parallelism.sequenceParallel"), when=(experts > 0) & (tp > 1) & has("parallelism.sequenceParallel"),
+         message=fmt("spec.parallelism.sequenceParallel: a mixture-of-experts model at tensor ", tp.str(),
+                     " trains only with sequence parallelism (megatron-core's MoE layer), which the trainer turns "
+                     "on; omit sequenceParallel or set it true")),
+    # router.py: with load balancing off the aux loss is not computed, its weight would be ignored
+    Rule("moe-aux-loss-needs-balancing", "model.moeAuxLossCoeff",
+         ~has("model.moeAuxLossCoeff"), when=moe_balancing.eq("none"),
+         message=lit("spec.model.moeAuxLossCoeff: moeRouterLoadBalancingType none computes no load-balancing "
+                     "loss, so its weight would be ignored; omit moeAuxLossCoeff or choose a load-balancing type")),
     # ModelParallelConfig.__post_init__
     Rule("sequence-parallel-needs-tensor", "parallelism.sequenceParallel",
          tp > 1, when=sequence_parallel,
@@ -718,19 +773,19 @@ SPEC_RULES: list[Rule] = [
 
 
 def llama_family_rule(name: str, where: str, what: str) -> Rule:
-    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3 (SwiGLU, RMSNorm, RoPE, no linear
-    biases, dense): any other model has no Hugging Face counterpart it can read or write."""
+    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE and
+    Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
+    read or write."""
     off = [(activation.ne("swiglu"), fmt(" activation is ", activation, " (set swiglu);")),
            (normalization.ne("RMSNorm"), fmt(" normalization is ", normalization, " (set RMSNorm);")),
            (position_embedding.ne("rope"), fmt(" positionEmbedding is ", position_embedding, " (set rope);")),
-           (add_bias_linear, lit(" addBiasLinear is true (set false);")),
-           (experts > 0, fmt(" numExperts is ", experts.str(), " (omit it: the converter handles dense models);"))]
+           (add_bias_linear, lit(" addBiasLinear is true (set false);"))]
     ok: Expr = Lit(True)
     for bad, _ in off:
         ok = ok & ~bad
     return Rule(name, where, ok, when=has(where.split(".")[0]),
-                message=fmt(f"spec.{where}: {what} needs a Llama-family spec.model (Llama, Mistral, Qwen2, Qwen3), "
-                            "but in spec.model", *[cond(bad, part, "") for bad, part in off],
+                message=fmt(f"spec.{where}: {what} needs a Llama-family spec.model (Llama, Mistral, Qwen2, Qwen3, "
+                            "or Qwen3-MoE and Mixtral), but in spec.model", *[cond(bad, part, "") for bad, part in off],
                             " `megatron-operator hf-config config.json` prints the matching spec.model"))
 
 

@@ -160,6 +160,29 @@ class ModelSpec(ApiModel):
                                     "for a dense model.")
     moe_router_topk: int | None = Field(None, ge=1, le=64, description="Experts each token is routed to "
                                         "(--moe-router-topk). Default 2; only with numExperts.")
+    # The rest of the mixture-of-experts block: flat beside numExperts and moeRouterTopk (the spelling jobs
+    # already use), each named after its Megatron flag, each only with numExperts (moe-fields-need-experts).
+    moe_ffn_hidden_size: int | None = Field(None, ge=1, le=1048576, description="Hidden size of each expert's "
+                                            "MLP (--moe-ffn-hidden-size; Hugging Face moe_intermediate_size). "
+                                            "Default ffnHiddenSize; only with numExperts.")
+    moe_router_pre_softmax: bool | None = Field(None, description="Router: softmax over all experts, then the "
+                                                "top-k, their probabilities not renormalised (--moe-router-pre-"
+                                                "softmax; Hugging Face norm_topk_prob false). Default false: top-k "
+                                                "of the logits, softmax over the k. Needed at moeRouterTopk 1.")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] | None = Field(
+        None, description="Load-balancing loss (--moe-router-load-balancing-type): over each micro-batch "
+        "(aux_loss), each sequence, the global batch, or none. Default aux_loss; its weight is moeAuxLossCoeff.")
+    moe_aux_loss_coeff: float | None = Field(None, ge=0, le=100, description="Weight of the load-balancing loss "
+                                             "(--moe-aux-loss-coeff; Hugging Face router_aux_loss_coef). Default 0 "
+                                             "(not computed).")
+    moe_z_loss_coeff: float | None = Field(None, ge=0, le=100, description="Weight of the router z-loss "
+                                           "(--moe-z-loss-coeff; ST-MoE). Default: none.")
+    moe_router_dtype: Literal["fp32", "fp64"] | None = Field(None, description="Precision of the router's logits "
+                                                             "and probabilities (--moe-router-dtype). Default: the "
+                                                             "model's.")
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] | None = Field(
+        None, description="How tokens reach their experts' ranks (--moe-token-dispatcher-type): all-gather over "
+        "the expert group, or all-to-all (less traffic at large expert parallel sizes). Default allgather.")
     activation: Literal["gelu", "swiglu"] | None = Field(None, description="MLP activation. Default gelu "
                                                          "(swiglu renders --swiglu).")
     normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Normalization "

@@ -125,6 +125,8 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: a + ["--hf-export", "s3://B/hf"], "is not an s3://BUCKET/PREFIX URL"),
     (lambda a: a + ["--num-experts", "4", "--moe-router-topk", "1"], "--moe-router-topk 1 needs --moe-router-pre-softmax"),
     (lambda a: a + ["--num-experts", "4", "--moe-z-loss-coeff", "-1"], "--moe-z-loss-coeff must be >= 0"),
+    (lambda a: a + ["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+     "MoE with linear biases needs an expert tensor-parallel size of 1, got 2"),
     (lambda a: a + ["--num-experts", "4", "--moe-aux-loss-coeff", "nan"], "--moe-aux-loss-coeff must be >= 0"),
     (lambda a: a + ["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1"),
     (lambda a: without(a, "--tensor-model-parallel-size") + ["--tensor-model-parallel-size", "2", "--num-experts", "4",
@@ -306,8 +308,8 @@ def test_cuda_graph_auto(mock_argv, extra, have_te, impl, reason):
     (["--sequence-parallel"], False, True, None),
     ([], True, False, None),
     # megatron-core's MoE layer refuses to train at TP > 1 without it, on either path, asked for or not
-    (["--sequence-parallel-auto", "--num-experts", "4"], False, True, "MoE at TP > 1"),
-    (["--num-experts", "4"], True, True, "on although the command line did not ask for it"),
+    (["--sequence-parallel-auto", "--num-experts", "4", "--disable-bias-linear"], False, True, "MoE at TP > 1"),
+    (["--num-experts", "4", "--disable-bias-linear"], True, True, "on although the command line did not ask for it"),
 ])
 def test_sequence_parallel_auto(mock_argv, extra, have_te, on, reason):
     """`--sequence-parallel-auto` (the operator's default at TP > 1): on where the run takes the TE path,

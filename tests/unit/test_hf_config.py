@@ -13,7 +13,7 @@ from megatron_operator.hf_config import MAX_CONFIG_BYTES, HfConfigError, load_co
 from test_cli import cli, write
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
-# mixture-of-experts fixtures: the trainer's (tests/trainer/test_hf_pure.py); spec.model has no MoE block yet
+# mixture-of-experts fixtures (tests/trainer/test_hf_pure.py for the trainer's side): tested apart below
 MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
 CONFIGS = sorted(p for p in FIXTURES.glob("*.json") if p.stem not in MOE_FIXTURES)
 
@@ -202,12 +202,49 @@ def test_refusals_name_the_field(case_id, base, mutate, fragment):
     assert any(fragment in p for p in exc.value.problems), exc.value.problems
 
 
+MOE_EXPECTED = {
+    "tiny-qwen3-moe": {"numExperts": 8, "moeRouterTopk": 2, "moeFfnHiddenSize": 32, "moeRouterPreSoftmax": True,
+                       "moeAuxLossCoeff": 0.001, "ffnHiddenSize": 96, "qkLayernorm": True, "kvChannels": 32},
+    "tiny-mixtral": {"numExperts": 4, "moeRouterTopk": 2, "moeFfnHiddenSize": 96, "moeAuxLossCoeff": 0.001,
+                     "ffnHiddenSize": 96},
+}
+
+
 @pytest.mark.parametrize("name", sorted(MOE_FIXTURES))
-def test_moe_configs_are_refused_by_name_until_spec_model_has_a_moe_block(name):
+def test_moe_configs_map_to_the_moe_fields(name, tmp_path):
+    """Qwen3-MoE and Mixtral (issue 50): hf-config prints their experts, router and experts' hidden size, a block
+    admission takes (at tensor 2: the experts split over 2 expert-tensor ranks, no biases), and --check finds
+    nothing to tell apart."""
     r = cli("hf-config", str(FIXTURES / f"{name}.json"))
-    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    assert r.stderr.count("\n") == 1 and "spec.model has no MoE block yet" in r.stderr
-    assert "spec.model.numExperts: config.json describes a mixture-of-experts model (" in r.stderr
+    assert r.returncode == 0, r.stderr
+    model = yaml.safe_load(r.stdout)["model"]
+    assert {k: model.get(k) for k in MOE_EXPECTED[name]} == MOE_EXPECTED[name]
+    if name == "tiny-mixtral":  # renormalised top-k: Megatron's default
+        assert "moeRouterPreSoftmax" not in model
+    job = make_job(numNodes=1, parallelism={"tensor": 2, "expert": 2}, model=model,
+                   training={"trainIters": 10, "microBatchSize": 1})
+    assert cli("validate", write(tmp_path, "job.yaml", [job])).returncode == 0
+    r = cli("hf-config", str(FIXTURES / f"{name}.json"), "--check", write(tmp_path, "job.yaml", [job]))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name, field, value, fragment", [
+    ("tiny-qwen3-moe", "numExperts", 16, "spec.model.numExperts: 16 does not match config.json the number of "
+                                         "experts 8"),
+    ("tiny-qwen3-moe", "moeRouterPreSoftmax", False, "spec.model.moeRouterPreSoftmax: false does not match "
+                                                     "config.json norm_topk_prob (negated) true"),
+    ("tiny-qwen3-moe", "moeFfnHiddenSize", 64, "spec.model.moeFfnHiddenSize: 64 does not match config.json "
+                                               "moe_intermediate_size 32"),
+    ("tiny-mixtral", "moeRouterTopk", 1, "spec.model.moeRouterTopk: 1 does not match config.json num_experts_per_tok 2"),
+])
+def test_check_names_a_moe_field_that_differs(name, field, value, fragment, tmp_path):
+    model = yaml.safe_load(cli("hf-config", str(FIXTURES / f"{name}.json")).stdout)["model"]
+    model[field] = value
+    if field == "moeRouterTopk":
+        model["moeRouterPreSoftmax"] = True  # top-1 needs it (admission)
+    job = make_job(numNodes=1, parallelism={"tensor": 2}, model=model, training={"trainIters": 10})
+    r = cli("hf-config", str(FIXTURES / f"{name}.json"), "--check", write(tmp_path, "job.yaml", [job]))
+    assert r.returncode == 1 and fragment in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("arch, fragment", [
@@ -288,3 +325,27 @@ def test_the_finetune_example_matches_the_published_llama31_config():
     example = Path(__file__).parents[2] / "examples" / "llama3-8b-finetune.yaml"
     r = cli("hf-config", str(FIXTURES / "llama31-8b-published.json"), "--check", str(example))
     assert r.returncode == 0, r.stderr
+
+
+# Qwen3-30B-A3B's config.json as published (transformers 4.51 layout).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_the_qwen3_moe_example_is_what_hf_config_prints_for_qwen3_30b_a3b(tmp_path):
+    example = Path(__file__).parents[2] / "examples" / "qwen3-moe-30b-a3b.yaml"
+    config = write(tmp_path, "config.json", json.dumps(QWEN3_30B_A3B))
+    r = cli("hf-config", config, "--check", str(example))
+    assert r.returncode == 0, r.stdout + r.stderr
+    printed = yaml.safe_load(cli("hf-config", config).stdout)["model"]
+    # the dispatcher is the layout's choice (expert parallel 8), not the file's
+    assert yaml.safe_load(example.read_text())["spec"]["model"] == {**printed, "moeTokenDispatcherType": "alltoall"}

@@ -735,9 +735,12 @@ def _validate_moe(cfg: TrainerConfig) -> None:
     if m.effective_moe_ffn_hidden_size % expert_tp:  # each expert's MLP is split over the expert TP ranks
         raise ValueError(f"the experts' hidden size ({m.effective_moe_ffn_hidden_size}) must be divisible by the "
                          f"expert tensor-parallel size ({expert_tp})")
+    if m.add_bias_linear and expert_tp > 1:  # transformer_config.py asserts it: "Bias in Moe is only supported when ETP==1"
+        raise ValueError(f"MoE with linear biases needs an expert tensor-parallel size of 1, got {expert_tp}; give "
+                         "--disable-bias-linear or --expert-tensor-parallel-size 1")
     for name, value in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-z-loss-coeff", m.moe_z_loss_coeff)):
         if value is not None and not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+            raise ValueError(f"{name} must be >= 0 (a loss weight), got {value}")
 
 
 def _validate_training(cfg: TrainerConfig) -> None:
