@@ -292,11 +292,14 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "{}: the prefix has an empty, '.' or '..' part":
         ("schema", _m(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "../x"}}),
          "spec.checkpoint.objectStore.prefix"),
+    "--wandb-project {}: at most 128 characters, none of / \\ # ? % : (Weights & Biases' limits)":
+        ("schema", _m(logging={"wandb": {"project": "a/b", "mode": "offline"}}, checkpoint={"pvc": "c"}),
+         "spec.logging.wandb.project"),
 }
 #: Where the trainer refuses at start-up from its command line and environment alone.
 REFUSING_FUNCTIONS = {"config.py": {"_validate_parallel_and_model", "_validate_training", "_validate_data",
                                     "_validate_sft", "_validate_checkpoint", "_check_export_apart_from_checkpoints",
-                                    "parse_blend", "world_layout", "runtime_from_env", "_choice", "num"},
+                                    "_validate_logging", "parse_blend", "world_layout", "runtime_from_env", "_choice", "num"},
                       "objstore.py": {"parse_s3_url"}}
 
 
