@@ -80,6 +80,12 @@ OPERATOR_ONLY = {
     "pod-init-container-mounts-known-volume": "pod init containers",
     "pod-init-container-env": "pod init containers",
     "pod-selector-requirements": "pod placement",
+    # spec.logging.wandb (issue 53): the key's Secret and where the run's files go are the pod's volumes
+    "wandb-online-needs-key": "the key file is a pod volume; the trainer checks it at start-up (exit 2), not its "
+                              "command line",
+    "wandb-offline-needs-volume": "whether the save directory outlives the pod is the pod's volumes",
+    "wandb-save-dir-on-volume": "whether the save directory outlives the pod is the pod's volumes",
+    "env-no-literal-wandb-key": "pod environment",
 }
 
 
