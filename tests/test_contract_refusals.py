@@ -87,6 +87,12 @@ OPERATOR_ONLY = {
     "pod-init-container-mounts-known-volume": "pod init containers",
     "pod-init-container-env": "pod init containers",
     "pod-selector-requirements": "pod placement",
+    # spec.logging.wandb (issue 53): the key's Secret and where the run's files go are the pod's volumes
+    "wandb-online-needs-key": "the key file is a pod volume; the trainer checks it at start-up (exit 2), not its "
+                              "command line",
+    "wandb-offline-needs-volume": "whether the save directory outlives the pod is the pod's volumes",
+    "wandb-save-dir-on-volume": "whether the save directory outlives the pod is the pod's volumes",
+    "env-no-literal-wandb-key": "pod environment",
 }
 
 
@@ -314,11 +320,15 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "{}: the prefix has an empty, '.' or '..' part":
         ("schema", _m(checkpoint={"objectStore": {"bucket": "ckpt-bucket", "prefix": "../x"}}),
          "spec.checkpoint.objectStore.prefix"),
+    "--wandb-project {}: at most 128 characters, none of / \\ # ? % : (Weights & Biases' limits)":
+        ("schema", _m(logging={"wandb": {"project": "a/b", "mode": "offline"}}, checkpoint={"pvc": "c"}),
+         "spec.logging.wandb.project"),
 }
 #: Where the trainer refuses at start-up from its command line and environment alone.
 REFUSING_FUNCTIONS = {"config.py": {"_validate_parallel_and_model", "_validate_moe", "_validate_training",
-                                    "_validate_data", "_validate_sft", "_validate_checkpoint", "_check_export_apart_from_checkpoints",
-                                    "parse_blend", "world_layout", "runtime_from_env", "_choice", "num"},
+                                    "_validate_data", "_validate_sft", "_validate_checkpoint",
+                                    "_check_export_apart_from_checkpoints", "_validate_logging", "parse_blend",
+                                    "world_layout", "runtime_from_env", "_choice", "num"},
                       "objstore.py": {"parse_s3_url"}}
 
 

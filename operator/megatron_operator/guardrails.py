@@ -96,6 +96,11 @@ GUARDRAILS: tuple[Guardrail, ...] = (
               "(spec.checkpoint.objectStore.serviceAccountAnnotations) if the cluster allows it",
               "!has(spec.checkpoint) || !has(spec.checkpoint.objectStore) || "
               "!has(spec.checkpoint.objectStore.credentialsSecret)"),
+    # And the Weights & Biases API key Secret, mounted the same way.
+    Guardrail("wandb-secret", "spec.logging.wandb.apiKeySecret", "denySecretEnv",
+              "Secret references are not allowed here; use spec.logging.wandb.mode offline (no key) and "
+              "`wandb sync` the run from outside the cluster",
+              "!has(spec.logging) || !has(spec.logging.wandb) || !has(spec.logging.wandb.apiKeySecret)"),
     Guardrail("image-pull-secrets", "spec.imagePullSecrets", "denyImagePullSecrets",
               "not allowed here; the cluster provides image pull credentials",
               "!has(spec.imagePullSecrets) || size(spec.imagePullSecrets) == 0"),
@@ -223,6 +228,8 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[tuple[Guardrai
     store = spec.checkpoint.object_store if spec.checkpoint else None
     if settings.deny_secret_env and store is not None and store.credentials_secret:
         yield g["spec.checkpoint.objectStore.credentialsSecret"], "", ""
+    if settings.deny_secret_env and spec.logging.wandb is not None and spec.logging.wandb.api_key_secret is not None:
+        yield g["spec.logging.wandb.apiKeySecret"], "", ""
     if settings.deny_image_pull_secrets and spec.image_pull_secrets:
         yield g["spec.imagePullSecrets"], "", ""
     denied = _listed(settings.denied_metadata_keys)

@@ -74,6 +74,11 @@ HF_INIT_MOUNT = "/hf-init"
 HF_EXPORT_MOUNT = "/hf-export"
 #: Where the object-store credentials Secret is mounted (read-only) in the trainer container.
 OBJECT_STORE_CREDENTIALS_MOUNT = "/var/run/secrets/megatron-operator/object-store"
+#: Where the Weights & Biases API key Secret is mounted (read-only): the trainer reads the file `key` there.
+WANDB_API_KEY_MOUNT = "/var/run/secrets/megatron-operator/wandb"
+#: Where the Weights & Biases run's files go without spec.logging.wandb.saveDir: beside the checkpoints, on a PVC
+#: (render.wandb_save_dir), else this scratch directory (online mode only).
+WANDB_SCRATCH_DIR = "/tmp/wandb"
 #: Where the job's ServiceAccount token is (the kubelet's automount, or render's trainer-token volume).
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 OPERATOR_MOUNTS = ("/dev/shm", "/tmp", CHECKPOINT_MOUNT, DATA_MOUNT, HF_INIT_MOUNT, HF_EXPORT_MOUNT,
@@ -81,6 +86,6 @@ OPERATOR_MOUNTS = ("/dev/shm", "/tmp", CHECKPOINT_MOUNT, DATA_MOUNT, HF_INIT_MOU
 #: Where no extra mount may go at all: the container's devices (GPUs, /dev/infiniband), kernel interfaces.
 SYSTEM_MOUNTS = ("/dev", "/proc", "/sys")
 OPERATOR_VOLUMES = ("dshm", "tmp", "checkpoints", "object-store-credentials", "data", "hf-init", "hf-export",
-                    "trainer-token")
+                    "trainer-token", "wandb-api-key")
 #: The volume sources spec.pod.volumes offers, as guardrails.allowedVolumeTypes names them.
 VOLUME_TYPES = ("persistentVolumeClaim", "configMap", "secret", "emptyDir", "csi", "image", "hostPath")

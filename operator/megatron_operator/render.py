@@ -40,6 +40,8 @@ from .names import (
     PLURAL,
     SERVICE_ACCOUNT_MOUNT,
     TRAINER_CONTAINER,
+    WANDB_API_KEY_MOUNT,
+    WANDB_SCRATCH_DIR,
 )
 from .rules import derived_layout, resolved_model
 from .settings import Settings
@@ -91,6 +93,14 @@ def hf_export_location(job: MegatronJob) -> str:
     return f"{HF_EXPORT_MOUNT}/{export.path}"
 
 
+
+
+def wandb_save_dir(job: MegatronJob) -> str:
+    """--wandb-save-dir: spec.logging.wandb.saveDir, else <checkpoint dir>/wandb on the checkpoint PVC, else the
+    pod's scratch (online mode only: rules' wandb-offline-needs-volume)."""
+    wandb = job.spec.logging.wandb
+    ckpt_dir = checkpoint_dir(job)
+    return wandb.save_dir or (f"{ckpt_dir}/wandb" if ckpt_dir else WANDB_SCRATCH_DIR)
 
 
 def checkpoint_location(job: MegatronJob) -> str | None:
@@ -295,6 +305,16 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("exit-signal-handler")
         if spec.logging.tensorboard:
             flag("tensorboard-dir", f"{ckpt_dir}/tensorboard")
+    # Weights & Biases: names and where the files go; the key only as a path (the Secret volume, _pod_spec)
+    if (wandb := spec.logging.wandb) is not None:
+        flag("wandb-project", wandb.project)
+        if wandb.entity:
+            flag("wandb-entity", wandb.entity)
+        flag("wandb-exp-name", wandb.name or job.metadata.name)
+        flag("wandb-mode", wandb.mode)
+        flag("wandb-save-dir", wandb_save_dir(job))
+        if wandb.api_key_secret is not None:
+            flag("wandb-api-key-file", f"{WANDB_API_KEY_MOUNT}/key")
     # Hugging Face import/export
     if spec.init is not None:
         flag("hf-init", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
@@ -435,6 +455,14 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
             "items": [{"key": store.credentials_key, "path": "credentials"}]}})
         mounts.append({"name": "object-store-credentials", "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT,
                        "readOnly": True})
+    wandb = spec.logging.wandb
+    if wandb is not None and wandb.api_key_secret is not None:
+        # As the object-store credentials: the user's own Secret in the job's namespace, read by the kubelet with
+        # the pod's rights; one key as the file `key`, readable by the trainer's group only (fsGroup).
+        volumes.append({"name": "wandb-api-key", "secret": {
+            "secretName": wandb.api_key_secret.name, "defaultMode": 0o440,
+            "items": [{"key": wandb.api_key_secret.key, "path": "key"}]}})
+        mounts.append({"name": "wandb-api-key", "mountPath": WANDB_API_KEY_MOUNT, "readOnly": True})
     if spec.data.pvc is not None:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})

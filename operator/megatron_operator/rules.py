@@ -40,6 +40,7 @@ from .expr import (
     rebase,
 )
 from .names import (
+    CHECKPOINT_MOUNT,
     MAX_NAME_LENGTH,
     OPERATOR_MOUNTS,
     OPERATOR_VOLUMES,
@@ -184,6 +185,7 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "async-save", "use-persistent-ckpt-worker", "exit-signal-handler", "tensorboard-dir", "hf-init", "hf-export",
     "data-format", "sft-train-path", "sft-valid-path", "sft-packing", "no-sft-packing", "sft-overflow",
     "sft-invalid-lines", "chat-template", "eval-interval", "object-store-endpoint", "object-store-region",
+    "wandb-project", "wandb-entity", "wandb-exp-name", "wandb-save-dir", "wandb-mode", "wandb-api-key-file",
 )
 # Other spellings of rendered values (Megatron-LM's older VPP flags) and what the launcher sets.
 ALIAS_FLAGS: tuple[str, ...] = (
@@ -1055,6 +1057,50 @@ SPEC_RULES += [
                      "values, Exists and DoesNotExist take none, Gt and Lt take one integer")),
 ]
 
+
+# --------------------------------------------------------------------------------------------
+# spec.logging.wandb: Weights & Biases (docs/experiment-tracking.md). The key is a Secret's file; the run's
+# files go to a volume that outlives the pod.
+# --------------------------------------------------------------------------------------------
+
+has_wandb = has("logging.wandb")
+wandb_offline = has_wandb & f("logging.wandb.mode").eq("offline")
+wandb_dir = f("logging.wandb.saveDir")
+has_ckpt_pvc = has("checkpoint") & has("checkpoint.pvc")
+# A writable spec.pod mount at or above the directory (mount paths are schema-normalised, so a prefix test is exact).
+_writable_mount_above = Size(Filter(pod_mounts, "m", (wandb_dir.eq(Field("mountPath", "m"))
+                                                      | StartsWith(wandb_dir, Field("mountPath", "m") + "/"))
+                                    & ~(Has(Field("readOnly", "m")) & Field("readOnly", "m")))) > 0
+# Variables that hold the W&B API key itself (wandb's env settings); WANDB_*_FILE-style paths are no key.
+WANDB_KEY_ENV_RE = r"^(WANDB_API_KEY|WANDB_IDENTITY_TOKEN)$"
+
+SPEC_RULES += [
+    Rule("wandb-online-needs-key", "logging.wandb.apiKeySecret",
+         has("logging.wandb.apiKeySecret"), when=has_wandb & f("logging.wandb.mode").eq("online"),
+         message=lit("spec.logging.wandb.apiKeySecret: mode online sends the run to Weights & Biases and needs an API "
+                     "key from a Secret of the job's namespace; set apiKeySecret: {name: ..., key: api-key}, or "
+                     "mode: offline")),
+    Rule("wandb-offline-needs-volume", "logging.wandb.saveDir",
+         cond(wandb_offline, has("logging.wandb.saveDir") | has_ckpt_pvc, True),
+         message=lit("spec.logging.wandb: an offline run lives only in its files, and the pod's /tmp is lost with the "
+                     "pod; set spec.checkpoint.pvc (the run goes to <checkpoint dir>/wandb) or saveDir on a writable "
+                     "spec.pod.volumeMounts path")),
+    Rule("wandb-save-dir-on-volume", "logging.wandb.saveDir",
+         # (a conditional, not `when`: the API server then never evaluates saveDir's reads without a saveDir)
+         cond(has_wandb & has("logging.wandb.saveDir"),
+              (has_ckpt_pvc & StartsWith(wandb_dir, lit(CHECKPOINT_MOUNT + "/"))) | (has_pod & _writable_mount_above),
+              True),
+         message=fmt("spec.logging.wandb.saveDir: ", wandb_dir, " is not on a volume that outlives the pod; use a "
+                     "directory under " + CHECKPOINT_MOUNT + "/ (with spec.checkpoint.pvc) or under a writable "
+                     "spec.pod.volumeMounts path")),
+    Rule("env-no-literal-wandb-key", "env",
+         All(f("env"), "e", ~(Matches(Field("name", "e"), WANDB_KEY_ENV_RE) & Has(Field("value", "e")))),
+         message=fmt("spec.env: ",
+                     Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), WANDB_KEY_ENV_RE)
+                                       & Has(Field("value", "e"))), 0), "name"),
+                     " holds a Weights & Biases key as a literal value, which shows in the pods and in "
+                     "`kubectl get -o yaml`; put it in a Secret: spec.logging.wandb.apiKeySecret")),
+]
 
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
 # they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules

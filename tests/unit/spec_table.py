@@ -498,6 +498,13 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("pod-spread-selector-notin-empty", make_job(pod={"topologySpreadConstraints": [{
         "maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway",
         "labelSelector": {"matchExpressions": [{"key": "a", "operator": "NotIn"}]}}]}), "pod-selector-requirements"),
+    # spec.logging.wandb (issue 53)
+    ("bad-wandb-online-without-key", make_job(logging={"wandb": {"project": "p"}}), "wandb-online-needs-key"),
+    ("bad-wandb-offline-without-volume", make_job(logging={"wandb": {"project": "p", "mode": "offline"}}),
+     "wandb-offline-needs-volume"),
+    ("bad-wandb-save-dir-in-tmp", make_job(checkpoint={"pvc": "c"}, logging={"wandb": {
+        "project": "p", "mode": "offline", "saveDir": "/tmp/wandb"}}), "wandb-save-dir-on-volume"),
+    ("bad-env-wandb-key", make_job(env=[{"name": "WANDB_API_KEY", "value": "k"}]), "env-no-literal-wandb-key"),
 ]
 
 # Refused by the schema itself (types, patterns, bounds) or by the rule on metadata.name, rather than

@@ -414,7 +414,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     """Megatron-LM logging flags. --tensorboard-dir (rendered from spec.logging.tensorboard) and its
-    interval and queue size act (megatron_trainer/tensorboard.py); the others are accepted so that
+    interval and queue size act (megatron_trainer/tensorboard.py), and the --wandb-* flags
+    (spec.logging.wandb; megatron_trainer/wandb_log.py); the others are accepted so that
     existing launch scripts run, and each one given is named once at start-up (`ignored_flags`)."""
 
     log_throughput: bool = field(default=False, metadata=flag(
@@ -446,13 +447,20 @@ class LoggingConfig:
         "--log-validation-ppl-to-tensorboard", action="store_true",
         help="Accepted, no validation runs."))
     wandb_project: str = field(default="", metadata=flag(
-        "--wandb-project", help="Accepted, nothing is sent to Weights & Biases."))
+        "--wandb-project", help="Log the training scalars to this Weights & Biases project, from the last rank "
+        "(megatron_trainer/wandb_log.py)."))
     wandb_exp_name: str = field(default="", metadata=flag(
-        "--wandb-exp-name", help="Accepted, nothing is sent to Weights & Biases."))
+        "--wandb-exp-name", help="The W&B run's name."))
     wandb_entity: str = field(default="", metadata=flag(
-        "--wandb-entity", help="Accepted, nothing is sent to Weights & Biases."))
+        "--wandb-entity", help="The W&B user or team (default: the key's)."))
     wandb_save_dir: str = field(default="", metadata=flag(
-        "--wandb-save-dir", help="Accepted, nothing is sent to Weights & Biases."))
+        "--wandb-save-dir", help="Directory for the run's files (default: <--save>/wandb)."))
+    wandb_mode: str = field(default="online", metadata=flag(
+        "--wandb-mode", choices=("online", "offline"),
+        help="online: sent as it trains; offline: files only, for `wandb sync` later."))
+    wandb_api_key_file: str | None = field(default=None, metadata=flag(
+        "--wandb-api-key-file", help="A file holding the W&B API key (a Secret volume), read in-process; the key "
+        "is never an argument or an environment value."))
     use_mcore_models: bool = field(default=False, metadata=flag(
         "--use-mcore-models", action="store_true", help="Accepted: Megatron-Core models are the only ones."))
 
@@ -601,7 +609,8 @@ def validate(cfg: TrainerConfig) -> None:
     operator's admission rules (megatron_operator/rules.py) refuse the same specs earlier, and
     tests/test_contract_refusals.py holds the two together.
     """
-    for check in (_validate_parallel_and_model, _validate_training, _validate_data, _validate_checkpoint):
+    for check in (_validate_parallel_and_model, _validate_training, _validate_data, _validate_checkpoint,
+                  _validate_logging):
         check(cfg)
 
 
@@ -895,6 +904,17 @@ def _validate_checkpoint(cfg: TrainerConfig) -> None:
         raise ValueError("--hf-export must not be the --hf-init directory (an export never overwrites its source)")
 
 
+# Weights & Biases' limits on a project name (spec.logging.wandb.project has the same pattern).
+WANDB_PROJECT = r"[^/\\#?%:\x00-\x1f\x7f]{1,128}"
+
+
+def _validate_logging(cfg: TrainerConfig) -> None:
+    lg = cfg.logging
+    if lg.wandb_project and not re.fullmatch(WANDB_PROJECT, lg.wandb_project):
+        raise ValueError(f"--wandb-project {lg.wandb_project!r}: at most 128 characters, none of / \\ # ? % : "
+                         "(Weights & Biases' limits)")
+
+
 def _check_export_apart_from_checkpoints(export: str, checkpoints: list[str]) -> None:
     """An export under the checkpoint prefix (or around it) would mix its files with the checkpoints'
     keys, and its never-overwrite check would refuse the prefix the checkpoints fill."""
@@ -914,7 +934,8 @@ def _check_export_apart_from_checkpoints(export: str, checkpoints: list[str]) ->
 def ignored_flags(cfg: TrainerConfig) -> list[str]:
     """The accepted-but-unused flags the command line set (off their defaults), for one start-up note."""
     out = []
-    acting = {"tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size"}
+    acting = {"tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size", "wandb_project",
+              "wandb_exp_name", "wandb_entity", "wandb_save_dir", "wandb_mode", "wandb_api_key_file"}
     if cfg.logging.tensorboard_dir:
         acting |= {"log_timers_to_tensorboard", "log_memory_to_tensorboard"}  # written anyway
     for section, cls in (("logging", LoggingConfig),):

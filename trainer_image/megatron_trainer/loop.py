@@ -296,6 +296,7 @@ class Trainer:
 
             self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir, cfg.logging.tensorboard_log_interval,
                                                  cfg.logging.tensorboard_queue_size)
+        self.wandb = self._wandb_writer(cfg, runtime)
         self.checkpointer.on_published = self._on_checkpoint_published
         self.stop_signal = StopSignal()
         if cfg.checkpoint.exit_signal_handler:
@@ -669,9 +670,31 @@ class Trainer:
                 self.tensorboard.write(losses, StepFigures(
                     self.state.iteration, self.env.layout.global_batch_size, self.env.world_size, lr, grad_norm,
                     seconds_per_iteration, tp["tflops_per_gpu"], torch.cuda.memory_stats()))
+            if self.wandb is not None:
+                self._log_wandb(losses, lr, grad_norm, seconds_per_iteration, tp)
         if self.router_monitor is not None:
             self._log_moe()
         self._write_progress()
+
+    def _wandb_writer(self, cfg: TrainerConfig, runtime: RuntimeConfig):
+        """The W&B run, on the last rank only (Megatron-LM's get_wandb_writer: it holds the loss); else None."""
+        from . import wandb_log
+
+        if not (self.is_logging_rank and wandb_log.enabled(cfg)):
+            return None
+        return wandb_log.WandbWriter(cfg, runtime.job_name)
+
+    def _log_wandb(self, losses: list[tuple[int, float]], lr: float, grad_norm: float | None,
+                   seconds_per_iteration: float, tp: dict) -> None:
+        """The log line's figures to the W&B run (last rank): each iteration's loss at its step, the rest at the
+        window's last iteration (TensorBoard's scalar names, as Megatron-LM's wandb writer uses them)."""
+        for it, value in losses:  # a step logged again is merged into its row (the window's last one below)
+            self.wandb.log({"lm loss": value}, step=it)
+        self.wandb.log({"learning-rate": lr, "grad-norm": grad_norm,
+                        "iteration-time": seconds_per_iteration, "throughput": tp["tflops_per_gpu"],
+                        "tokens-per-second": tp["tokens_per_s"], "mfu": tp["mfu"],
+                        "batch-size": self.env.layout.global_batch_size,
+                        "skipped-iterations": self.state.skipped_iterations}, step=self.state.iteration)
 
     # ----------------------------------------------------------------------------- MoE routing
     def _router_monitor(self):
@@ -693,6 +716,10 @@ class Trainer:
             self.metrics.set(name, value)
         for expert, share in enumerate(got["share"]):
             self.metrics.set("moe_expert_token_share", share, expert=str(expert))
+        if self.wandb is not None and got["max_over_mean"] is not None:
+            self.wandb.log({**{f"moe/{k}": v for k, v in losses.items()},
+                            "moe/expert-load-max-over-mean": got["max_over_mean"], "moe/idle-experts": got["idle"]},
+                           step=self.state.iteration)
         if self.is_logging_rank and got["max_over_mean"] is not None:
             text = "".join(f" {k}: {v:.4E} |" for k, v in losses.items())
             print(f" [{datetime.now():%Y-%m-%d %H:%M:%S}] MoE iteration {self.state.iteration:8d} |{text}"
@@ -799,6 +826,11 @@ class Trainer:
             self.progress.close()
         if getattr(self, "tensorboard", None) is not None:
             self.tensorboard.close()
+        if getattr(self, "wandb", None) is not None:
+            try:
+                self.wandb.close(exit_code=1 if abort else 0)
+            except Exception as e:  # tracking never fails the job's own ending
+                log.warning("wandb: could not finish the run (%s: %s)", type(e).__name__, e)
         if self.stop_signal is not None:
             self.stop_signal.restore()
 

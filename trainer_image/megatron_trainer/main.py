@@ -58,6 +58,9 @@ def main(argv: Sequence[str]) -> int:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
             cfg.checkpoint, no_load_optim=True, no_load_rng=True))
     try:
+        from . import wandb_log
+
+        wandb_log.preflight(cfg, os.environ)  # wandb importable, the key file readable: before any GPU is used
         hf_source = hf_start(cfg)  # before anything is written: bad input leaves the checkpoint directory as it was
     except Fatal as exc:
         message = f"rank {rank}: exit {int(exc.code)} (not retried) during start-up: {exc}"
