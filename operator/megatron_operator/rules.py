@@ -774,6 +774,15 @@ SPEC_RULES: list[Rule] = [
 # --------------------------------------------------------------------------------------------
 
 
+def _no_literal_env(name: str, names_re: str, what: str, secret_field: str) -> Rule:
+    """spec.env may not give a variable whose name matches `names_re` a literal value: it is `what`, a secret."""
+    literal = lambda e: Matches(Field("name", e), names_re) & Has(Field("value", e))  # noqa: E731
+    return Rule(name, "env", All(f("env"), "e", ~literal("e")),
+                message=fmt("spec.env: ", Attr(Index(Filter(f("env"), "e", literal("e")), 0), "name"),
+                            f" holds {what} as a literal value, which shows in the pods and in `kubectl get -o "
+                            f"yaml`; put it in a Secret: {secret_field}"))
+
+
 def llama_family_rule(name: str, where: str, what: str) -> Rule:
     """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE and
     Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
@@ -900,14 +909,8 @@ SPEC_RULES += [
                                        & ~Matches(Field("value", "e"), URL_USERINFO_RE)), 0), "name"),
                      " must be http(s)://HOST[:PORT] (a port 1-65535; no path, no user info), as "
                      "spec.checkpoint.objectStore.endpoint, which sets the same thing")),
-    Rule("env-no-literal-credentials", "env",
-         All(f("env"), "e", ~(Matches(Field("name", "e"), CREDENTIAL_ENV_RE) & Has(Field("value", "e")))),
-         message=fmt("spec.env: ",
-                     Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), CREDENTIAL_ENV_RE)
-                                       & Has(Field("value", "e"))), 0), "name"),
-                     " holds an object-store credential as a literal value, which shows in the pods and in "
-                     "`kubectl get -o yaml`; put it in a Secret: spec.checkpoint.objectStore.credentialsSecret "
-                     "(or valueFrom.secretKeyRef)")),
+    _no_literal_env("env-no-literal-credentials", CREDENTIAL_ENV_RE, "an object-store credential",
+                    "spec.checkpoint.objectStore.credentialsSecret (or valueFrom.secretKeyRef)"),
 ]
 
 
@@ -1093,13 +1096,8 @@ SPEC_RULES += [
          message=fmt("spec.logging.wandb.saveDir: ", wandb_dir, " is not on a volume that outlives the pod; use a "
                      "directory under " + CHECKPOINT_MOUNT + "/ (with spec.checkpoint.pvc) or under a writable "
                      "spec.pod.volumeMounts path")),
-    Rule("env-no-literal-wandb-key", "env",
-         All(f("env"), "e", ~(Matches(Field("name", "e"), WANDB_KEY_ENV_RE) & Has(Field("value", "e")))),
-         message=fmt("spec.env: ",
-                     Attr(Index(Filter(f("env"), "e", Matches(Field("name", "e"), WANDB_KEY_ENV_RE)
-                                       & Has(Field("value", "e"))), 0), "name"),
-                     " holds a Weights & Biases key as a literal value, which shows in the pods and in "
-                     "`kubectl get -o yaml`; put it in a Secret: spec.logging.wandb.apiKeySecret")),
+    _no_literal_env("env-no-literal-wandb-key", WANDB_KEY_ENV_RE, "a Weights & Biases key",
+                    "spec.logging.wandb.apiKeySecret"),
 ]
 
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
