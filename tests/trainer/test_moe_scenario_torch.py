@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require
+
+require("torch")  # the child process below runs Megatron-LM's parser in this interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 MLM_DIR = Path(os.environ.get("MEGATRON_LM_DIR") or ROOT / ".run" / "mlm")
