@@ -206,7 +206,7 @@ def test_the_loop_logs_the_router_figures_and_sets_the_gauges(capsys):
                "losses": {"load_balancing_loss": 2.0, "z_loss": 0.5}}
     me = types.SimpleNamespace(router_monitor=types.SimpleNamespace(report=lambda group, it: figures),
                                env=types.SimpleNamespace(cpu_group=None), state=types.SimpleNamespace(iteration=7),
-                               metrics=Recorder(), is_logging_rank=True)
+                               metrics=Recorder(), is_logging_rank=True, wandb=None)
     Trainer._log_moe(me)
     assert me.metrics.values == {("moe_load_balancing_loss",): 2.0, ("moe_z_loss",): 0.5,
                                  ("moe_expert_load_max_over_mean",): 2.0, ("moe_idle_experts",): 4,
@@ -215,10 +215,17 @@ def test_the_loop_logs_the_router_figures_and_sets_the_gauges(capsys):
     line = capsys.readouterr().out
     assert "MoE iteration        7 | load_balancing_loss: 2.0000E+00 | z_loss: 5.0000E-01 |" in line
     assert "busiest/mean: 2.00 (layer 2 of 2) | idle (layer, expert) pairs: 4 |" in line
+    # with a Weights & Biases run (spec.logging.wandb): the same figures at the same iteration
+    logged = []
+    me.wandb = types.SimpleNamespace(log=lambda values, step: logged.append((step, values)))
+    Trainer._log_moe(me)
+    assert logged == [(7, {"moe/load_balancing_loss": 2.0, "moe/z_loss": 0.5, "moe/expert-load-max-over-mean": 2.0,
+                           "moe/idle-experts": 4})]
+    capsys.readouterr()
     # a window without a training forward sets nothing and prints nothing
     me.router_monitor, me.metrics = types.SimpleNamespace(report=lambda group, it: None), Recorder()
     Trainer._log_moe(me)
-    assert me.metrics.values == {} and capsys.readouterr().out == ""
+    assert me.metrics.values == {} and capsys.readouterr().out == "" and len(logged) == 1
 
 
 def test_a_checkpoint_of_either_experts_module_loads_into_the_other_with_its_optimizer_state(tmp_path):
