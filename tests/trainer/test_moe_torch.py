@@ -206,7 +206,7 @@ def test_the_loop_logs_the_router_figures_and_sets_the_gauges(capsys):
                "losses": {"load_balancing_loss": 2.0, "z_loss": 0.5}}
     me = types.SimpleNamespace(router_monitor=types.SimpleNamespace(report=lambda group, it: figures),
                                env=types.SimpleNamespace(cpu_group=None), state=types.SimpleNamespace(iteration=7),
-                               metrics=Recorder(), is_logging_rank=True)
+                               metrics=Recorder(), is_logging_rank=True, wandb=None)
     Trainer._log_moe(me)
     assert me.metrics.values == {("moe_load_balancing_loss",): 2.0, ("moe_z_loss",): 0.5,
                                  ("moe_expert_load_max_over_mean",): 2.0, ("moe_idle_experts",): 4,
