@@ -1,6 +1,7 @@
 """GroupedMLP (megatron_trainer/moe.py) against Megatron-Core's SequentialMLP on gloo ranks on the CPU
 (tests/trainer/moe_cpu_check.py): outputs and gradients, whole MoE layers at TP 1, EP 2 and TP 2, checkpoints
-written by either module loaded by the other (also from EP 2 into EP 1), and the grouped-GEMM index math.
+written by either module loaded by the other (also from EP 2 into EP 1), the grouped-GEMM index math, and issue 50's
+further settings (shared experts, sigmoid routing with the expert bias, capacity dropping and padding).
 Needs torch and megatron-core: `make torch-tests`. What the CPU cannot show (grouped_mm's CUDA kernel, bf16 on
 Hopper, the all-to-all dispatcher, speed) is tests/trainer/moe_gpu_check.py's, on a GPU."""
 
@@ -262,3 +263,68 @@ def test_a_checkpoint_of_either_experts_module_loads_into_the_other_with_its_opt
     assert counted == same(second / "saved", third / "loaded") == same(first / "saved", third / "loaded")
     expert_states = [k for k in torch.load(first / "saved_rank1.pt")["opt"] if "local_experts" in k]
     assert len(expert_states) == 2 * 2 * 2 * 3  # 2 layers x 2 local experts x fc1/fc2 x (param, exp_avg, exp_avg_sq)
+
+
+def test_shared_experts_sigmoid_bias_and_capacity_layers_match_sequential_mlp(tmp_path):
+    """Issue 50's remaining settings in whole MoE layers built from the trainer's spec (all-gather dispatcher):
+    shared experts (SwiGLU and GeLU; megatron-core's SharedExpertMLP kept in the spec beside GroupedMLP), sigmoid
+    scores with an expert bias, capacity 0.5 dropping by probability and by position (18 tokens at top-2 over 4
+    experts: 5 each of 36 routed), padding to capacity 1.0 (9 each) and 0.5 with shared experts: GroupedMLP's
+    outputs and gradients (tokens, router, shared experts) within 1e-5 of SequentialMLP's, the same tokens given."""
+    (r,) = ok(mc.run("options", 1, 1, 1, tmp_path, compile_fusions=False))
+    rows = r["layers"]
+    assert len(rows) == len(mc.OPTION_CASES)
+    for row, (_, _, _, _, kw) in zip(rows, mc.OPTION_CASES, strict=True):
+        assert row["scale"] > 0.1 and max(row["out"], row["dx"], row["drouter"]) <= FP32_TOL, row
+        assert row["same_counts"] and row["grouped_params"] == ["experts.weight1", "experts.weight2"], row
+        if "moe_shared_expert_intermediate_size" in kw:
+            assert row["shared_params"] == ["linear_fc1", "linear_fc2"] and row["dshared"] <= FP32_TOL, row
+        else:
+            assert row["shared_params"] == [] and row["dshared"] is None, row
+        factor = kw.get("moe_expert_capacity_factor")
+        if factor is not None:  # Megatron's capacity: ceil(tokens x top-k / experts x factor)
+            capacity = -(-18 * 2 * factor // 4)
+            assert max(row["tokens_per_expert"]) <= capacity, row
+            if kw.get("moe_pad_expert_input_to_capacity") or factor == 0.5:  # padded, or every expert full
+                assert row["tokens_per_expert"] == [capacity] * 4, row
+        else:
+            assert sum(row["tokens_per_expert"]) == 18 * (1 if "gelu" in row["case"] and "k1" in row["case"] else 2)
+
+
+def test_the_trainers_step_trains_each_setting_and_updates_the_expert_bias_toward_balance(tmp_path):
+    """loop.Trainer.train_step (Megatron's schedule with model.wire_model_hooks' finalize_model_grads, then the
+    optimizer) on the trainer's 2-layer MoE GPTModel: with shared experts, sigmoid scores and an expert bias, capacity
+    0.5 by probability, and by position padded to capacity, the loss on the same batches falls over 3 steps;
+    capacity holds every expert to 8 tokens a micro-batch (2 x 16 tokens x top-2 / 4 x 0.5); GroupedMLP and
+    SequentialMLP give the same losses with shared experts and dropping. Expert bias: a router pushed toward experts
+    0 and 1 (all 64 tokens a layer each) gets its bias changed after every step by exactly rate x sign(mean - tokens)
+    (Megatron's update, from the step's counts; the counts reset for the next step), so 0 and 1 go down and 2 and 3
+    up, until 2 and 3 get tokens and the load evens out."""
+    (r,) = ok(mc.run("train", 1, 1, 1, tmp_path, compile_fusions=False))
+    for name, run in r["runs"].items():
+        assert all(run["ok"]) and run["losses"][2] < run["losses"][0] - 0.3, (name, run["losses"])
+        assert len(run["counts"]) == 4, run  # 2 micro-batches x 2 layers
+        if name.startswith("capacity"):
+            assert run["counts"] == [[8, 8, 8, 8]] * 4, (name, run["counts"])
+        else:
+            assert all(sum(c) == 64 for c in run["counts"]), (name, run["counts"])
+        assert len(run["shared_params"]) == (4 if name == "shared" else 0), run["shared_params"]
+    losses = r["shared_capacity_losses"]
+    assert max(abs(a - b) for a, b in zip(losses["sequential"], losses["grouped"], strict=True)) <= FP32_TOL, losses
+    bias = r["bias"]
+    assert bias["local_tokens_reset"] == [0.0, 0.0]
+    history = bias["history"]
+    assert all(h["ok"] and h["bias_dtype"] == "torch.float32" for h in history)
+    for h in history:
+        for delta, expected in zip(h["delta"], h["expected"], strict=True):
+            assert max(abs(a - b) for a, b in zip(delta, expected, strict=True)) <= 1e-7, h
+    first = history[0]
+    assert first["tokens"] == [[64, 64, 0, 0]] * 2
+    assert all(d[0] < 0 and d[1] < 0 and d[2] > 0 and d[3] > 0 for d in first["delta"]), first["delta"]
+
+    def max_over_mean(tokens):
+        return max(tokens) / (sum(tokens) / len(tokens))
+
+    late = [max_over_mean(t) for h in history[-4:] for t in h["tokens"]]
+    assert all(min(t[2:]) > 0 for h in history[-4:] for t in h["tokens"] if max_over_mean(t) < 2), history
+    assert sum(late) / len(late) < 1.8, late
