@@ -273,6 +273,9 @@ def check_layers(cases=LAYER_CASES) -> list:
                      "dshared": None if gs0 is None else max_diff(gs0, gs1),
                      "shared_params": sorted({n.split(".")[1] for n in names1 if n.startswith("shared_experts.")}),
                      "tokens_per_expert": counts1[0], "same_counts": counts0 == counts1,
+                     # what a checkpoint of the router holds (the expert bias must survive a resume)
+                     "router_checkpoint": {k: type(v).__name__ for k, v in
+                                           layer.router.sharded_state_dict(prefix="router.").items()},
                      "grouped_params": [n for n in names1 if n.startswith("experts.")],
                      "sequential_params": len([n for n in names0 if n.startswith("experts.")])})
     return rows

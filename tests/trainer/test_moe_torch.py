@@ -272,6 +272,7 @@ def test_shared_experts_sigmoid_bias_and_capacity_layers_match_sequential_mlp(tm
     scores with an expert bias, capacity 0.5 dropping by probability and by position (18 tokens at top-2 over 4
     experts: 5 each of 36 routed), padding to capacity 1.0 (9 each) and 0.5 with shared experts: GroupedMLP's
     outputs and gradients (tokens, router, shared experts) within 1e-5 of SequentialMLP's, the same tokens given;
+    the expert bias is in the router's checkpoint entries (a ShardedTensor beside its weight);
     also at EP 2 (each rank's experts get both ranks' tokens) and at TP 2 with sequence parallelism (the shared
     experts split over TP)."""
     for r in ok(mc.run("options", world, tp, ep, tmp_path, compile_fusions=False)):
@@ -287,6 +288,8 @@ def check_option_layers(rows: list[dict], one_rank: bool) -> None:
             assert row["shared_params"] == ["linear_fc1", "linear_fc2"] and row["dshared"] <= FP32_TOL, row
         else:
             assert row["shared_params"] == [] and row["dshared"] is None, row
+        bias = {"router.expert_bias": "ShardedTensor"} if kw.get("moe_router_enable_expert_bias") else {}
+        assert row["router_checkpoint"] == {"router.weight": "ShardedTensor", **bias}, row["router_checkpoint"]
         factor = kw.get("moe_expert_capacity_factor")
         if not one_rank:  # counts of this rank's experts from the expert group's tokens: the equality above
             continue
