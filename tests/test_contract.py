@@ -28,6 +28,15 @@ EXTRA_CASES = {
                                  "distributedOptimizer": False, "recompute": "full",
                                  "extraArgs": ["--overlap-grad-reduce", "--num-workers", "4"]},
                     "checkpoint": {"pvc": "c", "async": False, "keep": 0}, "logging": {"tensorboard": True}},
+    "moe-shared-sigmoid-capacity": {"numNodes": 1, "gpusPerNode": 8,
+                                    "parallelism": {"tensor": 2, "expert": 2, "expertTensor": 1},
+                                    "model": {"preset": "llama3-8b", "numExperts": 8, "moeRouterTopk": 1,
+                                              "moeSharedExpertIntermediateSize": 2048,
+                                              "moeRouterScoreFunction": "sigmoid", "moeRouterEnableExpertBias": True,
+                                              "moeRouterBiasUpdateRate": 0.01, "moeExpertCapacityFactor": 1.5,
+                                              "moeTokenDropPolicy": "position", "moePadExpertInputToCapacity": True,
+                                              "moeTokenDispatcherType": "alltoall"},
+                                    "training": {"trainIters": 10, "transformerImpl": "local"}},
     "null-tokenizer-fp8": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 8},
                            "model": {"preset": "gpt-7.5b"},
                            "training": {"trainIters": 10, "precision": "fp8", "attentionBackend": "unfused"},
@@ -142,6 +151,12 @@ def test_trainer_parses_the_rendered_command_line(job):
             model["moeRouterLoadBalancingType"], model["moeTokenDispatcherType"])
         assert m.moe_aux_loss_coeff == (sm.moe_aux_loss_coeff or 0.0)
         assert (m.moe_z_loss_coeff, m.moe_router_dtype) == (sm.moe_z_loss_coeff, sm.moe_router_dtype)
+        assert m.moe_shared_expert_intermediate_size == sm.moe_shared_expert_intermediate_size
+        assert (m.moe_router_score_function, m.moe_router_enable_expert_bias) == (
+            model["moeRouterScoreFunction"], model["moeRouterEnableExpertBias"])
+        assert m.moe_router_bias_update_rate == (sm.moe_router_bias_update_rate or 1e-3)
+        assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity) == (
+            sm.moe_expert_capacity_factor, sm.moe_token_drop_policy or "probs", model["moePadExpertInputToCapacity"])
     assert m.untie_embeddings_and_output_weights == model["untieEmbeddings"]
     assert m.add_bias_linear == model["addBiasLinear"]
     assert m.norm_epsilon == model["normEpsilon"]

@@ -39,6 +39,12 @@ OPERATOR_ONLY = {
                                           "would be ignored",
     "moe-aux-loss-needs-balancing": "megatron-core ignores the weight of a loss it does not compute; admission "
                                     "refuses the setting that would do nothing",
+    "moe-bias-rate-needs-expert-bias": "megatron-core reads the rate only with the expert bias on; admission refuses "
+                                       "the setting that would do nothing (the trainer names it as unused)",
+    "moe-pre-softmax-needs-softmax": "sigmoid scores take no pre-softmax; admission refuses the setting that would do "
+                                     "nothing (the trainer names it as unused)",
+    "moe-drop-policy-needs-capacity-factor": "without a capacity no token is dropped; admission refuses the setting "
+                                             "that would do nothing (the trainer names it as unused)",
     "data-paths-with-pvc": "the spec's data section shape (nothing to render)",
     "data-tokenizer-with-pvc": "the spec's data section shape (nothing to render)",
     "tokenizer-path": "the spec's data section shape (nothing to render)",
@@ -222,6 +228,20 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "{} must be >= 0 (a loss weight), got {}":
         ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeAuxLossCoeff=-0.01),
          "spec.model.moeAuxLossCoeff"),
+    "--moe-shared-expert-intermediate-size must be >= 1, got {}":
+        ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeSharedExpertIntermediateSize=0),
+         "spec.model.moeSharedExpertIntermediateSize"),
+    "--moe-shared-expert-intermediate-size ({}) must be divisible by --tensor-model-parallel-size ({})":
+        ("rule", "bad-moe-shared-vs-tensor"),
+    "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid": ("rule", "bad-moe-bias-softmax"),
+    "--moe-router-bias-update-rate must be >= 0, got {}":
+        ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeRouterScoreFunction="sigmoid",
+                      model__moeRouterEnableExpertBias=True, model__moeRouterBiasUpdateRate=-0.001),
+         "spec.model.moeRouterBiasUpdateRate"),
+    "--moe-expert-capacity-factor must be > 0, got {}":
+        ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeExpertCapacityFactor=0.0),
+         "spec.model.moeExpertCapacityFactor"),
+    "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor": ("rule", "bad-moe-pad-without-capacity"),
     "--bf16 and --fp16 are mutually exclusive": ("rendered", ["bf16", "fp16"], "precision renders one of them"),
     "--fp8-format needs --bf16 (or --fp16)": ("rendered", ["fp8-format", "bf16"], "precision fp8 renders both"),
     "--fp8-format needs --transformer-impl transformer_engine (the local implementation has no FP8 kernels)":
@@ -457,7 +477,10 @@ def jobs(draw):
                             ("moeRouterPreSoftmax", [True, False]), ("addBiasLinear", [False]),
                             ("moeRouterLoadBalancingType", ["aux_loss", "none"]), ("moeAuxLossCoeff", [0.0, 0.01]),
                             ("moeZLossCoeff", [0.001]), ("moeTokenDispatcherType", ["alltoall"]),
-                            ("moeRouterDtype", ["fp32"])):
+                            ("moeRouterDtype", ["fp32"]), ("moeSharedExpertIntermediateSize", [512, 33]),
+                            ("moeRouterScoreFunction", ["sigmoid", "softmax"]), ("moeRouterEnableExpertBias", [True]),
+                            ("moeRouterBiasUpdateRate", [0.01]), ("moeExpertCapacityFactor", [1.0, 1.5]),
+                            ("moeTokenDropPolicy", ["position"]), ("moePadExpertInputToCapacity", [True, False])):
             if draw(st.integers(0, 2)) == 0:
                 model[key] = draw(one(values))
     training = {"microBatchSize": draw(one([1, 2])), "trainIters": draw(one([5, 100])),

@@ -16,8 +16,10 @@ loss dominate. Terms, in bytes:
   attention; selective and full recomputation), times the micro-batches in flight on the first
   stage (1F1B: min(PP, micro-batches); interleaved: x (1 + (PP-1)/(PP x VPP)));
 - mixture of experts (``_moe_layer_bytes``): the routed top-k copies of each token through the experts' MLPs
-  (even routing assumed), the router's fp32 logits and probabilities, and the token dispatcher's buffers of
-  one layer at a time (all-gather: the expert group's tokens; all-to-all: the send and receive buffers);
+  (even routing assumed; a capacity factor below 1 drops the rest, padding to capacity fills every expert to
+  it), the router's fp32 logits and probabilities, and the token dispatcher's buffers of one layer at a time
+  (all-gather: the expert group's tokens; all-to-all: the send and receive buffers); shared experts as one
+  dense MLP of moeSharedExpertIntermediateSize split over TP (weights and activations);
 - output layer and loss: bf16 logits plus their fp32 copy in the cross-entropy (vocabulary split
   by TP);
 - other: a fixed allowance for the allocator's workspaces.
@@ -62,7 +64,8 @@ TORCH_ADAM_STEP_BYTES = 4
 #: docs/benchmarks/memory-estimator.md). estimate() lists them in Estimate.details["uncalibrated"] for a MoE model.
 UNCALIBRATED_MOE_TERMS = (
     "routed activations: top-k copies of each token through the experts, routing assumed even (dropless "
-    "routing lets a busy expert take more)",
+    "routing lets a busy expert take more; a capacity factor caps it, padding fills every expert to it)",
+    "shared experts: a dense MLP's weights and activations per MoE layer",
     "router: fp32 logits and probabilities per token and expert",
     "dispatcher: one layer's all-gather or all-to-all buffers",
     "expert optimizer state over expert data parallel (world / (expertTensor x expert x pipeline))",
@@ -148,7 +151,8 @@ def _mlp_params(h: int, ffn: int, swiglu: bool, bias: bool) -> int:
 
 
 def _moe_layer_bytes(tokens: float, h: int, moe_ffn: int, experts: int, topk: int, ep: int, etp: int, swiglu: bool,
-                     dispatcher: str, act_bytes: int) -> tuple[float, float]:
+                     dispatcher: str, act_bytes: int, capacity_factor: float = 0.0,
+                     pad_to_capacity: bool = False) -> tuple[float, float]:
     """A MoE layer's activations on one GPU: (kept for the backward, transient while the layer runs). ``tokens``:
     the tokens of this rank's sequence slice (s x b / TP: a MoE layer at TP > 1 runs sequence parallel).
     Uncalibrated (UNCALIBRATED_MOE_TERMS).
@@ -158,8 +162,12 @@ def _moe_layer_bytes(tokens: float, h: int, moe_ffn: int, experts: int, topk: in
     of each expert). Kept: the experts' input rows, fc1's output (the activation's input, two halves with SwiGLU)
     and fc2's input (megatron-core's MLP, per expert), and the router's fp32 logits and probabilities. Transient:
     the dispatcher's buffers - all-gather: the hidden states of the whole ETP x EP group, then the permuted rows;
-    all-to-all: the permuted rows sent and received."""
+    all-to-all: the permuted rows sent and received. A capacity factor (0: none) keeps each expert to that factor
+    of its even share (router.py, apply_router_token_dropping): below 1 the rest is dropped; with padding to
+    capacity every expert gets exactly its capacity, above 1 more rows than dropless."""
     rows = tokens * topk * etp
+    if capacity_factor:
+        rows *= capacity_factor if pad_to_capacity else min(1.0, capacity_factor)
     kept = act_bytes * rows * (h + ((2 if swiglu else 1) + 1) * moe_ffn / etp) + ROUTER_BYTES * tokens * experts
     if dispatcher == "alltoall":
         transient = act_bytes * h * 2 * rows
@@ -190,6 +198,7 @@ def estimate(job: MegatronJob) -> Estimate:
     # MoE at TP > 1 runs sequence parallel whatever was asked (the trainer turns it on: megatron-core's MoE layer)
     sp = sp or (experts > 0 and tp > 1)
     moe_ffn = m["moeFfnHiddenSize"]
+    shared_ffn = m["moeSharedExpertIntermediateSize"] if experts else 0  # 0: no shared experts
     head_dim = m["kvChannels"] or h / a  # kvChannels: heads sized apart from hidden / heads (Qwen3)
     q = a * head_dim
     kv = g * head_dim
@@ -201,7 +210,10 @@ def estimate(job: MegatronJob) -> Estimate:
     mlp_one = _mlp_params(h, ffn, swiglu, bias)
     norm_params = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
     # a MoE layer: the router (experts x hidden, replicated over TP) is dense; the experts split over EP x ETP
+    # and so are the shared experts (one dense MLP split over TP, shared_experts.py)
     dense_per_layer = attn_params / tp + norm_params + (h * experts if experts else mlp_one / tp)
+    if shared_ffn:
+        dense_per_layer += _mlp_params(h, shared_ffn, swiglu, bias) / tp
     expert_per_layer = experts * _mlp_params(h, moe_ffn, swiglu, bias) / (ep * etp) if experts else 0.0
     layers_per_stage = L / pp
     embed = v * h / tp + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)
@@ -240,7 +252,11 @@ def estimate(job: MegatronJob) -> Estimate:
     if experts:
         mlp, moe_transient = _moe_layer_bytes(tokens=s * b / tp, h=h, moe_ffn=moe_ffn, experts=experts,
                                               topk=m["moeRouterTopk"], ep=ep, etp=etp, swiglu=swiglu,
-                                              dispatcher=m["moeTokenDispatcherType"], act_bytes=act_bytes)
+                                              dispatcher=m["moeTokenDispatcherType"], act_bytes=act_bytes,
+                                              capacity_factor=m["moeExpertCapacityFactor"],
+                                              pad_to_capacity=m["moePadExpertInputToCapacity"])
+        # shared experts: every token through a dense MLP (its input is the MLP norm's output, counted above)
+        mlp += act_bytes * ((2 if swiglu else 1) + 1) * s * b * shared_ffn / tp
     else:
         mlp = act_bytes * ((2 if swiglu else 1) + 1) * s * b * ffn / tp  # activation input + fc2 input
     full_layer = replicated + qkv + attn_out + scores + lse + mlp
@@ -314,6 +330,8 @@ def model_parameters(job: MegatronJob) -> int:
             + (q + 2 * kv if m["addQkvBias"] and not bias else 0))
     mlp_one = _mlp_params(h, ffn, swiglu, bias)
     mlp = experts * _mlp_params(h, m["moeFfnHiddenSize"], swiglu, bias) + h * experts if experts else mlp_one
+    if experts and m["moeSharedExpertIntermediateSize"]:
+        mlp += _mlp_params(h, m["moeSharedExpertIntermediateSize"], swiglu, bias)
     norms = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
     v = padded_vocab(m["vocabSize"], tp)
     embed = v * h + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)

@@ -145,6 +145,20 @@ def _moe_flags(m: ModelSpec, flag: Callable[..., None]) -> None:
         flag("moe-router-dtype", m.moe_router_dtype)
     if m.moe_token_dispatcher_type is not None:
         flag("moe-token-dispatcher-type", m.moe_token_dispatcher_type)
+    if m.moe_shared_expert_intermediate_size is not None:
+        flag("moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)
+    if m.moe_router_score_function is not None:
+        flag("moe-router-score-function", m.moe_router_score_function)
+    if m.moe_router_enable_expert_bias:
+        flag("moe-router-enable-expert-bias")
+    if m.moe_router_bias_update_rate is not None:
+        flag("moe-router-bias-update-rate", _fmt(m.moe_router_bias_update_rate))
+    if m.moe_expert_capacity_factor is not None:
+        flag("moe-expert-capacity-factor", _fmt(m.moe_expert_capacity_factor))
+    if m.moe_token_drop_policy is not None:
+        flag("moe-token-drop-policy", m.moe_token_drop_policy)
+    if m.moe_pad_expert_input_to_capacity:
+        flag("moe-pad-expert-input-to-capacity")
 
 
 def megatron_args(job: MegatronJob) -> list[str]:

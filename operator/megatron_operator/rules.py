@@ -132,9 +132,17 @@ moe_ffn = model_value("moeFfnHiddenSize", ffn)
 moe_pre_softmax = model_value("moeRouterPreSoftmax", False)
 moe_balancing = model_value("moeRouterLoadBalancingType", "aux_loss")
 moe_dispatcher = model_value("moeTokenDispatcherType", "allgather")
+# no shared experts (0), softmax scores, no expert bias, no capacity (0: none dropped; memory.py), no padding
+moe_shared_ffn = model_value("moeSharedExpertIntermediateSize", 0)
+moe_score_function = model_value("moeRouterScoreFunction", "softmax")
+moe_expert_bias = model_value("moeRouterEnableExpertBias", False)
+moe_capacity_factor = model_value("moeExpertCapacityFactor", 0)
+moe_pad_to_capacity = model_value("moePadExpertInputToCapacity", False)
 #: spec.model's MoE fields besides numExperts and moeRouterTopk (which has its own rule, topk-within-experts).
 MOE_FIELDS = ("moeFfnHiddenSize", "moeRouterPreSoftmax", "moeRouterLoadBalancingType", "moeAuxLossCoeff",
-              "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType")
+              "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType", "moeSharedExpertIntermediateSize",
+              "moeRouterScoreFunction", "moeRouterEnableExpertBias", "moeRouterBiasUpdateRate",
+              "moeExpertCapacityFactor", "moeTokenDropPolicy", "moePadExpertInputToCapacity")
 normalization = model_value("normalization", "LayerNorm")
 position_embedding = model_value("positionEmbedding", "learned_absolute")
 rotary_base = model_value("rotaryBase", 10000)
@@ -153,6 +161,9 @@ MODEL_VALUES: dict[str, Expr] = {
     "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
     "numExperts": experts, "moeRouterTopk": topk, "moeFfnHiddenSize": moe_ffn, "moeRouterPreSoftmax": moe_pre_softmax,
     "moeRouterLoadBalancingType": moe_balancing, "moeTokenDispatcherType": moe_dispatcher,
+    "moeSharedExpertIntermediateSize": moe_shared_ffn, "moeRouterScoreFunction": moe_score_function,
+    "moeRouterEnableExpertBias": moe_expert_bias, "moeExpertCapacityFactor": moe_capacity_factor,
+    "moePadExpertInputToCapacity": moe_pad_to_capacity,
     "activation": activation, "normalization": normalization,
     "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
     "addBiasLinear": add_bias_linear, "normEpsilon": norm_epsilon, "kvChannels": kv_channels,
@@ -173,7 +184,10 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "num-layers", "hidden-size", "num-attention-heads", "group-query-attention", "num-query-groups",
     "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
     "moe-router-topk", "moe-ffn-hidden-size", "moe-router-pre-softmax", "moe-router-load-balancing-type",
-    "moe-aux-loss-coeff", "moe-z-loss-coeff", "moe-router-dtype", "moe-token-dispatcher-type", "swiglu", "normalization", "position-embedding-type", "rotary-base",
+    "moe-aux-loss-coeff", "moe-z-loss-coeff", "moe-router-dtype", "moe-token-dispatcher-type",
+    "moe-shared-expert-intermediate-size", "moe-router-score-function", "moe-router-enable-expert-bias",
+    "moe-router-bias-update-rate", "moe-expert-capacity-factor", "moe-token-drop-policy",
+    "moe-pad-expert-input-to-capacity", "swiglu", "normalization", "position-embedding-type", "rotary-base",
     "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
     "add-qkv-bias", "use-rope-scaling", "rope-scaling-factor", "hidden-dropout", "attention-dropout",
     "transformer-impl", "attention-backend", "cuda-graph-impl",
@@ -496,7 +510,7 @@ SPEC_RULES: list[Rule] = [
                      " apply to a mixture-of-experts model only; set numExperts or omit them")),
     # transformer_config.py (TransformerConfig.__post_init__: a softmax over one logit has a zero gradient)
     Rule("moe-topk-1-needs-pre-softmax", "model.moeRouterPreSoftmax",
-         moe_pre_softmax, when=(experts > 0) & topk.eq(1),
+         moe_pre_softmax, when=(experts > 0) & topk.eq(1) & moe_score_function.eq("softmax"),
          message=lit("spec.model.moeRouterPreSoftmax: moeRouterTopk 1 needs moeRouterPreSoftmax: true (a softmax "
                      "over the one chosen logit would give the router no gradient); set moeRouterPreSoftmax: true "
                      "or a moeRouterTopk above 1")),
@@ -525,6 +539,37 @@ SPEC_RULES: list[Rule] = [
          ~has("model.moeAuxLossCoeff"), when=moe_balancing.eq("none"),
          message=lit("spec.model.moeAuxLossCoeff: moeRouterLoadBalancingType none computes no load-balancing "
                      "loss, so its weight would be ignored; omit moeAuxLossCoeff or choose a load-balancing type")),
+    # shared_experts.py: the shared experts are one dense MLP split over the tensor-parallel ranks
+    Rule("moe-shared-expert-divisible-by-tensor", "model.moeSharedExpertIntermediateSize",
+         (moe_shared_ffn % tp).eq(0), when=(experts > 0) & (moe_shared_ffn > 0),
+         message=fmt("spec.model.moeSharedExpertIntermediateSize: ", moe_shared_ffn.str(), " is not divisible by "
+                     "spec.parallelism.tensor ", tp.str(), "; use a multiple of ", tp.str(),
+                     multiple_hint(moe_shared_ffn, tp))),
+    # transformer_config.py (TransformerConfig.__post_init__: expert bias only with sigmoid or sqrtsoftplus scores)
+    Rule("moe-expert-bias-needs-sigmoid", "model.moeRouterEnableExpertBias",
+         moe_score_function.eq("sigmoid"), when=(experts > 0) & moe_expert_bias,
+         message=lit("spec.model.moeRouterEnableExpertBias: the expert bias of aux-loss-free routing needs "
+                     "moeRouterScoreFunction: sigmoid; set it, or omit moeRouterEnableExpertBias")),
+    # router.py reads the rate only with the expert bias on: it would be ignored
+    Rule("moe-bias-rate-needs-expert-bias", "model.moeRouterBiasUpdateRate",
+         moe_expert_bias, when=(experts > 0) & has("model.moeRouterBiasUpdateRate"),
+         message=lit("spec.model.moeRouterBiasUpdateRate: without moeRouterEnableExpertBias: true there is no expert "
+                     "bias to update; set moeRouterEnableExpertBias: true or omit the rate")),
+    # moe_utils.py (topk_routing_with_score_function): sigmoid scores take no pre-softmax; it would be ignored
+    Rule("moe-pre-softmax-needs-softmax", "model.moeRouterPreSoftmax",
+         ~moe_pre_softmax, when=(experts > 0) & moe_score_function.eq("sigmoid"),
+         message=lit("spec.model.moeRouterPreSoftmax: moeRouterScoreFunction sigmoid has no softmax to apply first; "
+                     "omit moeRouterPreSoftmax or use softmax scores")),
+    # transformer_config.py (TransformerConfig.__post_init__: padding needs a capacity)
+    Rule("moe-pad-needs-capacity-factor", "model.moePadExpertInputToCapacity",
+         has("model.moeExpertCapacityFactor"), when=(experts > 0) & moe_pad_to_capacity,
+         message=lit("spec.model.moePadExpertInputToCapacity: padding to capacity needs moeExpertCapacityFactor; "
+                     "set it (e.g. 1.0) or omit moePadExpertInputToCapacity")),
+    # router.py reads the drop policy only with a capacity: it would be ignored
+    Rule("moe-drop-policy-needs-capacity-factor", "model.moeTokenDropPolicy",
+         has("model.moeExpertCapacityFactor"), when=(experts > 0) & has("model.moeTokenDropPolicy"),
+         message=lit("spec.model.moeTokenDropPolicy: without moeExpertCapacityFactor no token is dropped; set "
+                     "moeExpertCapacityFactor or omit moeTokenDropPolicy")),
     # ModelParallelConfig.__post_init__
     Rule("sequence-parallel-needs-tensor", "parallelism.sequenceParallel",
          tp > 1, when=sequence_parallel,
@@ -790,7 +835,11 @@ def llama_family_rule(name: str, where: str, what: str) -> Rule:
     off = [(activation.ne("swiglu"), fmt(" activation is ", activation, " (set swiglu);")),
            (normalization.ne("RMSNorm"), fmt(" normalization is ", normalization, " (set RMSNorm);")),
            (position_embedding.ne("rope"), fmt(" positionEmbedding is ", position_embedding, " (set rope);")),
-           (add_bias_linear, lit(" addBiasLinear is true (set false);"))]
+           (add_bias_linear, lit(" addBiasLinear is true (set false);")),
+           # Qwen3-MoE and Mixtral have neither shared experts nor sigmoid routing (nor, with it, an expert bias)
+           ((experts > 0) & (moe_shared_ffn > 0), lit(" moeSharedExpertIntermediateSize is set (omit it);")),
+           ((experts > 0) & moe_score_function.eq("sigmoid"), lit(" moeRouterScoreFunction is sigmoid (set "
+                                                                   "softmax);"))]
     ok: Expr = Lit(True)
     for bad, _ in off:
         ok = ok & ~bad

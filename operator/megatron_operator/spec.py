@@ -185,6 +185,29 @@ class ModelSpec(ApiModel):
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] | None = Field(
         None, description="How tokens reach their experts' ranks (--moe-token-dispatcher-type): all-gather over "
         "the expert group, or all-to-all (less traffic at large expert parallel sizes). Default allgather.")
+    moe_shared_expert_intermediate_size: int | None = Field(
+        None, ge=1, le=1048576, description="Hidden size of the shared experts' MLP, which every token passes beside "
+        "its routed experts (--moe-shared-expert-intermediate-size; shared experts x each one's size; split over "
+        "spec.parallelism.tensor). Default: no shared experts.")
+    moe_router_score_function: Literal["softmax", "sigmoid"] | None = Field(
+        None, description="Router scores (--moe-router-score-function): softmax, or sigmoid with the k chosen scores "
+        "renormalised (DeepSeek-V3). Default softmax.")
+    moe_router_enable_expert_bias: bool | None = Field(
+        None, description="Aux-loss-free load balancing (--moe-router-enable-expert-bias): a per-expert bias added "
+        "to the scores that choose the experts, raised for experts given fewer tokens than the mean after each step. "
+        "Needs moeRouterScoreFunction sigmoid. Default false.")
+    moe_router_bias_update_rate: float | None = Field(
+        None, ge=0, le=1, description="Step of the expert bias per global batch (--moe-router-bias-update-rate). "
+        "Default 0.001; only with moeRouterEnableExpertBias.")
+    moe_expert_capacity_factor: float | None = Field(
+        None, gt=0, le=1024, description="Token dropping (--moe-expert-capacity-factor): each expert takes at most "
+        "this factor x its even share of a micro-batch's tokens, the rest are dropped. Default: none dropped.")
+    moe_token_drop_policy: Literal["probs", "position"] | None = Field(
+        None, description="Which tokens an expert over capacity drops (--moe-token-drop-policy): those of lowest "
+        "probability, or the last ones. Default probs; only with moeExpertCapacityFactor.")
+    moe_pad_expert_input_to_capacity: bool | None = Field(
+        None, description="Pad each expert's tokens up to its capacity (--moe-pad-expert-input-to-capacity): fixed "
+        "shapes, more work. Needs moeExpertCapacityFactor. Default false.")
     activation: Literal["gelu", "swiglu"] | None = Field(None, description="MLP activation. Default gelu "
                                                          "(swiglu renders --swiglu).")
     normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Normalization "

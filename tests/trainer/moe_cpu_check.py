@@ -10,8 +10,12 @@ JSON-able dict per rank; tests/trainer/test_moe_torch.py asserts on them. Nothin
 - `dist` (any layout): the whole layers as above, then the sharded state dicts of both modules entry by entry, a checkpoint written by either loaded by
   the other through torch_dist (also from EP 2 into EP 1), and the trainer's model-space optimizer state
   mapping (optim_state.parameter_chunks) on GroupedMLP's factories.
+- `options`: whole layers as above with issue 50's further settings (OPTION_CASES: shared experts, sigmoid scores
+  with an expert bias, capacity dropping and padding), and the tokens each expert was given.
+- `train`: the trainer's own step (loop.Trainer.train_step) on the trainer's MoE GPTModel with each of those
+  settings, and the expert bias over steps of a router pushed toward two experts.
 
-    python tests/trainer/moe_cpu_check.py experts|dist WORLD TP EP WORKDIR
+    python tests/trainer/moe_cpu_check.py experts|dist|options|train|router WORLD TP EP WORKDIR
 """
 
 from __future__ import annotations
@@ -211,20 +215,37 @@ class GroupedAlign:
             self.grp.align = old
 
 
-def check_layers() -> list:
-    """Whole MoE layers (router with aux loss and z-loss, all-gather dispatcher, experts) from the trainer's own
-    layer spec, SequentialMLP against GroupedMLP."""
+#: (activation, fused, experts, top-k, further TransformerConfig fields) of check_layers' MoE layers
+LAYER_CASES = (("swiglu", True, 8, 2, {}), ("gelu", False, 4, 1, {}), ("swiglu", False, 6, 3, {}))
+#: shared experts, sigmoid scores with an expert bias, capacity dropping by either policy and padding to capacity,
+#: on the all-gather dispatcher (the all-to-all one asks for a CUDA stream when built: GPU only); 18 tokens a layer at top-2 over 4 experts: capacity
+#: ceil(18 x 2 / 4 x factor), 5 at 0.5 (tokens dropped), 9 at 1.0
+OPTION_CASES = (
+    ("swiglu", True, 4, 2, {"moe_shared_expert_intermediate_size": 32}),
+    ("gelu", False, 4, 1, {"moe_shared_expert_intermediate_size": 16}),
+    ("swiglu", True, 4, 2, {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}),
+    ("swiglu", True, 4, 2, {"moe_expert_capacity_factor": 0.5}),
+    ("swiglu", False, 4, 2, {"moe_expert_capacity_factor": 0.5, "moe_token_drop_policy": "position"}),
+    ("swiglu", True, 4, 2, {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}),
+    ("gelu", False, 4, 2, {"moe_expert_capacity_factor": 0.5, "moe_pad_expert_input_to_capacity": True,
+                           "moe_token_drop_policy": "position", "moe_shared_expert_intermediate_size": 16}),
+)
+
+
+def check_layers(cases=LAYER_CASES) -> list:
+    """Whole MoE layers (router with aux loss and z-loss, the dispatcher, experts, shared experts where asked) from
+    the trainer's own layer spec, SequentialMLP against GroupedMLP; the tokens each expert was given."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron_trainer.moe import grouped_experts_spec
 
     rows = []
-    for act, fused, experts, topk in (("swiglu", True, 8, 2), ("gelu", False, 4, 1), ("swiglu", False, 6, 3)):
+    for act, fused, experts, topk, kw in cases:
         # megatron-core refuses MoE training at TP > 1 without sequence parallelism (moe_layer.py)
         cfg = config(glu=act == "swiglu", fusion=fused, experts=experts, topk=topk, moe_aux_loss_coeff=1e-2,
                      moe_z_loss_coeff=1e-3, calculate_per_token_loss=False,
-                     sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1)
+                     sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1, **kw)
         results = []
         for grouped in (False, True):
             spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
@@ -233,19 +254,139 @@ def check_layers() -> list:
             torch.manual_seed(4)
             layer = spec.submodules.mlp(config=cfg, layer_number=1)
             layer.set_layer_number(1)
+            if layer.router.expert_bias is not None:  # a bias that changes the choice (Megatron starts it at 0)
+                layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, experts))
+            counts = []
+            layer.experts.register_forward_pre_hook(lambda m, args, seen=counts: seen.append(args[1].tolist()))
             torch.manual_seed(6)
             x = torch.randn(9, 2, HIDDEN, requires_grad=True)
             y, _ = layer(x)
             torch.manual_seed(7)
             y.backward(torch.randn_like(y))
+            shared = layer.shared_experts
             results.append((y.detach(), x.grad, layer.router.weight.grad.clone(),
-                            [n for n, _ in layer.named_parameters()]))
-        (y0, gx0, gr0, names0), (y1, gx1, gr1, names1) = results
-        rows.append({"case": f"{act}{'-fused' if fused else ''} E{experts} k{topk}", "out": max_diff(y0, y1),
+                            [n for n, _ in layer.named_parameters()], counts,
+                            None if shared is None else shared.linear_fc1.weight.grad.clone()))
+        (y0, gx0, gr0, names0, counts0, gs0), (y1, gx1, gr1, names1, counts1, gs1) = results
+        rows.append({"case": f"{act}{'-fused' if fused else ''} E{experts} k{topk} {kw}", "out": max_diff(y0, y1),
                      "dx": max_diff(gx0, gx1), "drouter": max_diff(gr0, gr1), "scale": float(y0.abs().max()),
+                     "dshared": None if gs0 is None else max_diff(gs0, gs1),
+                     "shared_params": sorted({n.split(".")[1] for n in names1 if n.startswith("shared_experts.")}),
+                     "tokens_per_expert": counts1[0], "same_counts": counts0 == counts1,
+                     # what a checkpoint of the router holds (the expert bias must survive a resume)
+                     "router_checkpoint": {k: type(v).__name__ for k, v in
+                                           layer.router.sharded_state_dict(prefix="router.").items()},
                      "grouped_params": [n for n in names1 if n.startswith("experts.")],
                      "sequential_params": len([n for n in names0 if n.startswith("experts.")])})
     return rows
+
+
+def train_argv(extra: list[str]) -> list[str]:
+    """A 2-layer MoE GPTModel (4 experts, top-2, SwiGLU), fp32, two micro-batches of 2 x 16 tokens a step."""
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128", "--swiglu",
+            "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--transformer-impl", "local", "--attention-backend", "auto", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-2", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--eval-iters", "0", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.01", *extra]
+
+
+def check_train() -> dict:
+    """The trainer's own step (loop.Trainer.train_step: Megatron's schedule, with the hooks model.wire_model_hooks
+    sets, then the optimizer) on the trainer's MoE GPTModel for each of issue 50's remaining settings, the same
+    batches each step; then the expert bias over steps of a router made to prefer experts 0 and 1."""
+    import types
+
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_trainer.config import parse_args, world_layout
+    from megatron_trainer.loop import Trainer
+    from megatron_trainer.model import (
+        build_model,
+        choose_path,
+        moe_experts_path,
+        transformer_config,
+        wire_model_hooks,
+    )
+
+    def trainer(extra: list[str], experts: str = "grouped"):
+        cfg = parse_args(train_argv(extra))
+        path = choose_path(cfg, have_te=False)
+        moe_experts_path(cfg, path, experts, 0)
+        tconfig = transformer_config(cfg, path)
+        tconfig.use_cpu_initialization = True
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, tconfig, path, 128)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.training.lr, bf16=False,
+                                                           params_dtype=torch.float32), model)
+        wire_model_hooks(cfg, tconfig, model, optimizer)
+        gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())  # each data-parallel rank its own
+        batches = []
+        for _ in range(2):
+            tokens = torch.randint(0, 128, (2, 16), generator=gen)
+            batches.append({"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(2, 16),
+                            "position_ids": torch.arange(16).unsqueeze(0).expand(2, -1)})
+        me = types.SimpleNamespace(model=model, optimizer=optimizer, cfg=cfg, is_last_stage=True,
+                                   env=types.SimpleNamespace(layout=world_layout(cfg, torch.distributed.get_world_size())),
+                                   scheduler=types.SimpleNamespace(step=lambda increment: None),
+                                   forward_backward=get_forward_backward_func())
+        me._forward_step = types.MethodType(Trainer._forward_step, me)
+        counts = []  # this rank's tokens routed to each expert (the router's map, after any dropping), per forward
+        for layer in model[0].module.decoder.layers:
+            layer.mlp.router.register_forward_hook(lambda m, args, out: counts.append(out[1].sum(0).tolist()))
+
+        def step():
+            me.data_iterators = [iter(batches)]
+            counts.clear()
+            loss, _, ok = Trainer.train_step(me)
+            return float(loss), ok, [list(c) for c in counts]
+
+        return me, step
+
+    out: dict = {"runs": {}}
+    for name, extra in (("shared", ["--moe-shared-expert-intermediate-size", "32"]),
+                        ("sigmoid_bias", ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]),
+                        ("capacity_probs", ["--moe-expert-capacity-factor", "0.5"]),
+                        ("capacity_position_pad",
+                         ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "position",
+                          "--moe-pad-expert-input-to-capacity"])):
+        me, step = trainer(extra)
+        names = [n for n, _ in me.model[0].named_parameters()]
+        steps = [step() for _ in range(3)]
+        out["runs"][name] = {"losses": [s[0] for s in steps], "ok": [s[1] for s in steps], "counts": steps[0][2],
+                             "microbatches": me.env.layout.num_microbatches,
+                             "shared_params": [n for n in names if ".shared_experts." in n]}
+    # GroupedMLP and SequentialMLP train to the same losses with shared experts and capacity dropping
+    for name, extra in (("shared_capacity", ["--moe-shared-expert-intermediate-size", "32",
+                                             "--moe-expert-capacity-factor", "0.5"]),):
+        both = {}
+        for experts in ("sequential", "grouped"):
+            _, step = trainer(extra, experts)
+            both[experts] = [step()[0] for _ in range(3)]
+        out[f"{name}_losses"] = both
+
+    # expert bias: a router that prefers experts 0 and 1 by a margin; the bias moves against it every step
+    rate = 0.1
+    me, step = trainer(["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                        "--moe-router-bias-update-rate", str(rate)])
+    routers = [layer.mlp.router for layer in me.model[0].module.decoder.layers]
+    for router in routers:
+        router.gating = lambda x, gating=router.gating: gating(x) + torch.tensor([2.0, 2.0, 0.0, 0.0])
+    history = []
+    for _ in range(8):
+        before = [r.expert_bias.clone() for r in routers]
+        _, ok, counts = step()
+        # this rank's tokens per expert over the step's micro-batches, per layer (forwards alternate the 2 layers);
+        # the test sums them over the ranks, as Megatron's update does (all-reduce over TP x DP x CP)
+        per_layer = [torch.tensor(counts[i::2]).sum(0) for i in range(2)]
+        history.append({"ok": ok, "tokens": [c.tolist() for c in per_layer],
+                        "delta": [(r.expert_bias - b).tolist() for r, b in zip(routers, before, strict=True)],
+                        "bias_dtype": str(routers[0].expert_bias.dtype)})
+    out["bias"] = {"rate": rate, "history": history,
+                   "local_tokens_reset": [float(r.local_tokens_per_expert.abs().sum()) for r in routers]}
+    return out
 
 
 def describe(sh) -> dict:
@@ -419,6 +560,15 @@ def worker(rank: int, world: int, check: str, tp: int, ep: int, port: int, out_p
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         if check == "experts":
             result.update(check_experts())
+        elif check == "options":  # issue 50's remaining settings, whole layers
+            result["layers"] = check_layers(OPTION_CASES)
+        elif check == "train":
+            from optim_state_check import stub_cuda
+
+            stub_cuda(torch)
+            # DDP's grad sync asks for the current stream to wait on CUDA-graph events (none here)
+            torch.cuda.current_stream = lambda *a, **k: type("NoStream", (), {"wait_event": lambda self, e: None})()
+            result.update(check_train())
         elif check == "router":
             torch.Tensor.cuda = lambda self, *a, **k: self  # GPTModel's batch and rotary tables, on the CPU
             result.update(check_router())

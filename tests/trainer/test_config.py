@@ -132,6 +132,20 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
     (lambda a: without(a, "--tensor-model-parallel-size") + ["--tensor-model-parallel-size", "2", "--num-experts", "4",
                                                              "--sequence-parallel", "--moe-ffn-hidden-size", "33"],
      "experts' hidden size (33) must be divisible by the expert tensor-parallel size (2)"),
+    (lambda a: a + ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "0"],
+     "--moe-shared-expert-intermediate-size must be >= 1, got 0"),
+    (lambda a: without(a, "--tensor-model-parallel-size") + ["--tensor-model-parallel-size", "2", "--num-experts", "4",
+                                                             "--disable-bias-linear", "--sequence-parallel",
+                                                             "--moe-shared-expert-intermediate-size", "33"],
+     "--moe-shared-expert-intermediate-size (33) must be divisible by --tensor-model-parallel-size (2)"),
+    (lambda a: a + ["--num-experts", "4", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+    (lambda a: a + ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--moe-router-bias-update-rate", "-0.001"], "--moe-router-bias-update-rate must be >= 0, got -0.001"),
+    (lambda a: a + ["--num-experts", "4", "--moe-expert-capacity-factor", "-1"],
+     "--moe-expert-capacity-factor must be > 0, got -1.0"),
+    (lambda a: a + ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -209,6 +223,34 @@ def test_router_flags_of_a_dense_model_are_named_as_unused(mock_argv):
                                   "--moe-router-topk", "4"])
     assert ignored_flags(cfg) == ["--moe-aux-loss-coeff", "--moe-token-dispatcher-type"]
     assert ignored_flags(parse_args(mock_argv + ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"])) == []
+
+
+def test_shared_experts_sigmoid_bias_and_capacity_flags_map_to_the_config(mock_argv):
+    m = parse_args(mock_argv + ["--num-experts", "8", "--moe-shared-expert-intermediate-size", "512",
+                                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                "--moe-router-bias-update-rate", "0.01", "--moe-expert-capacity-factor", "1.25",
+                                "--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity",
+                                "--moe-router-topk", "1"]).model  # top-1 needs no pre-softmax with sigmoid scores
+    assert (m.moe_shared_expert_intermediate_size, m.moe_router_score_function, m.moe_router_enable_expert_bias,
+            m.moe_router_bias_update_rate) == (512, "sigmoid", True, 0.01)
+    assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity) == \
+        (1.25, "position", True)
+    d = parse_args(mock_argv + ["--num-experts", "4"]).model  # Megatron-LM's defaults
+    assert (d.moe_shared_expert_intermediate_size, d.moe_router_score_function, d.moe_router_enable_expert_bias,
+            d.moe_router_bias_update_rate) == (None, "softmax", False, 1e-3)
+    assert (d.moe_expert_capacity_factor, d.moe_token_drop_policy, d.moe_pad_expert_input_to_capacity) == \
+        (None, "probs", False)
+
+
+def test_router_flags_that_act_only_beside_another_are_named_as_unused(mock_argv):
+    moe = mock_argv + ["--num-experts", "4"]
+    cfg = parse_args(moe + ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+                            "--moe-router-bias-update-rate", "0.01", "--moe-token-drop-policy", "position"])
+    assert ignored_flags(cfg) == ["--moe-router-pre-softmax", "--moe-router-bias-update-rate",
+                                  "--moe-token-drop-policy"]
+    assert ignored_flags(parse_args(moe + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                           "--moe-router-bias-update-rate", "0.01", "--moe-expert-capacity-factor",
+                                           "1", "--moe-token-drop-policy", "position"])) == []
 
 
 def test_moe_experts_knobs():

@@ -176,6 +176,18 @@ def test_a_moe_mismatch_names_both_values():
     assert "--num-experts 4: the Hugging Face model is dense" in dense
 
 
+def test_shared_experts_and_sigmoid_routing_are_not_qwen3_moe_or_mixtral():
+    """Neither architecture has shared experts or sigmoid scores (so no expert bias either): refused by name, for an
+    import and an export alike (both compare the flags with config.json); capacity dropping changes no weight."""
+    argv = _argv_for("tiny-qwen3-moe") + ["--moe-shared-expert-intermediate-size", "64", "--moe-router-score-function",
+                                         "sigmoid", "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor",
+                                         "1.0"]
+    problems = mismatches(parse_args(argv), parse_config(fixture("tiny-qwen3-moe"), 24))
+    assert [p.split(" does not match")[0] for p in problems] == ["--moe-shared-expert-intermediate-size 64",
+                                                                 "--moe-router-score-function sigmoid"], problems
+    assert "config.json architecture Qwen3MoeForCausalLM (shared experts) None" in problems[0]
+
+
 def test_a_mismatch_names_both_values():
     argv = without(_argv_for("tiny-llama3"), "--hidden-size", "--norm-epsilon") + ["--hidden-size", "128",
                                                                                    "--norm-epsilon", "1e-5"]

@@ -1,6 +1,7 @@
 """GroupedMLP (megatron_trainer/moe.py) against Megatron-Core's SequentialMLP on gloo ranks on the CPU
 (tests/trainer/moe_cpu_check.py): outputs and gradients, whole MoE layers at TP 1, EP 2 and TP 2, checkpoints
-written by either module loaded by the other (also from EP 2 into EP 1), and the grouped-GEMM index math.
+written by either module loaded by the other (also from EP 2 into EP 1), the grouped-GEMM index math, and issue 50's
+further settings (shared experts, sigmoid routing with the expert bias, capacity dropping and padding).
 Needs torch and megatron-core: `make torch-tests`. What the CPU cannot show (grouped_mm's CUDA kernel, bf16 on
 Hopper, the all-to-all dispatcher, speed) is tests/trainer/moe_gpu_check.py's, on a GPU."""
 
@@ -269,3 +270,90 @@ def test_a_checkpoint_of_either_experts_module_loads_into_the_other_with_its_opt
     assert counted == same(second / "saved", third / "loaded") == same(first / "saved", third / "loaded")
     expert_states = [k for k in torch.load(first / "saved_rank1.pt")["opt"] if "local_experts" in k]
     assert len(expert_states) == 2 * 2 * 2 * 3  # 2 layers x 2 local experts x fc1/fc2 x (param, exp_avg, exp_avg_sq)
+
+
+@pytest.mark.parametrize("world, tp, ep", [(1, 1, 1), (2, 1, 2), (2, 2, 1)])
+def test_shared_experts_sigmoid_bias_and_capacity_layers_match_sequential_mlp(tmp_path, world, tp, ep):
+    """Issue 50's remaining settings in whole MoE layers built from the trainer's spec (all-gather dispatcher):
+    shared experts (SwiGLU and GeLU; megatron-core's SharedExpertMLP kept in the spec beside GroupedMLP), sigmoid
+    scores with an expert bias, capacity 0.5 dropping by probability and by position (18 tokens at top-2 over 4
+    experts: 5 each of 36 routed), padding to capacity 1.0 (9 each) and 0.5 with shared experts: GroupedMLP's
+    outputs and gradients (tokens, router, shared experts) within 1e-5 of SequentialMLP's, the same tokens given;
+    the expert bias is in the router's checkpoint entries (a ShardedTensor beside its weight);
+    also at EP 2 (each rank's experts get both ranks' tokens) and at TP 2 with sequence parallelism (the shared
+    experts split over TP)."""
+    for r in ok(mc.run("options", world, tp, ep, tmp_path, compile_fusions=False)):
+        check_option_layers(r["layers"], one_rank=world == 1)
+
+
+def check_option_layers(rows: list[dict], one_rank: bool) -> None:
+    assert len(rows) == len(mc.OPTION_CASES)
+    for row, (_, _, _, _, kw) in zip(rows, mc.OPTION_CASES, strict=True):
+        assert row["scale"] > 0.1 and max(row["out"], row["dx"], row["drouter"]) <= FP32_TOL, row
+        assert row["same_counts"] and row["grouped_params"] == ["experts.weight1", "experts.weight2"], row
+        if "moe_shared_expert_intermediate_size" in kw:
+            assert row["shared_params"] == ["linear_fc1", "linear_fc2"] and row["dshared"] <= FP32_TOL, row
+        else:
+            assert row["shared_params"] == [] and row["dshared"] is None, row
+        bias = {"router.expert_bias": "ShardedTensor"} if kw.get("moe_router_enable_expert_bias") else {}
+        assert row["router_checkpoint"] == {"router.weight": "ShardedTensor", **bias}, row["router_checkpoint"]
+        factor = kw.get("moe_expert_capacity_factor")
+        if not one_rank:  # counts of this rank's experts from the expert group's tokens: the equality above
+            continue
+        if factor is not None:  # Megatron's capacity: ceil(tokens x top-k / experts x factor)
+            capacity = -(-18 * 2 * factor // 4)
+            assert max(row["tokens_per_expert"]) <= capacity, row
+            if kw.get("moe_pad_expert_input_to_capacity") or factor == 0.5:  # padded, or every expert full
+                assert row["tokens_per_expert"] == [capacity] * 4, row
+        else:
+            assert sum(row["tokens_per_expert"]) == 18 * (1 if "gelu" in row["case"] and "k1" in row["case"] else 2)
+
+
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 2)])
+def test_the_trainers_step_trains_each_setting_and_updates_the_expert_bias_toward_balance(tmp_path, world, ep):
+    """loop.Trainer.train_step (Megatron's schedule with model.wire_model_hooks' finalize_model_grads, then the
+    optimizer) on the trainer's 2-layer MoE GPTModel, on one rank and at EP 2 (two data-parallel ranks with their own
+    batches): with shared experts, sigmoid scores and an expert bias, capacity 0.5 by probability, and by position
+    padded to capacity, the loss on the same batches falls over 3 steps; capacity holds every expert to 8 tokens a
+    micro-batch (2 x 16 tokens x top-2 / 4 x 0.5: dropped by probability, filled to it when padded); GroupedMLP and
+    SequentialMLP give the same losses with shared experts and dropping. Expert bias: a router pushed toward experts
+    0 and 1 (all their tokens) gets its bias changed after every step by exactly rate x sign(mean - tokens), the
+    tokens summed over the ranks (Megatron's update; the counts reset for the next step), the same on every rank:
+    0 and 1 go down and 2 and 3 up, until 2 and 3 get tokens and the load evens out."""
+    results = ok(mc.run("train", world, 1, ep, tmp_path, compile_fusions=False))
+    for r in results:
+        for name, run in r["runs"].items():
+            assert all(run["ok"]) and run["losses"][2] < run["losses"][0] - 0.3, (name, run["losses"])
+            assert len(run["counts"]) == 2 * run["microbatches"], run  # micro-batches x 2 layers
+            if name == "capacity_position_pad":
+                assert run["counts"] == [[8, 8, 8, 8]] * len(run["counts"]), (name, run["counts"])
+            elif name == "capacity_probs":
+                assert all(max(c) <= 8 and sum(c) < 64 for c in run["counts"]), (name, run["counts"])
+            else:
+                assert all(sum(c) == 64 for c in run["counts"]), (name, run["counts"])
+            assert len(run["shared_params"]) == (4 if name == "shared" else 0), run["shared_params"]
+        losses = r["shared_capacity_losses"]
+        assert max(abs(a - b) for a, b in zip(losses["sequential"], losses["grouped"], strict=True)) <= FP32_TOL
+        assert r["bias"]["local_tokens_reset"] == [0.0, 0.0]
+    rate = results[0]["bias"]["rate"]
+    steps = len(results[0]["bias"]["history"])
+    totals = []
+    for i in range(steps):
+        rows = [r["bias"]["history"][i] for r in results]
+        assert all(h["ok"] and h["bias_dtype"] == "torch.float32" for h in rows)
+        assert all(h["delta"] == rows[0]["delta"] for h in rows)  # one update on every rank
+        tokens = [[sum(h["tokens"][layer][e] for h in rows) for e in range(4)] for layer in range(2)]
+        totals.append(tokens)
+        for layer, counts in enumerate(tokens):
+            mean = sum(counts) / 4
+            expected = [rate * ((mean > c) - (mean < c)) for c in counts]
+            assert max(abs(a - b) for a, b in zip(rows[0]["delta"][layer], expected, strict=True)) <= 1e-7, (i, rows)
+    assert totals[0] == [[64, 64, 0, 0]] * 2  # the global batch, 4 x 16 tokens at top-2, on experts 0 and 1
+    assert all(d[0] < 0 and d[1] < 0 and d[2] > 0 and d[3] > 0 for d in results[0]["bias"]["history"][0]["delta"])
+
+    def max_over_mean(counts):
+        return max(counts) / (sum(counts) / len(counts))
+
+    late = [max_over_mean(t) for tokens in totals[-4:] for t in tokens]
+    assert sum(late) / len(late) < 1.8, late
+    assert all(min(t[2:]) > 0 for tokens in totals[-4:] for t in tokens if max_over_mean(t) < 2), totals

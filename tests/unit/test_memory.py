@@ -227,3 +227,50 @@ def test_moe_estimate_names_its_uncalibrated_terms():
 
     assert moe_est().details["uncalibrated"] == list(UNCALIBRATED_MOE_TERMS)
     assert "uncalibrated" not in est().details
+
+
+def test_moe_shared_experts_by_hand():
+    """Shared experts (moeSharedExpertIntermediateSize 1024, SwiGLU) at TP=2: a dense MLP per layer split over TP,
+    3 x h x 1024 / 2 weights a layer, with the dense part's optimizer sharding; activations gain the activation's
+    input (two halves) and fc2's input of every token, 2 bytes x 3 x s x f / TP a layer."""
+    h, L, fs, s = 1024, 4, 1024, 2048
+    par = {"tensor": 2, "expert": 2, "expertTensor": 1}
+    base, shared = moe_est(par), moe_est(par, moeSharedExpertIntermediateSize=fs)
+    extra = L * 3 * h * fs / 2
+    assert shared.details["paramsPerGpu"] - base.details["paramsPerGpu"] == pytest.approx(extra)
+    assert shared.details["expertParamsPerGpu"] == base.details["expertParamsPerGpu"]
+    assert shared.weights - base.weights == pytest.approx(2 * extra)
+    assert shared.optimizer - base.optimizer == pytest.approx(12 * extra / 4)  # dense: data parallel 8 / 2
+    per_layer = shared.details["perLayerActivationBytes"] - base.details["perLayerActivationBytes"]
+    assert per_layer == pytest.approx(2 * 3 * s * fs / 2)
+    # the whole model's count (checkpoint size) has them too
+    from megatron_operator.memory import model_parameters
+
+    job = parse_job(make_job(parallelism=par, model={**MOE_MODEL, "moeSharedExpertIntermediateSize": fs}))
+    dense_job = parse_job(make_job(parallelism=par, model=MOE_MODEL))
+    assert model_parameters(job) - model_parameters(dense_job) == L * 3 * h * fs
+
+
+def test_moe_capacity_factor_by_hand():
+    """A capacity factor keeps each expert to that factor x its even share: 0.5 halves the routed rows (the rest
+    dropped), 1.5 drops none under even routing, and with padding to capacity every expert gets exactly it (1.5 x
+    the rows of even routing)."""
+    from megatron_operator.memory import _moe_layer_bytes
+
+    tokens, h, f, E, k = 2048, 1024, 512, 8, 2
+    router = 8 * tokens * E
+
+    def kept(**kw):
+        return _moe_layer_bytes(tokens, h, f, E, k, ep=4, etp=1, swiglu=True, dispatcher="alltoall", act_bytes=2,
+                                **kw)
+
+    rows_bytes = kept()[0] - router  # 2 bytes x tokens x k x (h + 3 f)
+    assert kept(capacity_factor=0.5)[0] - router == pytest.approx(0.5 * rows_bytes)
+    assert kept(capacity_factor=1.5) == kept()
+    assert kept(capacity_factor=1.5, pad_to_capacity=True)[0] - router == pytest.approx(1.5 * rows_bytes)
+    assert kept(capacity_factor=1.5, pad_to_capacity=True)[1] == pytest.approx(1.5 * kept()[1])  # all-to-all rows
+    # through estimate: spec.model's fields reach it
+    base = moe_est()
+    assert moe_est(moeExpertCapacityFactor=0.5).activations < base.activations
+    assert moe_est(moeExpertCapacityFactor=1.5).activations == base.activations
+    assert moe_est(moeExpertCapacityFactor=1.5, moePadExpertInputToCapacity=True).activations > base.activations

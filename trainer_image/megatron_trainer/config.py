@@ -118,6 +118,30 @@ class ModelConfig:
     moe_token_dispatcher_type: str = field(default="allgather", metadata=flag(
         "--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
         help="How tokens reach their experts' ranks: all-gather over the expert group, or all-to-all."))
+    moe_shared_expert_intermediate_size: int | None = field(default=None, metadata=flag(
+        "--moe-shared-expert-intermediate-size", type=int,
+        help="Hidden size of the shared experts' MLP, which every token passes (shared experts x each one's size; "
+             "default: none)."))
+    moe_router_score_function: str = field(default="softmax", metadata=flag(
+        "--moe-router-score-function", choices=("softmax", "sigmoid"),
+        help="Router scores: softmax (default) or sigmoid (DeepSeek-V3; the k chosen scores renormalised)."))
+    moe_router_enable_expert_bias: bool = field(default=False, metadata=flag(
+        "--moe-router-enable-expert-bias", action="store_true",
+        help="Aux-loss-free load balancing: a per-expert bias added to the scores for choosing the experts, "
+             "updated after each step from the tokens each expert got (needs sigmoid scores)."))
+    moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
+        "--moe-router-bias-update-rate", type=float,
+        help="Step of the expert bias' update per global batch (default 1e-3, DeepSeek-V3's)."))
+    moe_expert_capacity_factor: float | None = field(default=None, metadata=flag(
+        "--moe-expert-capacity-factor", type=float,
+        help="Each expert takes at most this factor x its even share of the tokens; the rest are dropped "
+             "(default: none dropped)."))
+    moe_token_drop_policy: str = field(default="probs", metadata=flag(
+        "--moe-token-drop-policy", choices=("probs", "position"),
+        help="Which tokens an expert over capacity drops: those of lowest probability (default) or the last."))
+    moe_pad_expert_input_to_capacity: bool = field(default=False, metadata=flag(
+        "--moe-pad-expert-input-to-capacity", action="store_true",
+        help="Pad every expert's tokens up to its capacity (fixed shapes; needs --moe-expert-capacity-factor)."))
     swiglu: bool = field(default=False, metadata=flag(
         "--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GeLU."))
     normalization: str = field(default="LayerNorm", metadata=flag(
@@ -734,7 +758,7 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
 def _validate_moe(cfg: TrainerConfig) -> None:
     """The router's flags (megatron-core's TransformerConfig and the experts' linear layers would fail on these)."""
     p, m = cfg.parallel, cfg.model
-    if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
+    if m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax:
         # transformer_config.py: a softmax over one logit has a zero gradient
         raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen logit "
                          "would give the router no gradient)")
@@ -750,6 +774,21 @@ def _validate_moe(cfg: TrainerConfig) -> None:
     for name, value in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-z-loss-coeff", m.moe_z_loss_coeff)):
         if value is not None and not value >= 0:
             raise ValueError(f"{name} must be >= 0 (a loss weight), got {value}")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared < 1:  # transformer_config.py raises on <= 0
+        raise ValueError(f"--moe-shared-expert-intermediate-size must be >= 1, got {shared}")
+    if shared is not None and shared % p.tensor:  # a dense MLP split over the TP ranks (shared_experts.py: MLP)
+        raise ValueError(f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by "
+                         f"--tensor-model-parallel-size ({p.tensor})")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":  # transformer_config.py
+        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    if not m.moe_router_bias_update_rate >= 0:  # a negative step would move the bias away from balance
+        raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {m.moe_router_bias_update_rate}")
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and not capacity > 0:  # megatron-core silently drops a negative factor (no capacity)
+        raise ValueError(f"--moe-expert-capacity-factor must be > 0, got {capacity}")
+    if m.moe_pad_expert_input_to_capacity and capacity is None:  # transformer_config.py
+        raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
 def _validate_training(cfg: TrainerConfig) -> None:
@@ -948,6 +987,13 @@ def ignored_flags(cfg: TrainerConfig) -> list[str]:
     if not cfg.model.num_experts:  # the router's flags of a dense model
         out += [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
                 if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(cfg.model, f.name) != f.default]
+    else:  # router flags that only act beside another one (megatron-core reads them only then)
+        m = cfg.model
+        out += [flag for flag, unused in (
+            ("--moe-router-pre-softmax", m.moe_router_pre_softmax and m.moe_router_score_function != "softmax"),
+            ("--moe-router-bias-update-rate", m.moe_router_bias_update_rate != 1e-3 and not m.moe_router_enable_expert_bias),
+            ("--moe-token-drop-policy", m.moe_token_drop_policy != "probs" and m.moe_expert_capacity_factor is None),
+        ) if unused]
     return out
 
 

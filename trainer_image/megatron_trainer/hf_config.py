@@ -85,6 +85,11 @@ def mismatches(cfg: TrainerConfig, hf: HfModel) -> list[str]:
         differ("--moe-router-pre-softmax", m.moe_router_pre_softmax,
                "norm_topk_prob (negated)" if hf.family == "qwen3_moe" else f"architecture {hf.architecture}",
                hf.moe_pre_softmax)
+        # Qwen3-MoE and Mixtral: no shared experts, softmax scores, no expert bias
+        differ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
+               f"architecture {hf.architecture} (shared experts)", None)
+        differ("--moe-router-score-function", m.moe_router_score_function,
+               f"architecture {hf.architecture} (router scores)", "softmax")
     elif m.num_experts:
         out.append(f"--num-experts {m.num_experts}: the Hugging Face model is dense")
     return out

@@ -217,7 +217,13 @@ def moe_kwargs(cfg: TrainerConfig) -> dict:
     return dict(moe_ffn_hidden_size=m.effective_moe_ffn_hidden_size, moe_router_pre_softmax=m.moe_router_pre_softmax,
                 moe_router_load_balancing_type=m.moe_router_load_balancing_type,
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff,
-                moe_router_dtype=m.moe_router_dtype, moe_token_dispatcher_type=m.moe_token_dispatcher_type)
+                moe_router_dtype=m.moe_router_dtype, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                moe_router_score_function=m.moe_router_score_function,
+                moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+                moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+                moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_drop_policy=m.moe_token_drop_policy,
+                moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity)
 
 
 def layer_spec(cfg: TrainerConfig, path: ModelPath):
