@@ -128,37 +128,23 @@ def _fmt(x: float) -> str:
     return repr(float(x))  # round-trips exactly through float()
 
 
+#: spec.model's MoE fields beyond numExperts and moeRouterTopk, in flag order; each renders as its Megatron flag
+#: (the field's name with hyphens): a switch when true, a float as _fmt writes it, anything else as it is.
+_MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+               "moe_z_loss_coeff", "moe_router_dtype", "moe_token_dispatcher_type",
+               "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+               "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
+               "moe_pad_expert_input_to_capacity")
+
+
 def _moe_flags(m: ModelSpec, flag: Callable[..., None]) -> None:
     """The MoE block's flags beyond --num-experts and --moe-router-topk, each only when set (unset: the
     trainer's defaults, which are megatron-core's)."""
-    if m.moe_ffn_hidden_size is not None:
-        flag("moe-ffn-hidden-size", m.moe_ffn_hidden_size)
-    if m.moe_router_pre_softmax:
-        flag("moe-router-pre-softmax")
-    if m.moe_router_load_balancing_type is not None:
-        flag("moe-router-load-balancing-type", m.moe_router_load_balancing_type)
-    if m.moe_aux_loss_coeff is not None:
-        flag("moe-aux-loss-coeff", _fmt(m.moe_aux_loss_coeff))
-    if m.moe_z_loss_coeff is not None:
-        flag("moe-z-loss-coeff", _fmt(m.moe_z_loss_coeff))
-    if m.moe_router_dtype is not None:
-        flag("moe-router-dtype", m.moe_router_dtype)
-    if m.moe_token_dispatcher_type is not None:
-        flag("moe-token-dispatcher-type", m.moe_token_dispatcher_type)
-    if m.moe_shared_expert_intermediate_size is not None:
-        flag("moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)
-    if m.moe_router_score_function is not None:
-        flag("moe-router-score-function", m.moe_router_score_function)
-    if m.moe_router_enable_expert_bias:
-        flag("moe-router-enable-expert-bias")
-    if m.moe_router_bias_update_rate is not None:
-        flag("moe-router-bias-update-rate", _fmt(m.moe_router_bias_update_rate))
-    if m.moe_expert_capacity_factor is not None:
-        flag("moe-expert-capacity-factor", _fmt(m.moe_expert_capacity_factor))
-    if m.moe_token_drop_policy is not None:
-        flag("moe-token-drop-policy", m.moe_token_drop_policy)
-    if m.moe_pad_expert_input_to_capacity:
-        flag("moe-pad-expert-input-to-capacity")
+    for name in _MOE_FIELDS:
+        value = getattr(m, name)
+        if value is None or value is False:
+            continue
+        flag(name.replace("_", "-"), None if value is True else _fmt(value) if isinstance(value, float) else value)
 
 
 def megatron_args(job: MegatronJob) -> list[str]:

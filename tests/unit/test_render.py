@@ -605,3 +605,23 @@ def test_every_example_renders_as_before_and_the_golden_snapshots_have_no_pod_ad
             assert "initContainers" not in ps and "topologySpreadConstraints" not in ps, path.name
             assert ps["automountServiceAccountToken"] is True, path.name
             assert "trainer-token" not in [v["name"] for v in ps["volumes"]], path.name
+
+
+def test_every_moe_field_renders_as_its_flag_and_none_is_left_out_of_the_table():
+    from megatron_operator import render as R
+    from megatron_operator.spec import ModelSpec
+    from spec_table import CASES
+
+    moe = {f for f in ModelSpec.model_fields if f.startswith("moe_")} - {"moe_router_topk"}
+    assert set(R._MOE_FIELDS) == moe  # a new field outside the table would never reach the trainer
+    jobs = {name: doc for name, doc, _ in CASES if name in ("moe-full-block", "moe-shared-sigmoid-bias-capacity")}
+    args = " ".join(megatron_args(parse_job(jobs["moe-full-block"])))
+    assert ("--moe-ffn-hidden-size 512 --moe-router-pre-softmax --moe-router-load-balancing-type seq_aux_loss "
+            "--moe-aux-loss-coeff 0.001 --moe-z-loss-coeff 0.001 --moe-router-dtype fp32 "
+            "--moe-token-dispatcher-type alltoall") in args
+    args = " ".join(megatron_args(parse_job(jobs["moe-shared-sigmoid-bias-capacity"])))
+    assert ("--moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 512 "
+            "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
+            "--moe-expert-capacity-factor 1.25 --moe-token-drop-policy position "
+            "--moe-pad-expert-input-to-capacity") in args
+    assert "--moe-router-pre-softmax" not in args and "--moe-ffn-hidden-size" not in args  # unset: not rendered
