@@ -4,6 +4,11 @@
              Qwen3), tiny and random (made here with transformers), imported at TP=1, TP=2 and PP=2 in
              fp32 and bf16 (tests/trainer/hf_cpu_check.py on CUDA/NCCL): logits against transformers'
              own, argmax, then export -> every tensor bit-identical to the source, config.json equal
+  hf_moe_logits
+             issue 50: the MoE fixtures (tiny Qwen3-MoE, tiny Mixtral) at every (TP, EP) the GPU count holds
+             (EP 1/2/4 x TP 1/2; EP 2 also with SequentialMLP experts), fp32 and bf16, with the all-to-all
+             dispatcher (the CPU tests can only run all-gather): logits against transformers, argmax,
+             export round trip bit-identical; checked as hf_logits
   hf_train   the real trainer (torchrun, TP=2): --hf-init, 20 iterations, --hf-export; the saved
              torch_dist checkpoint exported again under PP=2 with --hf-export-only must be
              bit-identical; transformers' logits of the export against Megatron's (the export
@@ -71,6 +76,32 @@ def scenario_hf_logits(ctx) -> dict:
         for r in results:
             failures += _verdict(r)
     return {"ok": not failures, "failures": failures, "results": out}
+
+
+MOE_ARCHS = ["tiny-qwen3-moe", "tiny-mixtral"]
+# (TP, EP, experts) of hf_moe_logits; the world is TP x EP (data parallel = EP, PP 1)
+MOE_LOGIT_LAYOUTS = ((1, 1, "grouped"), (1, 2, "grouped"), (1, 2, "sequential"), (2, 1, "grouped"),
+                     (2, 2, "grouped"), (1, 4, "grouped"))
+
+
+def scenario_hf_moe_logits(ctx) -> dict:
+    work = WORK / "hf_moe_logits"
+    out, failures = {}, []
+    for tp, ep, experts in MOE_LOGIT_LAYOUTS:
+        key = f"tp{tp}ep{ep}-{experts}"
+        if tp * ep > ctx["gpus"] or (ctx.get("moe_only") and key not in ctx["moe_only"]):
+            out[key] = {"skipped": f"needs {tp * ep} GPUs" if tp * ep > ctx["gpus"] else "not in --moe-only"}
+            continue
+        results = hc.run(MOE_ARCHS, tp, 1, ("fp32", "bf16"), "cuda", work, ep=ep, experts=experts,
+                         dispatcher="alltoall")
+        out[key] = results
+        for r in results:
+            failures += [f"ep{ep} {experts}: {f}" for f in _verdict(r)]
+            if "error" not in r and r.get("experts") != ("GroupedMLP" if experts == "grouped" else "SequentialMLP"):
+                failures.append(f"{r['arch']} tp{tp}ep{ep}: built {r.get('experts')}, asked for {experts}")
+    ran = [k for k, v in out.items() if isinstance(v, list)]
+    return {"ok": bool(ran) and not failures, "failures": failures or ([] if ran else ["no layout ran"]),
+            "layouts_run": ran, "results": out}
 
 
 def _argv(config: dict, tp: int, pp: int, iters: int, extra: list[str]) -> list[str]:
@@ -320,6 +351,9 @@ def scenario_hf_pods(ctx) -> dict:
 SCENARIOS = {
     "hf_logits": Scenario(scenario_hf_logits, "HF fixtures imported at TP=1, TP=2, PP=2 in fp32 and bf16: logits vs "
                           "transformers; export round trip bit-identical", 120, min_gpus=2),
+    "hf_moe_logits": Scenario(scenario_hf_moe_logits, "issue 50: tiny Qwen3-MoE and Mixtral at EP 1/2/4 x TP 1/2, "
+                              "all-to-all, fp32 and bf16: logits vs transformers; export round trip bit-identical",
+                              60, min_gpus=2),
     "hf_train": Scenario(scenario_hf_train, "--hf-init, 20 iterations, --hf-export; export-only under PP=2 identical; "
                          "resume without the HF directory", 150, min_gpus=2),
     "hf_bench": Scenario(scenario_hf_bench, "a Llama-3.2-1B-shaped model: HF start vs torch_dist resume, peak RSS per "

@@ -6,7 +6,13 @@ the same device call. Registered in suite.py.
                QK norm, vocabulary 151936), its 48 layers cut to 8 so that it fits 2 x H200 at EP2
                (--moe-layout ep2; on 4 GPUs ep4 or tp2ep2); target: ours >= 2x Megatron-LM
   moe_mixtral  issue 50: a Mixtral-8x7B-shaped model (8 experts of ffn 14336, top-2, GQA 32/8), its 32 layers
-               cut to 4 (--moe-layout ep2; on 4 GPUs tp2ep2, issue 50's layout, or ep4); target: >= 1.3x
+               cut to 4 (--moe-layout ep2; on 4 GPUs tp2ep2, issue 50's layout, or ep4); target: >= 1.3x.
+               At TP > 1 Megatron-LM is not run: without Transformer Engine or Apex it cannot train MoE there
+               (MLM_NO_MOE_AT_TP says why); ours runs alone
+  moe_resume   issue 50: a small MoE model (MOE_SMALL) with --deterministic-mode, per router variant
+               (RESUME_VARIANTS: softmax + aux loss; sigmoid + expert bias + shared expert + capacity factor) at
+               EP2 (on 4 GPUs also TP2 x EP2 and EP4; --moe-only picks): kill -9 at iteration 25, restart, the
+               later losses bit-identical to an uninterrupted run's
 
 Each scenario runs, one after the other: ours (the trainer, its default grouped-GEMM experts), Megatron-LM
 (bench/mlm_moe_peer.sh, its source at core_v0.19.0 carried in .run/mlm), and, where the deadline leaves time
@@ -33,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -42,18 +49,22 @@ import time
 import urllib.request
 from pathlib import Path
 
+from correctness import summary_losses
 from harness import (
     DEADLINE,
     DP_OVERLAP,
     ITER_RE,
     LOGS,
     REPO,
+    RESUMED_RE,
     STARTUP_RE,
+    WORK,
     Run,
     Scenario,
     all_gpus,
     bounded,
     check,
+    ckpt_state,
     free_port,
     mlm_losses_per_iteration,
     model_args,
@@ -83,6 +94,11 @@ TARGETS = {"qwen3": 2.0, "mixtral": 1.3}
 PEER = REPO / "bench" / "mlm_moe_peer.sh"
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 (megatron_trainer.flops.PEAK_BF16_FLOPS)
 SEQUENTIAL_ENV = {"MEGATRON_TRAINER_MOE_EXPERTS": "sequential"}
+# Why Megatron-LM is not run at TP > 1 (found on 4 x H200, 2026-11-28: --moe-layout tp2ep2 exited 1 on every rank).
+MLM_NO_MOE_AT_TP = ("Megatron-LM without Transformer Engine or Apex cannot train MoE at TP > 1: MoELayer raises in "
+                    "training at TP > 1 without --sequence-parallel (megatron/core/transformer/moe/moe_layer.py), and "
+                    "the local spec's torch norm asserts 'sequence parallel not supported by torch LayerNorm' "
+                    "(megatron/core/transformer/torch_norm.py)")
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs and MFU
@@ -325,6 +341,8 @@ def moe_compare(ctx, shape: str) -> dict:
     out["ours"] = run_ours(f"moe_{shape}_{layout}_ours", m, layout, iters, warmup)
     if ctx.get("moe_skip_mlm"):
         out["megatron_lm"] = {"not_run": "--moe-skip-mlm"}
+    elif tp > 1:
+        out["megatron_lm"] = {"not_run": MLM_NO_MOE_AT_TP}
     elif not (REPO / ".run" / "mlm" / "pretrain_gpt.py").is_file():
         out["megatron_lm"] = {"not_run": "Megatron-LM's source (.run/mlm) not carried"}
     elif time.monotonic() + 120 > DEADLINE[0]:
@@ -411,12 +429,117 @@ def write_outputs(out_dir, out: dict) -> None:
     stem.with_suffix(".md").write_text(table(out))
 
 
+# ------------------------------------------------------------------------------------ resume at EP > 1
+# A small MoE model (8 experts of 512, top-2) for the resume scenario: fast enough for three 40-iteration runs
+# per variant in one call. The variants are issue 50's router settings: Megatron's softmax top-k with the
+# auxiliary loss, and sigmoid scores with the aux-loss-free expert bias (which changes after every step and lives
+# in the checkpoint beside the router's weight), a shared expert and a capacity factor that drops tokens.
+MOE_SMALL = dict(layers=4, hidden=512, heads=8, groups=4, head_dim=64, ffn=2048, experts=8, moe_ffn=512, topk=2,
+                 shared_ffn=0, qk_norm=False, seq=512, vocab=8192, rotary_base=10000, norm_eps="1e-05",
+                 aux_loss=1e-2, mbs=4, arch="moe")
+RESUME_VARIANTS = {
+    "softmax_aux_loss": [],
+    "sigmoid_expert_bias": ["--moe-router-load-balancing-type", "none", "--moe-router-score-function", "sigmoid",
+                            "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.001",
+                            "--moe-shared-expert-intermediate-size", "1024", "--moe-expert-capacity-factor", "1.5",
+                            "--moe-token-drop-policy", "probs"],
+}
+RESUME_LAYOUTS = {"ep2": (2, 1, 2), "tp2ep2": (4, 2, 2), "ep4": (4, 1, 4)}
+
+
+def resume_args(variant: str, tp: int, ep: int, dp: int, save: str) -> list[str]:
+    """The trainer's command line for one resume variant: 40 iterations, async saves every 10, deterministic."""
+    flags = moe_flags(MOE_SMALL)
+    if variant != "softmax_aux_loss":  # the aux loss's two flags out: the variant balances by the expert bias
+        i = flags.index("--moe-router-load-balancing-type")
+        del flags[i:i + 2]
+        i = flags.index("--moe-aux-loss-coeff")
+        del flags[i:i + 2]
+    return trainer_args(MOE_SMALL, tp=tp, ep=ep, mbs=MOE_SMALL["mbs"], gbs=MOE_SMALL["mbs"] * dp * 2, iters=40,
+                        save=save, save_interval=10, extra=[*flags, *RESUME_VARIANTS[variant], "--deterministic-mode"])
+
+
+def scenario_moe_resume(ctx) -> dict:
+    """issue 50: resume at EP > 1, bit-exact. Per variant (RESUME_VARIANTS) at each layout the call holds (ep2 on 2
+    GPUs; also tp2ep2 and ep4 on 4): an uninterrupted 40-iteration run with --deterministic-mode and async saves
+    every 10; the same run killed (kill -9 of the last rank) at iteration 25; its restart must resume from the newest
+    complete checkpoint with the optimizer's step, and every later loss must equal the uninterrupted run's bit for
+    bit. With the expert bias, a bias not restored would route differently and show in the losses."""
+    out: dict = {}
+    failures: list[str] = []
+    for layout, (gpus, tp, ep) in RESUME_LAYOUTS.items():
+        if gpus > ctx["gpus"] or (ctx.get("moe_only") and layout not in ctx["moe_only"]):
+            out[layout] = {"skipped": f"needs {gpus} GPUs" if gpus > ctx["gpus"] else "not in --moe-only"}
+            continue
+        for variant in RESUME_VARIANTS:
+            tag = f"{layout}_{variant}"
+            if time.monotonic() + 120 > DEADLINE[0]:
+                out[tag] = {"skipped": "deadline"}
+                failures.append(f"{tag}: skipped by the deadline")
+                continue
+            env = {"MEGATRON_CHECKPOINT_KEEP": "3", **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {})}
+            ref_save, kill_save = (str(WORK / "ckpt" / f"moe_{kind}_{tag}") for kind in ("ref", "kill"))
+            for d in (ref_save, kill_save):
+                shutil.rmtree(d, ignore_errors=True)
+            r: dict = {"layout": f"TP{tp} EP{ep} DP{gpus // tp}", "variant": variant}
+            out[tag] = r
+            ref = Run(f"moe_resume_ref_{tag}", gpus, resume_args(variant, tp, ep, gpus // tp, ref_save), env=env)
+            rc = ref.wait(300)
+            ref.close()
+            exact_ref = summary_losses(ref.log_path)
+            experts = re.search(r"MoE experts=([^,\n]*)", ref.text())
+            r.update(ref_rc=rc, ref_loss_first=exact_ref.get(1), ref_loss_last=exact_ref.get(40),
+                     experts=experts.group(1).strip() if experts else None)
+            check(rc == 0 and sorted(exact_ref) == list(range(1, 41)), f"{tag}: reference rc={rc}, "
+                  f"{len(exact_ref)} losses", failures)
+            killed_run = Run(f"moe_resume_kill_{tag}", gpus, resume_args(variant, tp, ep, gpus // tp, kill_save),
+                             env=env)
+            hit = killed_run.wait_for(re.compile(r"iteration\s+25/"), 240)
+            killed = killed_run.kill_rank(gpus - 1)
+            killed_run.wait(30)
+            killed_run.kill_tree()
+            killed_run.wait(60)
+            killed_run.close()
+            complete = [it for it, ok in ckpt_state(kill_save)["checkpoints"].items() if ok]
+            expected = max(complete) if complete else None
+            again = Run(f"moe_resume_restart_{tag}", gpus, resume_args(variant, tp, ep, gpus // tp, kill_save),
+                        env=env)
+            rc2 = again.wait(300)
+            again.close()
+            text = again.text()
+            resumed = RESUMED_RE.search(text)
+            exact = summary_losses(again.log_path)
+            start = int(resumed.group(2)) if resumed else None
+            later = sorted(i for i in exact if start is not None and i > start)
+            differing = [(i, exact[i], exact_ref.get(i)) for i in later if exact[i] != exact_ref.get(i)]
+            adam = re.search(r"optimizer resumes at AdamW step ([0-9.e+]+)", text)
+            warned = sorted(set(re.findall(r"(\w+) does not have a deterministic implementation", text)))
+            check(hit is not None and killed, f"{tag}: kill at 25 not done", failures)
+            check(rc2 == 0 and start is not None and start == expected,
+                  f"{tag}: restart rc={rc2}, resumed from {start}, newest complete {expected}", failures)
+            check(expected is not None and later == list(range(expected + 1, 41)), f"{tag}: resumed iterations "
+                  f"{later[:3]}..{later[-1:]}", failures)
+            check(not differing, f"{tag}: not bit-identical: {differing[:3]}", failures)
+            check(adam is not None and start is not None and float(adam.group(1)) == start,
+                  f"{tag}: AdamW step after the load {adam.group(1) if adam else None}, resumed {start}", failures)
+            r.update(resumed_from=start, newest_complete=expected, compared=[later[0], later[-1]] if later else None,
+                     bit_identical=bool(later) and not differing, first_differences=differing[:3],
+                     restart_rc=rc2, ops_without_deterministic_kernel=warned,
+                     startup_on_resume_s=(float(m.group(1)) if (m := STARTUP_RE.search(text)) else None))
+    out["ok"] = not failures and any("bit_identical" in v for v in out.values() if isinstance(v, dict))
+    out["failures"] = failures
+    return out
+
+
 # name -> Scenario(the function, its line in --list, rough seconds per layout); suite.py registers them.
 SCENARIOS = {
     "moe_qwen3": Scenario(scenario_moe_qwen3, "issue 50: Qwen3-30B-A3B shape (layers cut) per --moe-layout, ours / "
                           "Megatron-LM (/ ours with SequentialMLP): iteration time, MFU by active params, memory", 300),
     "moe_mixtral": Scenario(scenario_moe_mixtral, "issue 50: Mixtral-8x7B shape (layers cut) per --moe-layout, ours / "
-                            "Megatron-LM (/ ours with SequentialMLP): iteration time, MFU by active params, memory", 300),
+                            "Megatron-LM (/ ours with SequentialMLP): iteration time, MFU by active params, memory", 150),
+    "moe_resume": Scenario(scenario_moe_resume, "issue 50: a small MoE model at EP2 (4 GPUs: also TP2xEP2, EP4), "
+                           "softmax + aux loss and sigmoid + expert bias + shared expert + capacity: kill -9, resume, "
+                           "later losses bit-identical", 200, min_gpus=2),
 }
 
 

@@ -7,6 +7,8 @@
                must be >= 90 % exact. The trainer's final validation loss must equal transformers' loss
                of the export on the answer tokens of the same validation samples, and not its loss over
                all tokens (prompt tokens are not in the reported loss).
+  sft_moe      issue 50: sft_reverse on a tiny Qwen3-MoE (8 experts, top-2, norm_topk_prob) at EP 2 with the
+               all-to-all dispatcher: the same data, export, generate >= 90 % exact, answer-only validation loss
   sft_bench    the same Llama-architecture model and sequence length trained three ways in one call:
                pretraining on mock data, SFT padded, SFT packed (chat data of realistic length spread);
                iteration time, tokens/s over all positions and over real tokens, padding waste.
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,8 +54,32 @@ def _make_llama(directory: Path, hidden: int, layers: int, heads: int, kv: int, 
     return json.loads((directory / "config.json").read_text())
 
 
-def _argv(config: dict, seq: int, iters: int, gpus: int, extra: list[str]) -> list[str]:
-    argv = hc.trainer_argv(config, gpus, 1, "bf16")
+def _make_qwen3_moe(directory: Path, hidden: int, layers: int, heads: int, kv: int, experts: int, topk: int,
+                    moe_ffn: int, vocab: int, max_pos: int) -> dict:
+    """A tiny Qwen3-MoE (every layer MoE, norm_topk_prob true as Qwen3-30B-A3B), random, with the test tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=hidden, intermediate_size=4 * hidden,
+                               moe_intermediate_size=moe_ffn, num_experts=experts, num_experts_per_tok=topk,
+                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                               head_dim=hidden // heads, vocab_size=vocab, max_position_embeddings=max_pos,
+                               rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                               router_aux_loss_coef=0.001)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(directory)
+    del model
+    make_tokenizer(directory, CHATML, eos="<|im_end|>")
+    return json.loads((directory / "config.json").read_text())
+
+
+def _argv(config: dict, seq: int, iters: int, gpus: int, extra: list[str], ep: int = 1) -> list[str]:
+    """TP = the GPUs of the call over `ep` (a MoE model: expert parallel `ep`, the all-to-all dispatcher)."""
+    argv = hc.trainer_argv(config, gpus // ep, 1, "bf16", ep=ep, dispatcher="alltoall" if ep > 1 else None)
     for flag_name, value in (("--train-iters", iters), ("--seq-length", seq)):
         argv[argv.index(flag_name) + 1] = str(value)
     for drop in ("--mock-data",):
@@ -126,11 +153,26 @@ def _generate_exact(model_dir: Path, held_out: list[dict]) -> dict:
 
 
 def scenario_sft_reverse(ctx) -> dict:
+    return _sft_reverse(ctx, "sft_reverse", moe=False)
+
+
+def scenario_sft_moe(ctx) -> dict:
+    return _sft_reverse(ctx, "sft_moe", moe=True)
+
+
+def _sft_reverse(ctx, name: str, moe: bool) -> dict:
+    """sft_reverse (a tiny Llama, TP = the call's GPUs up to 2) or sft_moe (issue 50: a tiny Qwen3-MoE, 8 experts,
+    top-2, at EP 2 with the all-to-all dispatcher and the auxiliary loss): the same data, checks and target."""
     gpus = min(ctx.get("gpus", 1), 2)
-    work = WORK / "sft_reverse"
+    work = WORK / name
     src, out = work / "src", work / "export"
     seq, iters, gbs, micro = 128, ctx.get("sft_iters", 400), 32, 8
-    config = _make_llama(src, hidden=256, layers=4, heads=4, kv=2, ffn=688, vocab=64, max_pos=seq)
+    ep = gpus if moe else 1
+    if moe:
+        config = _make_qwen3_moe(src, hidden=256, layers=4, heads=4, kv=2, experts=8, topk=2, moe_ffn=256, vocab=64,
+                                 max_pos=seq)
+    else:
+        config = _make_llama(src, hidden=256, layers=4, heads=4, kv=2, ffn=688, vocab=64, max_pos=seq)
     convs = reversal_conversations(1000, seed=1)
     seen = {c["messages"][1]["content"] for c in convs[:800]}
     held_out = [c for c in reversal_conversations(400, seed=2) if c["messages"][1]["content"] not in seen][:100]
@@ -140,13 +182,21 @@ def scenario_sft_reverse(ctx) -> dict:
     argv = _argv(config, seq, iters, gpus, [
         "--hf-init", str(src), "--hf-export", str(out), "--micro-batch-size", str(micro),
         "--global-batch-size", str(gbs), "--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", "20",
-        "--eval-iters", str(eval_iters), "--eval-interval", "100", *_sft_flags(src, train, valid, True)])
-    run = Run("sft_reverse", gpus, argv)
+        "--eval-iters", str(eval_iters), "--eval-interval", "100", *_sft_flags(src, train, valid, True),
+        *(["--moe-aux-loss-coeff", "0.001"] if moe else [])], ep=ep)
+    run = Run(name, gpus, argv)
     rc = run.wait(400)
     failures: list[str] = []
     summary = run.summary() or {}
-    res: dict = {"rc": rc, "gpus": gpus, "iterations": iters, "losses": run.losses(), "summary": summary}
-    check(rc == 0, f"sft_reverse exit {rc}", failures)
+    res: dict = {"rc": rc, "gpus": gpus, "expert_parallel": ep, "iterations": iters, "losses": run.losses(),
+                 "summary": summary}
+    check(rc == 0, f"{name} exit {rc}", failures)
+    if moe:
+        experts = re.search(r"MoE experts=([^,\n]*)", run.text())
+        res["experts"] = experts.group(1).strip() if experts else None
+        router = re.findall(r"MoE iteration\s+(\d+) \|(.*)", run.text())
+        res["router_log_last"] = router[-1][1].strip()[:300] if router else None
+        check(res["experts"] is not None, "the trainer logged which experts it built", failures)
     check("sft data (chat" in run.text(), "the trainer logged its SFT data counts", failures)
     if rc == 0 and (out / "config.json").is_file():
         gen = _generate_exact(out, held_out)
@@ -282,6 +332,8 @@ def scenario_sft_sigterm(ctx) -> dict:
 SCENARIOS = {
     "sft_reverse": Scenario(scenario_sft_reverse, "fine-tune a tiny Llama on digit reversal, export: generate >= 90 % "
                             "exact; validation loss = the answer-only loss"),
+    "sft_moe": Scenario(scenario_sft_moe, "issue 50: sft_reverse on a tiny Qwen3-MoE at EP2 (all-to-all): generate "
+                        ">= 90 % exact; validation loss = the answer-only loss", 120, min_gpus=2),
     "sft_bench": Scenario(scenario_sft_bench, "pretraining vs SFT padded vs SFT packed on a Llama-3.2-1B shape: "
                           "iteration time, tokens/s, padding waste"),
     "sft_pods": Scenario(scenario_sft_pods, "the rendered pods of e2e/gpu/jobs/sft-tiny.yaml: SIGTERM, resume of the "

@@ -14,11 +14,13 @@ documented in its module's docstring:
   performance.py  bench, perf, memory, detcost, objbench, collectives, rope, disk: speed, memory and I/O
                   against the peers and the hardware
   mlm_compare.py  threeway, stepdump: ours against Megatron-LM's own pretrain_gpt.py
-  moe.py          moe_qwen3, moe_mixtral: mixture-of-experts shapes, ours against Megatron-LM (issue 50)
+  moe.py          moe_qwen3, moe_mixtral: mixture-of-experts shapes, ours against Megatron-LM (issue 50);
+                  moe_resume: kill -9 and a bit-exact resume at EP > 1
   scale.py        goodput, diskfull: what a job loses to saves, starts, failures and layout changes; a full
                   checkpoint volume
-  hf.py           hf_logits, hf_train, hf_bench, hf_pods, hf_store: Hugging Face import and export
-  sft.py          sft_reverse, sft_bench, sft_pods, sft_sigterm: supervised fine-tuning
+  hf.py           hf_logits, hf_moe_logits, hf_train, hf_bench, hf_pods, hf_store: Hugging Face import and
+                  export
+  sft.py          sft_reverse, sft_moe, sft_bench, sft_pods, sft_sigterm: supervised fine-tuning
   harness.py      what the families share (Run, trainer_args, MODELS, checks, peers, pods_job, the
                   outputs); no scenario
 
@@ -183,6 +185,10 @@ def main() -> int:
     ap.add_argument("--moe-sequential", default="auto", choices=("auto", "on", "off"),
                     help="ours with SequentialMLP experts as a third run: auto where the deadline leaves time")
     ap.add_argument("--moe-skip-mlm", action="store_true", help="MoE scenarios without Megatron-LM (recorded as not run)")
+    ap.add_argument("--moe-only", default=None,
+                    help="comma-separated: the layouts moe_resume runs (ep2, tp2ep2, ep4) and hf_moe_logits' "
+                         "(tp1ep1-grouped, tp1ep2-grouped, tp1ep2-sequential, tp2ep1-grouped, tp2ep2-grouped, "
+                         "tp1ep4-grouped); default every one the GPU count holds")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting scenarios after this; runs already started are cut OVERRUN_S (30 s) "
                     "after it, so keep it at least 60 s under the device call's limit (wheel install, exit)")
@@ -229,7 +235,8 @@ def main() -> int:
            "pod_jobs": tuple(filter(None, args.pod_jobs.split(","))),
            "moe_layout": args.moe_layout, "moe_iters": args.moe_iters, "moe_warmup": args.moe_warmup,
            "moe_layers": args.moe_layers, "moe_gbs": args.moe_gbs, "moe_sequential": args.moe_sequential,
-           "moe_skip_mlm": args.moe_skip_mlm}
+           "moe_skip_mlm": args.moe_skip_mlm,
+           "moe_only": set(args.moe_only.split(",")) if args.moe_only else None}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
     ctx["det_env"] = dict(MATH_DETERMINISTIC_ENV) if args.deterministic_attention == "math" else {}

@@ -67,9 +67,11 @@ def make_model(arch: str, directory: Path, dtype: str = "float32", seed: int = 0
     return json.loads((directory / "config.json").read_text())
 
 
-def trainer_argv(config: dict, tp: int, pp: int, precision: str, ep: int = 1) -> list[str]:
+def trainer_argv(config: dict, tp: int, pp: int, precision: str, ep: int = 1,
+                 dispatcher: str | None = None) -> list[str]:
     """The trainer command line for the model (what `megatron-operator hf-config` + render produce; for a
-    mixture-of-experts model, the MoE flags the trainer compares with config.json)."""
+    mixture-of-experts model, the MoE flags the trainer compares with config.json; `dispatcher`: its
+    --moe-token-dispatcher-type, Megatron's default (allgather) when None)."""
     from megatron_trainer.hf_config import parse_config
 
     m = parse_config(config, SEQ)
@@ -97,6 +99,8 @@ def trainer_argv(config: dict, tp: int, pp: int, precision: str, ep: int = 1) ->
                  "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size), "--expert-model-parallel-size", str(ep)]
         if m.moe_pre_softmax:
             argv.append("--moe-router-pre-softmax")
+        if dispatcher:
+            argv += ["--moe-token-dispatcher-type", dispatcher]
         if tp > 1:  # megatron-core trains MoE at TP > 1 only with it
             argv.append("--sequence-parallel")
     if precision == "bf16":
@@ -221,7 +225,7 @@ def worker(rank: int, world: int, args, port: int, results_path: str) -> None:
             job: dict = {"src": src.name, "precision": precision}
             result["jobs"].append(job)
             config = json.loads((src / "config.json").read_text())
-            argv = trainer_argv(config, args.tp, args.pp, precision, args.ep)
+            argv = trainer_argv(config, args.tp, args.pp, precision, args.ep, getattr(args, "dispatcher", None))
             cfg, model, padded = build(argv + ["--hf-init", str(src.resolve())], device, args.experts)
             job["path"] = describe_experts(model)
             source = validate_source(src, cfg)
@@ -290,7 +294,7 @@ def compare_export(src: Path, out: Path) -> dict:
 
 def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32",), device: str = "cpu",
         work: Path | None = None, max_shard_bytes: int = 5 * 10**9, ep: int = 1, experts: str = "grouped",
-        compile_fusions: bool = True) -> list[dict]:
+        compile_fusions: bool = True, dispatcher: str | None = None) -> list[dict]:
     """Every (arch, precision) at one TP x PP (x EP) layout, in one set of worker processes: one result each.
     `compile_fusions=False` runs Megatron's jit_fuser functions (the experts' weighted SwiGLU) eagerly: torch.compile
     on the CPU costs about 10 s a process."""
@@ -304,9 +308,10 @@ def run(archs: list[str], tp: int, pp: int, precisions: tuple[str, ...] = ("fp32
             if not src.exists():
                 src.mkdir(parents=True)
                 make_model(arch, src, "float32" if precision == "fp32" else "bfloat16")
-            jobs.append((str(src), str(work / f"{arch}-tp{tp}pp{pp}ep{ep}-{experts}-{precision}-export"), precision))
+            jobs.append((str(src), str(work / f"{arch}-tp{tp}pp{pp}ep{ep}-{experts}-{dispatcher or 'default'}-"
+                                                 f"{precision}-export"), precision))
     return run_jobs(jobs, tp, pp, device, work, max_shard_bytes, ep=ep, experts=experts,
-                    compile_fusions=compile_fusions)
+                    compile_fusions=compile_fusions, dispatcher=dispatcher)
 
 
 @contextlib.contextmanager
@@ -327,7 +332,7 @@ def fusions_compiled(compile_fusions: bool):
 
 def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, work: Path,
              max_shard_bytes: int = 5 * 10**9, endpoint: str | None = None, ep: int = 1,
-             experts: str = "grouped", compile_fusions: bool = True) -> list[dict]:
+             experts: str = "grouped", compile_fusions: bool = True, dispatcher: str | None = None) -> list[dict]:
     """(HF source directory, export directory or s3://BUCKET/PREFIX, precision) jobs at one layout, one set
     of workers. An s3:// export goes to `endpoint` (credentials from boto3's chain); the caller downloads
     it to compare (no "roundtrip" here)."""
@@ -339,8 +344,8 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = argparse.Namespace(tp=tp, pp=pp, ep=ep, experts=experts, jobs=jobs, device=device,
-                              max_shard_bytes=max_shard_bytes, endpoint=endpoint)
-    results = str(work / f"results-{tp}-{pp}-{ep}-{experts}")
+                              max_shard_bytes=max_shard_bytes, endpoint=endpoint, dispatcher=dispatcher)
+    results = str(work / f"results-{tp}-{pp}-{ep}-{experts}-{dispatcher or 'default'}")
     world = tp * pp * ep  # the expert grid (expert TP = TP) x EP must divide the world: data parallel = EP
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, args, port, results)) for r in range(world)]
@@ -356,7 +361,8 @@ def run_jobs(jobs: list[tuple[str, str, str]], tp: int, pp: int, device: str, wo
     errors = [r["error"] for r in per_rank if "error" in r]
     out = []
     for i, (src, dst, precision) in enumerate(jobs):
-        summary = {"arch": Path(src).name.split("-src")[0], "tp": tp, "pp": pp, "ep": ep, "precision": precision}
+        summary = {"arch": Path(src).name.split("-src")[0], "tp": tp, "pp": pp, "ep": ep, "precision": precision,
+                   **({"dispatcher": dispatcher} if dispatcher else {})}
         done = [r["jobs"][i] for r in per_rank if len(r.get("jobs", [])) > i]
         if len(done) < world or errors:
             summary["error"] = errors[0] if errors else "not run"
@@ -384,12 +390,13 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--experts", default="grouped", choices=("grouped", "sequential"))
+    ap.add_argument("--dispatcher", default=None, choices=("allgather", "alltoall"))
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32,bf16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--work")
     args = ap.parse_args()
     out = run(args.arch.split(","), args.tp, args.pp, tuple(args.precision.split(",")), args.device,
-              Path(args.work) if args.work else None, ep=args.ep, experts=args.experts)
+              Path(args.work) if args.work else None, ep=args.ep, experts=args.experts, dispatcher=args.dispatcher)
     print(json.dumps(out, indent=2))
     return 0 if all("error" not in r for r in out) else 1
 

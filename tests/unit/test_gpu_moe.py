@@ -241,3 +241,39 @@ def test_the_suites_table_has_a_line_per_program():
     assert len(moe_lines) == 4
     assert "ours" in moe_lines[0] and "1000.0 ms MFU 9.0%" in moe_lines[0]
     assert moe_lines[1].rstrip().endswith("--moe-skip-mlm")
+
+
+@pytest.mark.parametrize("layout", sorted(M.RESUME_LAYOUTS))
+@pytest.mark.parametrize("variant", sorted(M.RESUME_VARIANTS))
+def test_the_trainer_accepts_every_resume_command_line(variant, layout):
+    gpus, tp, ep = M.RESUME_LAYOUTS[layout]
+    cfg = C.parse_args(M.resume_args(variant, tp, ep, gpus // tp, "/ckpt/x"))
+    m = cfg.model
+    assert (cfg.parallel.tensor, cfg.parallel.expert, m.num_experts, m.moe_router_topk) == (tp, ep, 8, 2)
+    assert cfg.training.deterministic_mode and m.moe_token_dispatcher_type == "alltoall"
+    assert (cfg.checkpoint.save, cfg.checkpoint.save_interval, cfg.training.train_iters) == ("/ckpt/x", 10, 40)
+    layout_of = C.world_layout(cfg, gpus)
+    assert layout_of.num_microbatches == 2  # the global batch is two micro-batches a data-parallel rank
+    if variant == "softmax_aux_loss":
+        assert (m.moe_router_score_function, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == \
+            ("softmax", "aux_loss", 1e-2)
+        assert not m.moe_router_enable_expert_bias
+    else:  # the aux loss's flags are out, not left to be ignored beside the expert bias
+        assert (m.moe_router_score_function, m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate) == \
+            ("sigmoid", True, 0.001)
+        assert (m.moe_router_load_balancing_type, m.moe_shared_expert_intermediate_size) == ("none", 1024)
+        assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy) == (1.5, "probs")
+        assert "--moe-aux-loss-coeff" not in M.resume_args(variant, tp, ep, gpus // tp, "/ckpt/x")
+
+
+def test_megatron_lm_is_not_run_for_moe_at_tp_above_one_and_the_reason_names_both_checks(monkeypatch):
+    # found on 4 x H200: Megatron-LM's local spec refuses sequence parallelism, which MoE at TP > 1 needs
+    assert "torch_norm.py" in M.MLM_NO_MOE_AT_TP and "moe_layer.py" in M.MLM_NO_MOE_AT_TP
+    calls = []
+    monkeypatch.setattr(M, "run_ours", lambda name, *a, **k: calls.append(name) or {
+        "iter_ms": 1000.0, "losses_1_3": [1.0, 1.0, 1.0], "router": {}})
+    monkeypatch.setattr(M, "run_mlm", lambda *a, **k: pytest.fail("Megatron-LM must not be launched at TP > 1"))
+    ctx = {"moe_layout": "tp2ep2", "gpus": 4, "moe_iters": 15, "moe_warmup": 5, "moe_sequential": "off"}
+    out = M.moe_compare(ctx, "mixtral")
+    assert calls == ["moe_mixtral_tp2ep2_ours"]
+    assert out["megatron_lm"] == {"not_run": M.MLM_NO_MOE_AT_TP} and out["ok"] and out["target"]["met"] is None
