@@ -11,7 +11,7 @@ the same device call. Registered in suite.py.
                (MLM_NO_MOE_AT_TP says why); ours runs alone
   moe_resume   issue 50: a small MoE model (MOE_SMALL) with --deterministic-mode, per router variant
                (RESUME_VARIANTS: softmax + aux loss; sigmoid + expert bias + shared expert + capacity factor) at
-               EP2 (on 4 GPUs also TP2 x EP2 and EP4; --moe-only picks): kill -9 at iteration 25, restart, the
+               EP2 (on 4 GPUs also TP2 x EP2 and EP4; --moe-only picks layouts and variants): kill -9 at 25, restart, the
                later losses bit-identical to an uninterrupted run's
 
 Each scenario runs, one after the other: ours (the trainer, its default grouped-GEMM experts), Megatron-LM
@@ -471,7 +471,8 @@ def scenario_moe_resume(ctx) -> dict:
         if gpus > ctx["gpus"] or (ctx.get("moe_only") and layout not in ctx["moe_only"]):
             out[layout] = {"skipped": f"needs {gpus} GPUs" if gpus > ctx["gpus"] else "not in --moe-only"}
             continue
-        for variant in RESUME_VARIANTS:
+        only = ctx.get("moe_only") or set()
+        for variant in [v for v in RESUME_VARIANTS if v in only] or list(RESUME_VARIANTS):
             tag = f"{layout}_{variant}"
             if time.monotonic() + 120 > DEADLINE[0]:
                 out[tag] = {"skipped": "deadline"}

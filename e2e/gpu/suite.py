@@ -186,7 +186,8 @@ def main() -> int:
                     help="ours with SequentialMLP experts as a third run: auto where the deadline leaves time")
     ap.add_argument("--moe-skip-mlm", action="store_true", help="MoE scenarios without Megatron-LM (recorded as not run)")
     ap.add_argument("--moe-only", default=None,
-                    help="comma-separated: the layouts moe_resume runs (ep2, tp2ep2, ep4) and hf_moe_logits' "
+                    help="comma-separated: the layouts moe_resume runs (ep2, tp2ep2, ep4) and its variants "
+                         "(softmax_aux_loss, sigmoid_expert_bias; none named: both), hf_moe_logits' layouts "
                          "(tp1ep1-grouped, tp1ep2-grouped, tp1ep2-sequential, tp2ep1-grouped, tp2ep2-grouped, "
                          "tp1ep4-grouped); default every one the GPU count holds")
     ap.add_argument("--perf-tp", type=int, default=None, help="TP of the perf runs (default: all GPUs)")
