@@ -14,21 +14,27 @@ loss dominate. Terms, in bytes:
   Recomputation in Large Transformer Models" (sequence split by context parallelism; divided by
   TP where sequence parallelism or TP splits them; the s x s score term only for unfused
   attention; selective and full recomputation), times the micro-batches in flight on the first
-  stage (1F1B: min(PP, micro-batches); interleaved: x (1 + (PP-1)/(PP x VPP)));
+  stage (1F1B: min(PP, micro-batches); interleaved: x (1 + (PP-1)/(PP x VPP))); Q and the attention
+  output heads x kvChannels wide (wider than hidden in Qwen3), and with RoPE the rotated Q and K, which
+  attention keeps as new tensors;
 - mixture of experts (``_moe_layer_bytes``): the routed top-k copies of each token through the experts' MLPs
   (even routing assumed; a capacity factor below 1 drops the rest, padding to capacity fills every expert to
-  it), the router's fp32 logits and probabilities, and the token dispatcher's buffers of one layer at a time
-  (all-gather: the expert group's tokens; all-to-all: the send and receive buffers); shared experts as one
-  dense MLP of moeSharedExpertIntermediateSize split over TP (weights and activations);
+  it), the router's fp32 logits and probabilities, and one layer's transient at a time: the larger of the token
+  dispatcher's buffers (all-gather: the expert group's tokens; all-to-all: the send and receive buffers) and
+  the backward of the SwiGLU experts' activation (router-dtype intermediates per routed row, 18 bytes per row
+  and FFN column with an fp32 router); shared experts as one dense MLP of moeSharedExpertIntermediateSize
+  split over TP (weights and activations);
 - output layer and loss: bf16 logits plus their fp32 copy in the cross-entropy (vocabulary split
   by TP);
 - other: a fixed allowance for the allocator's workspaces.
 
 It predicts ``torch.cuda.max_memory_allocated()``; the fit check adds what the allocator never
 sees (CUDA context, NCCL buffers, fragmentation) as ``RESERVED_OVERHEAD_GIB``. The constants were
-checked against measured runs (docs/benchmarks/memory-estimator.md#2026-11-21-predicted-vs-measured,
-tests/unit/test_memory.py), dense models only: the MoE terms (``UNCALIBRATED_MOE_TERMS``) are arithmetic
-from megatron-core's code, not yet compared with a measured MoE run.
+checked against measured runs: dense models in docs/benchmarks/memory-estimator.md#2026-11-21-predicted-vs-measured
+(tests/unit/test_memory_calibration.py), mixture of experts and the RoPE term in
+docs/benchmarks/moe.md#2026-11-28-memory-estimate-moe (tests/unit/test_memory_moe_calibration.py: five MoE runs
+within 10 %, six dense Llama runs within 1 %). ``CALIBRATED_MOE_TERMS`` says what the MoE runs covered,
+``UNCALIBRATED_MOE_TERMS`` what they did not.
 """
 
 from __future__ import annotations
@@ -60,18 +66,37 @@ LOGITS_BYTES = 6
 # not, nor does torch's fused AdamW, which the trainer uses since 2026-11-26. Kept until the records
 # that set it (m03, m04) are re-measured with the fused kernel: until then it errs on the safe side.
 TORCH_ADAM_STEP_BYTES = 4
-#: The MoE terms no measured run has checked yet (GPU calibration: later, as for the dense terms in
-#: docs/benchmarks/memory-estimator.md). estimate() lists them in Estimate.details["uncalibrated"] for a MoE model.
+#: The MoE terms five measured runs checked (2026-11-28, 2 and 4 x H200, the trainer's grouped-GEMM experts on the
+#: local path: docs/benchmarks/moe.md#2026-11-28-memory-estimate-moe; tests/unit/test_memory_moe_calibration.py):
+#: every estimate within 10 % of the largest rank's peak. estimate() lists them in Estimate.details["calibrated"].
+CALIBRATED_MOE_TERMS = (
+    "expert weights, fp32 gradients and unsharded optimizer state at expert data parallel 1, sharded by EP "
+    "(2 and 4) and at TP 2 x EP 2 by expert TP 2; the dense part's optimizer state over DP 2 and 4",
+    "routed activations of dropless top-2 (8 experts of FFN 14336) and top-8 (128 experts of FFN 768) SwiGLU "
+    "experts, routing assumed even, with the all-to-all dispatcher and an fp32 router",
+    "the SwiGLU experts' backward transient (18 bytes per routed row and FFN column, fp32 router)",
+    "MoE at TP 2 with sequence parallelism (expert TP = TP, the all-to-all dispatcher's TP all-gather)",
+    "Qwen3's attention: Q and its output heads x kvChannels wide (QK norm keeps nothing more); RoPE's rotated Q "
+    "and K (also checked on six dense Llama runs)",
+)
+#: The MoE terms no measured run has checked yet. estimate() lists them in Estimate.details["uncalibrated"] for a
+#: MoE model.
 UNCALIBRATED_MOE_TERMS = (
-    "routed activations: top-k copies of each token through the experts, routing assumed even (dropless "
-    "routing lets a busy expert take more; a capacity factor caps it, padding fills every expert to it)",
+    "routing imbalance: routing is assumed even; dropless routing gives a busy rank more rows (the measured "
+    "ranks of one run differed by up to 0.8 GiB, and the busiest rank is what must fit)",
+    "expert optimizer state sharded over expert data parallel > 1 (world / (expertTensor x expert x pipeline))",
     "shared experts: a dense MLP's weights and activations per MoE layer",
-    "router: fp32 logits and probabilities per token and expert",
-    "dispatcher: one layer's all-gather or all-to-all buffers",
-    "expert optimizer state over expert data parallel (world / (expertTensor x expert x pipeline))",
+    "capacity factor and padding to capacity (token dropping)",
+    "the all-gather dispatcher's buffers (only all-to-all was measured)",
+    "expert TP other than TP, TP > 2, PP / VPP / CP and recomputation with experts",
+    "GeLU experts, a router in the activations' dtype or fp64, and the Transformer Engine path",
+    "router: fp32 logits and probabilities per token and expert (included, too small to check at 8 and 128 "
+    "experts)",
 )
 # Bytes per token and expert the router keeps: fp32 logits and fp32 probabilities (router.py computes both).
 ROUTER_BYTES = 8
+# Bytes of one router probability by spec.model.moeRouterDtype (unset: the activations' dtype).
+ROUTER_DTYPE_BYTES = {"fp32": 4, "fp64": 8}
 
 
 @dataclass(frozen=True)
@@ -150,19 +175,33 @@ def _mlp_params(h: int, ffn: int, swiglu: bool, bias: bool) -> int:
     return (3 if swiglu else 2) * h * ffn + ((2 * ffn if swiglu else ffn) + h if bias else 0)
 
 
+def _swiglu_backward_bytes(act_bytes: int, probs_bytes: int) -> int:
+    """Bytes per routed row and expert-FFN column that the backward of a SwiGLU expert allocates above what the
+    forward kept (megatron-core's ``weighted_swiglu_back``, the router's probabilities fused into the activation):
+    the fp32 (router dtype) gradient of both halves (2 x probs), ``swiglu(y)`` again (act), the incoming gradient
+    cast to the router dtype (probs; no copy when it is already that dtype) and their product (probs). The
+    gradient times the probabilities (probs) is freed before the second product; fc2's input, which the forward
+    kept, is freed as the same-sized incoming gradient arrives. fp32 router (the measured case): 18 bytes."""
+    cast = probs_bytes if probs_bytes != act_bytes else 0
+    return 2 * probs_bytes + act_bytes + cast + probs_bytes
+
+
 def _moe_layer_bytes(tokens: float, h: int, moe_ffn: int, experts: int, topk: int, ep: int, etp: int, swiglu: bool,
                      dispatcher: str, act_bytes: int, capacity_factor: float = 0.0,
-                     pad_to_capacity: bool = False) -> tuple[float, float]:
+                     pad_to_capacity: bool = False, probs_bytes: int = 2) -> tuple[float, float]:
     """A MoE layer's activations on one GPU: (kept for the backward, transient while the layer runs). ``tokens``:
     the tokens of this rank's sequence slice (s x b / TP: a MoE layer at TP > 1 runs sequence parallel).
-    Uncalibrated (UNCALIBRATED_MOE_TERMS).
+    Checked on five measured runs (docs/benchmarks/moe.md#2026-11-28-memory-estimate-moe); what those did not
+    cover is in UNCALIBRATED_MOE_TERMS.
 
     With routing even, the EP ranks of an expert group share their tokens' top-k copies evenly: each receives
     its own tokens x topk, times ETP (an expert-tensor group runs every token of its ranks through its slice
     of each expert). Kept: the experts' input rows, fc1's output (the activation's input, two halves with SwiGLU)
-    and fc2's input (megatron-core's MLP, per expert), and the router's fp32 logits and probabilities. Transient:
-    the dispatcher's buffers - all-gather: the hidden states of the whole ETP x EP group, then the permuted rows;
-    all-to-all: the permuted rows sent and received. A capacity factor (0: none) keeps each expert to that factor
+    and fc2's input (megatron-core's MLP, per expert), and the router's fp32 logits and probabilities. Transient,
+    the larger of: the dispatcher's buffers - all-gather: the hidden states of the whole ETP x EP group, then the
+    permuted rows; all-to-all: the permuted rows sent and received - and, for SwiGLU experts, the backward of the
+    activation (``_swiglu_backward_bytes`` per row and FFN column; ``probs_bytes``: the router's dtype, 4 with
+    moeRouterDtype fp32, else the activations'). A capacity factor (0: none) keeps each expert to that factor
     of its even share (router.py, apply_router_token_dropping): below 1 the rest is dropped; with padding to
     capacity every expert gets exactly its capacity, above 1 more rows than dropless."""
     rows = tokens * topk * etp
@@ -173,6 +212,8 @@ def _moe_layer_bytes(tokens: float, h: int, moe_ffn: int, experts: int, topk: in
         transient = act_bytes * h * 2 * rows
     else:
         transient = act_bytes * h * (tokens * ep * etp + rows)
+    if swiglu:
+        transient = max(transient, _swiglu_backward_bytes(act_bytes, probs_bytes) * rows * moe_ffn / etp)
     return kept, transient
 
 
@@ -244,8 +285,11 @@ def estimate(job: MegatronJob) -> Estimate:
     sbh = s * b * h
     split = tp if sp else 1  # sequence parallel also splits the norm and linear-input regions
     replicated = act_bytes * 4 * sbh / split  # inputs of: attention norm, QKV, MLP norm, fc1
-    qkv = act_bytes * (sbh + 2 * s * b * kv) / tp  # Q, K, V kept for attention's backward
-    attn_out = act_bytes * sbh / tp  # attention output = input of the output projection
+    qkv = act_bytes * s * b * (q + 2 * kv) / tp  # Q, K, V (heads x kvChannels wide) kept for attention's backward
+    attn_out = act_bytes * s * b * q / tp  # attention output = input of the output projection
+    # RoPE writes the rotated Q and K as new tensors, which attention keeps beside the QKV output (V is a view of
+    # it); the rotation keeps only cos and sin. Measured: docs/benchmarks/moe.md#2026-11-28-memory-estimate-moe.
+    rope = act_bytes * s * b * (q + kv) / tp if m["positionEmbedding"] == "rope" else 0.0
     scores = UNFUSED_SCORE_BYTES * (a / tp) * s * s * b if tr.attention_backend == "unfused" else 0.0
     lse = 4 * s * b * a / tp if tr.attention_backend != "unfused" else 0.0  # flash's fp32 log-sum-exp
     moe_transient = 0.0
@@ -254,12 +298,14 @@ def estimate(job: MegatronJob) -> Estimate:
                                               topk=m["moeRouterTopk"], ep=ep, etp=etp, swiglu=swiglu,
                                               dispatcher=m["moeTokenDispatcherType"], act_bytes=act_bytes,
                                               capacity_factor=m["moeExpertCapacityFactor"],
-                                              pad_to_capacity=m["moePadExpertInputToCapacity"])
+                                              pad_to_capacity=m["moePadExpertInputToCapacity"],
+                                              probs_bytes=ROUTER_DTYPE_BYTES.get(job.spec.model.moe_router_dtype,
+                                                                                 act_bytes))
         # shared experts: every token through a dense MLP (its input is the MLP norm's output, counted above)
         mlp += act_bytes * ((2 if swiglu else 1) + 1) * s * b * shared_ffn / tp
     else:
         mlp = act_bytes * ((2 if swiglu else 1) + 1) * s * b * ffn / tp  # activation input + fc2 input
-    full_layer = replicated + qkv + attn_out + scores + lse + mlp
+    full_layer = replicated + qkv + attn_out + rope + scores + lse + mlp
     backward_scores = UNFUSED_BACKWARD_BYTES * (a / tp) * s * s * b if scores else 0.0
     if tr.recompute == "full":
         per_layer = act_bytes * sbh / split  # only each layer's input is kept ...
@@ -270,7 +316,9 @@ def estimate(job: MegatronJob) -> Estimate:
     else:
         per_layer = full_layer
         recompute_peak = backward_scores
-    recompute_peak += moe_transient  # one layer's dispatcher buffers at a time
+    # one MoE layer's dispatcher buffers or experts' backward at a time; summed with the loss's logits below like
+    # the dense transients, although the experts' backward runs after the logits are freed: the safe side
+    recompute_peak += moe_transient
 
     num_micro = lay["numMicrobatches"]
     if pp == 1:
@@ -297,6 +345,7 @@ def estimate(job: MegatronJob) -> Estimate:
         return WORKSPACE_GIB * GIB + max(0.0, step - acts)
 
     moe_details = {"expertParamsPerGpu": expert_params, "expertDataParallel": expert_dp,
+                   "calibrated": list(CALIBRATED_MOE_TERMS),
                    "uncalibrated": list(UNCALIBRATED_MOE_TERMS)} if experts else {}
     w0, g0, o0 = static(dense_first)
     first = Estimate(w0, g0, o0, stage0_acts, other(dense_first, stage0_acts), "first" if pp > 1 else "only",

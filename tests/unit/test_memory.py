@@ -160,7 +160,7 @@ def test_checkpoint_size_of_the_7b_gpt_is_what_it_wrote_on_the_gpus():
     assert abs(checkpoint_bytes(job) - 94.06e9) / 94.06e9 < 0.005
 
 
-# ---------------------------------------------------------------- mixture of experts (issue 50; uncalibrated)
+# ------------------------------------------- mixture of experts (issue 50; measured: test_memory_moe_calibration.py)
 MOE_MODEL = {"numLayers": 4, "hiddenSize": 1024, "numAttentionHeads": 16, "seqLength": 2048, "vocabSize": 32768,
              "activation": "swiglu", "normalization": "RMSNorm", "positionEmbedding": "rope", "addBiasLinear": False,
              "numExperts": 8, "moeRouterTopk": 2, "moeFfnHiddenSize": 512}
@@ -222,11 +222,61 @@ def test_moe_directions():
     assert wide_a2a.activations < wide_ag.activations
 
 
-def test_moe_estimate_names_its_uncalibrated_terms():
-    from megatron_operator.memory import UNCALIBRATED_MOE_TERMS
+def test_moe_estimate_names_its_calibrated_and_uncalibrated_terms():
+    from megatron_operator.memory import CALIBRATED_MOE_TERMS, UNCALIBRATED_MOE_TERMS
 
     assert moe_est().details["uncalibrated"] == list(UNCALIBRATED_MOE_TERMS)
-    assert "uncalibrated" not in est().details
+    assert moe_est().details["calibrated"] == list(CALIBRATED_MOE_TERMS)
+    assert "uncalibrated" not in est().details and "calibrated" not in est().details
+
+
+def test_swiglu_experts_backward_transient_by_hand():
+    """megatron-core's weighted_swiglu_back, per routed row and expert-FFN column, above what the forward kept: the
+    gradient of both halves in the router's dtype (2 w), swiglu(y) again (2), the incoming gradient cast to the
+    router's dtype (w; none when it already is) and the product (w). fp32 router: 8 + 2 + 4 + 4 = 18 bytes."""
+    from megatron_operator.memory import _moe_layer_bytes, _swiglu_backward_bytes
+
+    assert _swiglu_backward_bytes(act_bytes=2, probs_bytes=4) == 18
+    assert _swiglu_backward_bytes(act_bytes=2, probs_bytes=2) == 8
+    assert _swiglu_backward_bytes(act_bytes=2, probs_bytes=8) == 34
+    # the layer's transient is the larger of the dispatcher's buffers and this: Mixtral's shape (h 4096, FFN 14336,
+    # top-2, 4096 tokens) at EP 4: 18 x 8192 rows x 14336 against all-to-all's 2 x 2 x 8192 x 4096
+    tokens, h, f, E, k = 4096, 4096, 14336, 8, 2
+    _, t = _moe_layer_bytes(tokens, h, f, E, k, ep=4, etp=1, swiglu=True, dispatcher="alltoall", act_bytes=2,
+                            probs_bytes=4)
+    assert t == 18 * tokens * k * f
+    # expert TP 2 halves each expert's FFN and doubles the rows (every token of the TP group): the same product
+    _, t2 = _moe_layer_bytes(tokens / 2, h, f, E, k, ep=2, etp=2, swiglu=True, dispatcher="alltoall", act_bytes=2,
+                             probs_bytes=4)
+    assert t2 == t / 2
+    # GeLU experts: the dispatcher's buffers only (their backward is not modelled)
+    _, gelu = _moe_layer_bytes(tokens, h, f, E, k, ep=4, etp=1, swiglu=False, dispatcher="alltoall", act_bytes=2,
+                               probs_bytes=4)
+    assert gelu == 2 * h * 2 * tokens * k
+    # through estimate: moeRouterDtype fp32 raises the transient of this small shape above the dispatcher's
+    base = moe_est(moeTokenDispatcherType="alltoall")
+    fp32 = moe_est(moeTokenDispatcherType="alltoall", moeRouterDtype="fp32")
+    rows, f_small = 2048 * 2, 512
+    assert fp32.activations - base.activations == pytest.approx(18 * rows * f_small - 2 * 1024 * 2 * rows)
+
+
+def test_attention_width_and_rope_by_hand():
+    """Q and the attention output are heads x kvChannels wide (Qwen3: 32 x 128 = 4096 on hidden 2048); RoPE keeps the
+    rotated Q and K beside the QKV output: 2 bytes x s x b x (q + kv) / TP per layer."""
+    L, s, b = 24, 2048, 4
+    model = {"numLayers": L, "hiddenSize": 2048, "numAttentionHeads": 16, "seqLength": s, "vocabSize": 32768}
+    t = {"microBatchSize": b, "globalBatchSize": 32, "trainIters": 10, "transformerImpl": "local"}
+    plain = est(model=model, training=t)
+    rope = est(model={**model, "positionEmbedding": "rope"}, training=t)
+    assert rope.activations - plain.activations == pytest.approx(L * 2 * s * b * (2048 + 2048))
+    gqa = {**model, "numQueryGroups": 4, "positionEmbedding": "rope"}
+    gqa_tp2 = est(model=gqa, training=t, parallelism={"tensor": 2})
+    gqa_tp2_plain = est(model={**gqa, "positionEmbedding": "learned_absolute"}, training=t, parallelism={"tensor": 2})
+    assert gqa_tp2.activations - gqa_tp2_plain.activations == pytest.approx(L * 2 * s * b * (2048 + 512) / 2)
+    # kvChannels 256 on 16 heads: Q and the attention output 4096 wide instead of 2048 (its weights too)
+    wide = est(model={**model, "kvChannels": 256}, training=t)
+    per_layer = wide.details["perLayerActivationBytes"] - plain.details["perLayerActivationBytes"]
+    assert per_layer == pytest.approx(2 * s * b * ((4096 + 2 * 4096) - (2048 + 2 * 2048)) + 2 * s * b * 2048)
 
 
 def test_moe_shared_experts_by_hand():
