@@ -64,8 +64,8 @@ from harness import (
     pods_job,
     sdpa_kernel,
     start_pods,
+    summary_losses,
     trainer_args,
-    trainer_summaries,
 )
 
 # Switches of the trainer that Megatron-LM's pretrain_gpt.py does not have (docs/trainer-contract.md), left out of the
@@ -398,15 +398,6 @@ def scenario_reshard(ctx) -> dict:
         out[name] = {"ok": not failures, "failures": failures, f"compare_with_{src_name}_run": cmp,
                      "loss_21": run.losses().get(21), "ref_loss_21": ref["losses"].get(21)}
     return {"ok": all(r["ok"] for r in out.values()), **out}
-
-
-def summary_losses(log: Path) -> dict[int, float]:
-    """The exact losses (TRAINER_SUMMARY) of a run: the log line has 7 significant digits only. With
-    PP, rank 0 prints a summary too (no losses): the ranks' summaries are merged."""
-    found: dict = {}
-    for summary in trainer_summaries(log.read_text(errors="replace")):
-        found.update(summary.get("losses", {}))
-    return {int(k): float(v) for k, v in found.items()}
 
 
 def scenario_deterministic(ctx) -> dict:

@@ -313,6 +313,15 @@ def trainer_summaries(text: str) -> list[dict]:
     return found
 
 
+def summary_losses(log: Path) -> dict[int, float]:
+    """The exact losses (TRAINER_SUMMARY) of a run: the log line has 7 significant digits only. With
+    PP, rank 0 prints a summary too (no losses): the ranks' summaries are merged."""
+    found: dict = {}
+    for summary in trainer_summaries(log.read_text(errors="replace")):
+        found.update(summary.get("losses", {}))
+    return {int(k): float(v) for k, v in found.items()}
+
+
 def check(cond: bool, what: str, failures: list[str]) -> None:
     if not cond:
         failures.append(what)

@@ -4,11 +4,10 @@
              Qwen3), tiny and random (made here with transformers), imported at TP=1, TP=2 and PP=2 in
              fp32 and bf16 (tests/trainer/hf_cpu_check.py on CUDA/NCCL): logits against transformers'
              own, argmax, then export -> every tensor bit-identical to the source, config.json equal
-  hf_moe_logits
-             issue 50: the MoE fixtures (tiny Qwen3-MoE, tiny Mixtral) at every (TP, EP) the GPU count holds
-             (EP 1/2/4 x TP 1/2; EP 2 also with SequentialMLP experts), fp32 and bf16, with the all-to-all
-             dispatcher (the CPU tests can only run all-gather): logits against transformers, argmax,
-             export round trip bit-identical; checked as hf_logits
+  hf_moe_logits  issue 50: the MoE fixtures (tiny Qwen3-MoE, tiny Mixtral) at every (TP, EP) the GPU
+             count holds (EP 1/2/4 x TP 1/2; EP 2 also with SequentialMLP experts; --moe-only picks), fp32
+             and bf16, with the all-to-all dispatcher (the CPU tests can only run all-gather): logits
+             against transformers, argmax, export round trip bit-identical; checked as hf_logits
   hf_train   the real trainer (torchrun, TP=2): --hf-init, 20 iterations, --hf-export; the saved
              torch_dist checkpoint exported again under PP=2 with --hf-export-only must be
              bit-identical; transformers' logits of the export against Megatron's (the export

@@ -49,7 +49,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from correctness import summary_losses
 from harness import (
     DEADLINE,
     DP_OVERLAP,
@@ -68,6 +67,7 @@ from harness import (
     free_port,
     mlm_losses_per_iteration,
     model_args,
+    summary_losses,
     trainer_args,
     trainer_summaries,
 )

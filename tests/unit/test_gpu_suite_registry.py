@@ -25,8 +25,9 @@ BEFORE_THE_SPLIT = ["probe", "indexed", "layouts", "resume", "sigterm", "reshard
                     "rope", "disk", "hf_logits", "hf_train", "hf_bench", "hf_pods", "hf_store", "sft_reverse",
                     "sft_bench", "sft_pods", "sft_sigterm", "stepdump"]
 SCALE = ["goodput", "diskfull"]  # issue 49's family (scale.py), added after the split
-MOE = ["moe_qwen3", "moe_mixtral"]  # issue 50's family (moe.py)
-NOW = BEFORE_THE_SPLIT + SCALE + MOE
+MOE = ["moe_qwen3", "moe_mixtral", "moe_resume"]  # issue 50's family (moe.py)
+LATER = ["hf_moe_logits", "sft_moe"]  # issue 50's scenarios in hf.py and sft.py: after ORDER, by family
+NOW = BEFORE_THE_SPLIT + SCALE + MOE + LATER
 FAMILIES = ["correctness", "performance", "mlm_compare", "scale", "moe", "hf", "sft"]
 
 
