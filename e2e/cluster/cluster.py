@@ -1112,6 +1112,47 @@ def status(p: RunPaths | None = None) -> int:
     return 1
 
 
+def mounts_under(root: Path) -> list[str]:
+    """Mount points below `root` (not `root` itself), deepest first, in this mount namespace."""
+    top = os.path.realpath(root)
+    found = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if len(fields) < 5:
+                continue
+            # mountinfo escapes space, tab, newline and backslash as octal (\040 ...)
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point.startswith(top.rstrip("/") + "/"):
+                found.append(point)
+    return sorted(set(found), key=lambda m: (m.count("/"), len(m)), reverse=True)
+
+
+def unmount_under(root: Path) -> list[str]:
+    """Lazily unmount everything below `root`, deepest first; returns what is still mounted."""
+    for point in mounts_under(root):
+        run(["umount", "-l", point], check=False, timeout=30)
+    return mounts_under(root)
+
+
+def stop_stale_node(p: RunPaths) -> None:
+    """Stop the processes of a real node (e2e/cluster/node.py) that an interrupted run left behind.
+
+    node.py's own `down` tears its pods down properly; this is for when it never ran. Each pid is
+    stopped only if its command line still names the node's directory or program (stop_pid checks).
+    """
+    node_dir = p.root / "node"
+    try:
+        state = json.loads((node_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return
+    for key, expect in (("kubelet_pid", "kubelet"), ("forwarder_pid", "node.py"), ("containerd_pid", "containerd")):
+        pid = state.get(key)
+        if isinstance(pid, int) and pid > 0 and pid_alive(pid) and expect in cmdline(pid):
+            log(f"stopping a stale real node's {expect} (pid {pid})")
+            stop_pid(pid, expect)
+
+
 def down(p: RunPaths | None = None) -> None:
     p = p or paths()
     with locked(p.lock):
@@ -1159,6 +1200,15 @@ def _down(p: RunPaths) -> None:
     if still:
         raise ClusterError(
             "processes still running after down:\n  " + "\n  ".join(f"{k}: {v}" for k, v in still.items())
+        )
+    stop_stale_node(p)
+    # A real node (node.py) leaves kubelet volumes and containerd snapshots mounted under the run dir
+    # when its run was killed; rmtree would stop at the first one with EBUSY.
+    still_mounted = unmount_under(p.root)
+    if still_mounted:
+        raise ClusterError(
+            "mounts still under the run dir after `umount -l` (unmount them, as root, then run down again):\n  "
+            + "\n  ".join(still_mounted)
         )
     for child in p.root.iterdir() if p.root.exists() else ():
         if child != p.logs:

@@ -317,9 +317,7 @@ def down() -> None:
     if state.get("forwarder_pid"):
         cluster.stop_pid(state["forwarder_pid"], "forward")
     # kubelet volume and containerd snapshot mounts under the node dir, deepest first
-    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    for m in sorted((m for m in mounts if m.startswith(str(d))), key=len, reverse=True):
-        subprocess.run(["umount", "-l", m], capture_output=True, check=False)
+    cluster.unmount_under(d)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
     remove_cni_nat_rules()
     if d.exists():
