@@ -256,6 +256,25 @@ def two_gpu_nodes(cluster, namespace):
                          "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "2"}}}
              for i in range(2)]
     cluster.apply(nodes)
+    # A node is created with the not-ready NoSchedule taint (the TaintNodesByCondition admission plugin); the node
+    # lifecycle controller lifts it once kwok reports the node Ready, a moment later and not for both nodes at
+    # once. A job applied in between has only one node to go to: both groups' first pods take it, and then
+    # neither group's second pod fits anywhere (CI, 2026-11-28: "1 node(s) had untolerated taint(s)" before the
+    # affinity messages). The test is about where the groups go when both nodes can take pods, so wait for that.
+    names = [n["metadata"]["name"] for n in nodes]
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+
+    def schedulable():
+        for name in names:
+            node = core.read_node(name)
+            ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+            untolerated = [t.key for t in node.spec.taints or [] if t.key != "nvidia.com/gpu"]
+            if not ready or untolerated or node.spec.unschedulable:
+                return None
+        return True
+
+    cluster.wait_for(schedulable, 60, f"nodes {', '.join(names)} Ready without the not-ready taint",
+                     namespace=namespace, kinds=("nodes",))
     yield {"megatron-e2e/pool": namespace[-30:]}
     cluster.kubectl("delete", "nodes", "-l", f"megatron-e2e/pool={namespace[-30:]}", "--wait=false", check=False)
 
