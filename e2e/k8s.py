@@ -45,6 +45,34 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 
 
 CLUSTER_SCRIPT = Path(__file__).resolve().parent / "cluster" / "cluster.py"
+# Label of the nodes a test creates for itself (gpu_node): its pods select them, no other test's do.
+POOL_LABEL = "megatron-e2e/pool"
+
+
+def gpu_node(name: str, pool: str, gpus: int, taints: Iterable[dict[str, str]] = ()) -> dict[str, Any]:
+    """A fresh kwok node with ``gpus`` GPUs in pool ``pool`` (POOL_LABEL), tainted like the cluster's GPU nodes
+    plus ``taints``. Wait for ``schedulable_nodes`` before placing pods on it."""
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": {"type": "kwok", "kubernetes.io/hostname": name, POOL_LABEL: pool}},
+            "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}, *taints]},
+            "status": {"capacity": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)},
+                       "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}}}
+
+
+def schedulable_nodes(core: kubernetes.client.CoreV1Api, names: Iterable[str],
+                      tolerated: Iterable[str] = ("nvidia.com/gpu",)) -> bool:
+    """Every named node Ready, not cordoned, and with no taint but ``tolerated`` (keys). A node is created with
+    the not-ready NoSchedule taint (the TaintNodesByCondition admission plugin) and kube-controller-manager lifts
+    it only after kwok reports the node Ready: a moment later, and not for two nodes at once. A job placed in
+    between finds fewer nodes than the test made."""
+    allowed = set(tolerated)
+    for name in names:
+        node = core.read_node(name)
+        ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+        if not ready or node.spec.unschedulable or any(t.key not in allowed for t in node.spec.taints or []):
+            return False
+    return True
 
 
 def load_cluster_module():

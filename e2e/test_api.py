@@ -13,7 +13,14 @@ from pathlib import Path
 import kubernetes
 import pytest
 import yaml
-from k8s import POD_FAIL_EXIT_CODE, POD_FAIL_LABEL, pod_runtime_annotations
+from k8s import (
+    POD_FAIL_EXIT_CODE,
+    POD_FAIL_LABEL,
+    POOL_LABEL,
+    gpu_node,
+    pod_runtime_annotations,
+    schedulable_nodes,
+)
 from mjob import EXAMPLES, GROUP, PLURAL, VERSION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
@@ -246,37 +253,19 @@ def test_kubeflow_example_keeps_the_tp_group_on_one_node(cluster, namespace, wai
 
 @pytest.fixture
 def two_gpu_nodes(cluster, namespace):
-    """Two fresh 2-GPU kwok nodes only this test schedules onto (label = the test's namespace)."""
-    nodes = [{"apiVersion": "v1", "kind": "Node",
-              "metadata": {"name": f"{namespace[-6:]}-2gpu-{i}", "annotations": {"kwok.x-k8s.io/node": "fake"},
-                           "labels": {"type": "kwok", "kubernetes.io/hostname": f"{namespace[-6:]}-2gpu-{i}",
-                                      "megatron-e2e/pool": namespace[-30:]}},
-              "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
-              "status": {"capacity": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "2"},
-                         "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "2"}}}
-             for i in range(2)]
-    cluster.apply(nodes)
-    # A node is created with the not-ready NoSchedule taint (the TaintNodesByCondition admission plugin); the node
-    # lifecycle controller lifts it once kwok reports the node Ready, a moment later and not for both nodes at
-    # once. A job applied in between has only one node to go to: both groups' first pods take it, and then
-    # neither group's second pod fits anywhere (CI, 2026-11-28: "1 node(s) had untolerated taint(s)" before the
-    # affinity messages). The test is about where the groups go when both nodes can take pods, so wait for that.
-    names = [n["metadata"]["name"] for n in nodes]
+    """Two fresh 2-GPU kwok nodes only this test schedules onto (label = the test's namespace), ready for pods."""
+    pool = namespace[-30:]
+    names = [f"{namespace[-6:]}-2gpu-{i}" for i in range(2)]
+    cluster.apply([gpu_node(n, pool, 2) for n in names])
+    # Both nodes must take pods before the job comes: while one still has the not-ready taint, both groups'
+    # first pods can only go to the other, and then neither group's second pod fits anywhere (CI, 2026-11-28:
+    # "1 node(s) had untolerated taint(s)", then "didn't match pod affinity rules"). The operator places such a
+    # job anew (e2e/test_placement.py); this test, without the operator, is about the groups' placement rules.
     core = kubernetes.client.CoreV1Api(cluster.api_client())
-
-    def schedulable():
-        for name in names:
-            node = core.read_node(name)
-            ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
-            untolerated = [t.key for t in node.spec.taints or [] if t.key != "nvidia.com/gpu"]
-            if not ready or untolerated or node.spec.unschedulable:
-                return None
-        return True
-
-    cluster.wait_for(schedulable, 60, f"nodes {', '.join(names)} Ready without the not-ready taint",
-                     namespace=namespace, kinds=("nodes",))
-    yield {"megatron-e2e/pool": namespace[-30:]}
-    cluster.kubectl("delete", "nodes", "-l", f"megatron-e2e/pool={namespace[-30:]}", "--wait=false", check=False)
+    cluster.wait_for(lambda: schedulable_nodes(core, names), 60, f"nodes {', '.join(names)} Ready, without the "
+                     "not-ready taint", namespace=namespace, kinds=("nodes",))
+    yield {POOL_LABEL: pool}
+    cluster.kubectl("delete", "nodes", "-l", f"{POOL_LABEL}={pool}", "--wait=false", check=False)
 
 
 def test_two_tp_groups_are_not_forced_onto_one_node(cluster, namespace, wait_for, two_gpu_nodes):

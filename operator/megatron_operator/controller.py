@@ -50,6 +50,10 @@ JOBSET_WATCH_GRACE_S = 30.0
 #: the JobSet was created, ``kubectl get mj`` shows no phase.
 FIRST_STATUS_DELAY_S = 10.0
 
+#: The wait before re-placing a job whose TP groups collided (settings.tp_group_collision_s) doubles with each
+#: re-placement of that job, up to this many times the setting; it starts again once the job runs.
+TP_COLLISION_BACKOFF_MAX = 8
+
 
 @dataclass
 class Parsed:
@@ -124,6 +128,10 @@ class Controller:
         self._peer_nodes: dict[tuple[str, str], dict[str, str]] = {}
         # Per job (by UID): the child whose name is taken by an object this job does not control.
         self._not_owned: dict[tuple[str, str], tuple[str, str]] = {}
+        # Per job: (JobSet uid, monotonic time) since when its pods show a TP-group collision (status.tp_group_collision),
+        # and (MegatronJob uid, count) of the re-placements made for collisions since it last ran.
+        self._collided: dict[tuple[str, str], tuple[str, float]] = {}
+        self._replaced: dict[tuple[str, str], tuple[str, int]] = {}
 
     def parse(self, body: dict[str, Any]) -> Parsed:
         meta = body.get("metadata") or {}
@@ -295,6 +303,15 @@ class Controller:
                 elif _new_gang_wanted(previous, desired, phase):
                     self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass; resumes
                     self._created.pop(key, None)
+                elif (collision := self._collision_due(key, meta.get("uid") or "", jobset, js_view, pod_list,
+                                                       phase)) is not None:
+                    # No pod of it moves by itself and the pods on that host keep their GPUs: place the gang anew
+                    # (the job cannot have started: a pod of it was never placed).
+                    self.kube.delete_jobset(ns, js_view.name)  # recreated by the next pass
+                    self._created.pop(key, None)
+                    emit(st.Event("Warning", st.Reason.TP_GROUPS_COLLIDED,
+                                  f"{collision.describe()}; the JobSet is created again so that its pods are placed "
+                                  f"anew (re-placement {self._replaced[key][1]} of this job)"))
                 elif phase not in st.TERMINAL:
                     self.sync_suspend(ns, js_view, job.spec.suspend, bool(job.spec.queue_name), workload)
 
@@ -312,6 +329,32 @@ class Controller:
             emit(ev)
         self.metrics.set_phase(ns, name, phase)
         self.metrics.set_goodput(ns, name, (previous.get("progress") or {}).get("goodput"))
+
+    def _collision_due(self, key: tuple[str, str], job_uid: str, jobset: dict[str, Any] | None,
+                       js: st.JobSetView | None, pods: list[st.PodView], phase: str) -> st.Collision | None:
+        """The job's TP-group collision (status.tp_group_collision) once it has lasted settings.tp_group_collision_s
+        (doubled for each earlier re-placement of the job, up to TP_COLLISION_BACKOFF_MAX times): then the JobSet
+        is to be created again. Counted from the first observation that saw it for this JobSet."""
+        grace = self.settings.tp_group_collision_s
+        if phase == st.Phase.RUNNING:
+            self._replaced.pop(key, None)  # placed: the next collision waits the plain time again
+        js_uid = ((jobset or {}).get("metadata") or {}).get("uid")
+        found = None
+        if grace > 0 and js is not None and js_uid and not js.suspended and phase not in st.TERMINAL:
+            found = st.tp_group_collision(pods, js.restarts)
+        if found is None:
+            self._collided.pop(key, None)
+            return None
+        seen = self._collided.get(key)
+        if seen is None or seen[0] != js_uid:
+            seen = self._collided[key] = (js_uid, time.monotonic())
+        uid, count = self._replaced.get(key, (job_uid, 0))
+        count = count if uid == job_uid else 0
+        if time.monotonic() - seen[1] < grace * min(2 ** count, TP_COLLISION_BACKOFF_MAX):
+            return None
+        del self._collided[key]
+        self._replaced[key] = (job_uid, count + 1)
+        return found
 
     def workload(self, ns: str, jobset: dict[str, Any] | None, spec: MegatronJobSpec | None) -> WorkloadView | None:
         """Kueue's Workload of the JobSet, read only while it matters: the JobSet is suspended (queued,
@@ -366,5 +409,7 @@ class Controller:
         self._not_owned.pop((ns, name), None)
         self._created.pop((ns, name), None)
         self._peer_nodes.pop((ns, name), None)
+        self._collided.pop((ns, name), None)
+        self._replaced.pop((ns, name), None)
         with self._locks_guard:
             self._locks.pop((ns, name), None)

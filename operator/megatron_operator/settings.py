@@ -54,6 +54,11 @@ class Settings:
     #: when every group fits on a host, and waits in the queue, holding no GPUs, until then. Only for
     #: clusters whose GPU flavors all have a topologyName: on a flavor without one Kueue cannot admit it.
     kueue_tp_group_topology: str = ""
+    #: Seconds a job may stay deadlocked by its own tensor-parallel groups before its JobSet is created again: two
+    #: groups whose first pods started on one host that has room for only one of them (``status.tp_group_collision``;
+    #: the scheduler places pod by pod and nothing moves them apart). Doubles for each further re-placement of the
+    #: same job, up to 8x, until it runs. 0: never (the job waits until that host frees room).
+    tp_group_collision_s: int = 30
     #: Namespaces to watch (comma-separated); empty watches the whole cluster.
     namespaces: str = ""
     # Guardrails (guardrails.py): what a job may ask for on this cluster. Empty/0/false: no limit.
@@ -86,6 +91,8 @@ class Settings:
     denied_metadata_keys: str = DEFAULT_DENIED_METADATA_KEYS
 
     def __post_init__(self) -> None:
+        if self.tp_group_collision_s < 0:
+            raise ValueError(f"tp_group_collision_s {self.tp_group_collision_s} is negative (0 turns the re-placement off)")
         label = self.kueue_tp_group_topology
         if label and not re.fullmatch(QUALIFIED_NAME_RE, label):
             raise ValueError(f"kueue_tp_group_topology {label!r} is not a node label key (e.g. kubernetes.io/hostname)")

@@ -21,6 +21,7 @@ from .names import (
     FIELD_MANAGER,
     JOBSET_RESTART_ATTEMPT_LABEL,
     JOBSET_UID_LABEL,
+    LABEL_TP_GROUP,
     TRAINER_CONTAINER,
 )
 from .rules import Problem
@@ -102,6 +103,7 @@ class Reason:
     STALLED = "Stalled"
     STALL_RESTART = "StallRestart"
     AVOIDING_NODE = "AvoidingNode"
+    TP_GROUPS_COLLIDED = "TPGroupsCollided"  # two TP groups started on one host that has room for one: made again
 
     @staticmethod
     def not_(condition_type: str) -> str:
@@ -189,6 +191,7 @@ class PodView:
     node: str | None = None  # spec.nodeName
     jobset_uid: str | None = None  # the JobSet the pod belongs to (JobSet's label)
     sidecar_failure: str | None = None  # a sidecar that stopped and was restarted: which, how often, how
+    tp_group: str | None = None  # the tensor-parallel group of a pod whose group spans pods (label tp-group)
 
 
     @classmethod
@@ -217,6 +220,7 @@ class PodView:
             node=(pod.get("spec") or {}).get("nodeName"),
             jobset_uid=(meta.get("labels") or {}).get(JOBSET_UID_LABEL),
             sidecar_failure=_sidecar_failure(pod),
+            tp_group=(meta.get("labels") or {}).get(LABEL_TP_GROUP),
         )
 
 
@@ -238,6 +242,62 @@ def _sidecar_failure(pod: dict[str, Any]) -> str | None:
                 f"{restarts} time{'s' if restarts > 1 else ''}" + (f" (last: {how})" if how else "")
                 + (f": {tail}" if tail else ""))
     return None
+
+
+#: The scheduler's words for a node that a pod's required pod affinity rules out (the pod's TP group is elsewhere).
+_AFFINITY_MISMATCH = "didn't match pod affinity rules"
+
+
+@dataclass(frozen=True)
+class Collision:
+    """Tensor-parallel groups of one job that started on one host, where one of them cannot finish: its next pod is
+    pinned to that host (the group's required pod affinity) and the host has no room left for it."""
+
+    node: str
+    group: str  # the group that waits
+    others: tuple[str, ...]  # the other groups of the job on that node
+    pod: str  # the group's pod that waits
+    message: str  # the scheduler's message for it
+
+    def describe(self) -> str:
+        others = ", ".join(self.others)
+        scheduler = self.message.split(". ")[0]  # "0/N nodes are available: ...", without the preemption part
+        return (f"tensor-parallel group {self.group} and group{'s' if len(self.others) > 1 else ''} {others} of this "
+                f"job started on node {self.node}, which has no room for the rest of group {self.group}: pod "
+                f"{self.pod} can only join its group there ({scheduler})")
+
+
+def tp_group_collision(pods: list[PodView], attempt: int | None = None) -> Collision | None:
+    """The job's own placement deadlock, if its pods (of restart attempt ``attempt``) show one: a pod of a TP group
+    that spans pods is Unschedulable because its group's required pod affinity pins it to the node where the group's
+    other pods are, and that node also holds another group of the job. The scheduler places pod by pod; when only
+    one host can take pods, the first pods of two groups can both land there (the preferred anti-affinity between
+    groups only ranks the hosts that can take the pod), and then neither group fits. No group moves by itself: the
+    pods on that host keep their GPUs. Found from the pods alone (pure); ``None`` when there is none."""
+    live = [p for p in pods if p.tp_group is not None and not p.terminating and p.phase in ("Pending", "Running")
+            and (attempt is None or p.restart_attempt in (None, attempt))]
+    groups_on: dict[str, set[str]] = {}
+    hosts_of: dict[str, set[str]] = {}
+    for p in live:
+        if p.node:
+            groups_on.setdefault(p.node, set()).add(p.tp_group)  # type: ignore[arg-type]
+            hosts_of.setdefault(p.tp_group, set()).add(p.node)  # type: ignore[arg-type]
+    for p in sorted(live, key=lambda q: q.name):
+        if p.node or not p.unschedulable or _AFFINITY_MISMATCH not in p.unschedulable:
+            continue
+        hosts = hosts_of.get(p.tp_group, set())  # type: ignore[arg-type]
+        if len(hosts) != 1:
+            continue
+        (host,) = hosts
+        others = groups_on[host] - {p.tp_group}
+        if others:
+            return Collision(host, p.tp_group, tuple(sorted(others, key=_group_order)), p.name,  # type: ignore[arg-type]
+                             p.unschedulable)
+    return None
+
+
+def _group_order(group: str) -> tuple[int, str]:
+    return (int(group), "") if group.isdigit() else (1 << 30, group)
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,8 @@ def test_config_values_reach_the_operator(tmp_path):
     objs = render_chart({"config": {"shmGiBPerGpu": 4, "shmMinGiB": 8, "terminationGracePeriodSeconds": 1200,
                                     "maxRestarts": 7, "progressIntervalSeconds": 15, "trainerMetricsPort": 9500,
                                     "rendezvousPort": 29600, "stallTimeoutSeconds": 3600, "runAsUser": 2000,
-                                    "resyncIntervalSeconds": 2.5, "kueueTpGroupTopology": "kubernetes.io/hostname"},
+                                    "resyncIntervalSeconds": 2.5, "kueueTpGroupTopology": "kubernetes.io/hostname",
+                                    "tpGroupCollisionSeconds": 0},
                          "metrics": {"port": 9090, "bindAddress": "127.0.0.1"},
                          "trainerImage": {"repository": "registry.example/megatron-trainer", "tag": "2026.11"}},
                         tmp_path)
@@ -215,7 +216,8 @@ def test_config_values_reach_the_operator(tmp_path):
     assert s == Settings(default_image="registry.example/megatron-trainer:2026.11", shm_gib_per_gpu=4, shm_min_gib=8,
                          termination_grace_period_s=1200, max_restarts=7, progress_interval_s=15,
                          trainer_metrics_port=9500, rendezvous_port=29600, stall_timeout_s=3600, run_as_user=2000,
-                         resync_interval_s=2.5, kueue_tp_group_topology="kubernetes.io/hostname", metrics_port=9090,
+                         resync_interval_s=2.5, kueue_tp_group_topology="kubernetes.io/hostname", tp_group_collision_s=0,
+                         metrics_port=9090,
                          metrics_host="127.0.0.1", namespaces="")
     c = container(objs)
     assert c["ports"][0]["containerPort"] == 9090

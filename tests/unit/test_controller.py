@@ -527,3 +527,93 @@ def test_a_layout_changed_while_suspended_gets_a_new_jobset_for_it(ctl, kube):
     legacy = jobset(suspended=True)
     observe(ctl, new, legacy)
     assert kube.of("delete") == []
+
+
+# ---- TP groups that collided on one host ---------------------------------------------------------------------
+
+_AFFINITY = "0/2 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match pod affinity rules."
+
+
+def collided_pods(js_uid: str = "js-uid") -> list[st.PodView]:
+    """Both TP groups' first pods on n1 (room for one group), both partners waiting for n1."""
+    def pod(name: str, group: str, node: str | None) -> st.PodView:
+        return st.PodView(name=name, phase="Running" if node else "Pending", restart_attempt=0, node=node,
+                          unschedulable=None if node else _AFFINITY, tp_group=group, jobset_uid=js_uid)
+    return [pod("job-tp0-0-0-a", "0", "n1"), pod("job-tp1-1-0-b", "1", "n1"),
+            pod("job-tp0-1-0-c", "0", None), pod("job-tp1-0-0-d", "1", None)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(controller_mod, "time", c)
+    return c
+
+
+def test_tp_groups_that_collided_get_a_new_jobset_after_the_setting_and_then_a_longer_wait(ctl, kube, clock):
+    tp2 = dict(numNodes=4, gpusPerNode=1, parallelism={"tensor": 2},
+               training={"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 1})
+    b = body(status={"phase": "Pending", "reason": "Unschedulable", "jobSetName": "job"}, **tp2)
+    assert observe(ctl, b, jobset(), collided_pods()) == []  # seen: the clock starts
+    clock.t += 29
+    observe(ctl, b, jobset(), collided_pods())
+    assert kube.of("delete") == []
+    clock.t += 1  # settings.tp_group_collision_s (30) after it was first seen
+    events = observe(ctl, b, jobset(), collided_pods())
+    assert kube.of("delete") == [("delete", "job")]
+    (ev,) = [e for e in events if e.reason == "TPGroupsCollided"]
+    assert ev.type == "Warning" and "group 0 and group 1 of this job started on node n1" in ev.message
+    assert "re-placement 1 of this job" in ev.message
+    observe(ctl, b, jobset(), collided_pods())  # the deleted JobSet still in the cache: not deleted twice
+    assert len(kube.of("delete")) == 1
+    # the new JobSet's pods collide again: the second re-placement waits twice as long
+    observe(ctl, b, None, [])  # gone from the cache: made again
+    assert kube.of("create")[-1][1] == "JobSet"
+    new = jobset()
+    new["metadata"]["uid"] = "js-uid-2"
+    clock.t += 100
+    observe(ctl, b, new, collided_pods("js-uid-2"))
+    clock.t += 59
+    observe(ctl, b, new, collided_pods("js-uid-2"))
+    assert len(kube.of("delete")) == 1
+    clock.t += 1
+    observe(ctl, b, new, collided_pods("js-uid-2"))
+    assert len(kube.of("delete")) == 2
+
+
+def test_a_collision_that_resolves_itself_within_the_setting_changes_nothing(ctl, kube, clock):
+    b = body(status={"phase": "Pending", "reason": "Unschedulable", "jobSetName": "job"})
+    observe(ctl, b, jobset(), collided_pods())
+    clock.t += 20
+    placed = [st.PodView(name=p.name, phase="Running", restart_attempt=0, node=p.node or "n2", tp_group=p.tp_group,
+                         jobset_uid="js-uid") for p in collided_pods()]  # the host freed room meanwhile
+    observe(ctl, b, jobset(), placed)
+    clock.t += 20
+    observe(ctl, b, jobset(), collided_pods())  # a new collision: its own 30 s
+    assert kube.of("delete") == []
+
+
+@pytest.mark.parametrize("settings, js", [
+    (Settings(tp_group_collision_s=0), jobset()),  # turned off
+    (Settings(), jobset(suspended=True)),  # suspended: the pods are going anyway
+])
+def test_no_re_placement_when_off_or_suspended(kube, clock, settings, js):
+    ctl = Controller(kube, settings, Metrics())  # type: ignore[arg-type]
+    b = body(status={"phase": "Pending", "reason": "Unschedulable", "jobSetName": "job"})
+    for _ in range(3):
+        observe(ctl, b, js, collided_pods())
+        clock.t += 1000
+    assert kube.of("delete") == []
+
+
+def test_tp_group_collision_s_is_never_negative():
+    with pytest.raises(ValueError, match="negative"):
+        Settings(tp_group_collision_s=-1)

@@ -95,9 +95,12 @@ def test_tp_group_spanning_pods_gets_affinity_on_exactly_its_pods():
     # share a host that has room): a group that lands next to another can take its partner's room
     for g in range(2):
         (pref,) = pod_spec(js, g)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-        assert pref["podAffinityTerm"]["labelSelector"] == {
+        assert pref == {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname", "labelSelector": {
             "matchLabels": {"megatron-operator.io/job-name": "job"},
-            "matchExpressions": [{"key": "megatron-operator.io/tp-group", "operator": "NotIn", "values": [str(g)]}]}
+            "matchExpressions": [{"key": "megatron-operator.io/tp-group", "operator": "NotIn", "values": [str(g)]}]}}}
+        # a preference, not a requirement: groups may share a host with room for several (docs/troubleshooting.md,
+        # "Tensor-parallel placement"); a job of two groups that started on one host too small for both is placed
+        # anew by the operator (status.tp_group_collision)
         assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod_spec(js, g)["affinity"]["podAntiAffinity"]
 
 

@@ -9,7 +9,15 @@ from factory import make_job
 from megatron_operator.kueue import WorkloadView
 from megatron_operator.memory import FitReport, estimate
 from megatron_operator.rules import Problem
-from megatron_operator.status import JobSetView, Observation, PodView, changed, derive, iso
+from megatron_operator.status import (
+    JobSetView,
+    Observation,
+    PodView,
+    changed,
+    derive,
+    iso,
+    tp_group_collision,
+)
 from megatron_operator.validation import parse_job
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
@@ -514,3 +522,55 @@ def test_no_sidecar_condition_without_restarts_and_false_after_a_new_gang():
     warned, _ = derive(obs(jobset=js(), pods=[PodView.from_pod(_pod_with_sidecar(1)), quiet]), NOW)
     s, _ = derive(obs(jobset=js(), pods=[quiet, quiet], previous=warned), NOW + timedelta(minutes=1))
     assert (cond(s, "SidecarWarning")["status"], cond(s, "SidecarWarning")["reason"]) == ("False", "NoSidecarRestarts")
+
+
+# ---- TP groups that collided on one host (status.tp_group_collision) --------------------------------------------
+
+_AFFINITY = ("0/22 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match pod affinity rules, "
+             "20 node(s) didn't match Pod's node affinity/selector. no new claims to deallocate, preemption: 0/22 "
+             "nodes are available: 1 No preemption victims found for incoming pod, 21 Preemption is not helpful for "
+             "scheduling.")
+
+
+def _tp(name: str, group: str, node: str | None = None, waiting: str | None = None, **kw) -> PodView:
+    return PodView(name, "Running" if node else "Pending", node=node, unschedulable=waiting, tp_group=group,
+                   restart_attempt=kw.pop("attempt", 0), **kw)
+
+
+def test_two_groups_that_started_on_one_full_host_are_a_collision():
+    # CI, 2026-11-28: the first pods of both groups on a 2-GPU node, their partners waiting for it
+    pods = [_tp("j-tp0-0-0-a", "0", "n1"), _tp("j-tp1-1-0-b", "1", "n1"),
+            _tp("j-tp0-1-0-c", "0", waiting=_AFFINITY), _tp("j-tp1-0-0-d", "1", waiting=_AFFINITY)]
+    c = tp_group_collision(pods, 0)
+    assert (c.node, c.group, c.others, c.pod, c.message) == ("n1", "0", ("1",), "j-tp0-1-0-c", _AFFINITY)
+    assert c.describe() == ("tensor-parallel group 0 and group 1 of this job started on node n1, which has no room "
+                            "for the rest of group 0: pod j-tp0-1-0-c can only join its group there (0/22 nodes are "
+                            "available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match pod affinity rules, 20 "
+                            "node(s) didn't match Pod's node affinity/selector)")
+
+
+@pytest.mark.parametrize("pods", [
+    # each group on its own host, one still waiting for room there (another job's GPUs: issue 16, not ours)
+    [_tp("a", "0", "n1"), _tp("b", "0", waiting=_AFFINITY), _tp("c", "1", "n2"), _tp("d", "1", "n2")],
+    # two groups packed on one host with room for both: all placed
+    [_tp("a", "0", "n1"), _tp("b", "0", "n1"), _tp("c", "1", "n1"), _tp("d", "1", "n1")],
+    # waiting for another reason (the host is tainted): the scheduler places it once that changes
+    [_tp("a", "0", "n1"), _tp("c", "1", "n1"), _tp("b", "0", waiting="0/2 nodes are available: 2 node(s) had "
+                                                                   "untolerated taint(s).")],
+    # no group of the waiting pod is placed yet: nothing pins it
+    [_tp("a", "0", "n1"), _tp("c", "0", "n1"), _tp("b", "1", waiting=_AFFINITY)],
+    # the other group's pod on that host is on its way out, or of an earlier attempt
+    [_tp("a", "0", "n1"), _tp("b", "0", waiting=_AFFINITY), _tp("c", "1", "n1", terminating=True)],
+    [_tp("a", "0", "n1"), _tp("b", "0", waiting=_AFFINITY), _tp("c", "1", "n1", attempt=1)],
+    # pods without TP-group labels (every group inside one pod): no affinity, nothing to collide
+    [PodView("a", "Running", node="n1"), PodView("b", "Pending", unschedulable=_AFFINITY)],
+])
+def test_what_is_not_a_collision(pods):
+    assert tp_group_collision(pods, 0) is None
+
+
+def test_the_tp_group_comes_from_the_pod_label():
+    pod = {"metadata": {"name": "j-tp1-0-0-x", "labels": {"megatron-operator.io/tp-group": "1"}},
+           "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}}
+    assert PodView.from_pod(pod).tp_group == "1"
+    assert PodView.from_pod({"metadata": {"name": "j-worker-0-0-x"}, "status": {}}).tp_group is None
