@@ -30,6 +30,7 @@ OPERATOR_ONLY = {
     "extra-args-not-managed": "extraArgs that repeat a rendered flag: argparse takes the last one",
     "env-not-reserved": "pod environment",
     "pod-labels-not-reserved": "pod labels",
+    "pod-affinity-selects-own-pods": "pod placement (kube-scheduler's rule for required pod affinity)",
     "data-exactly-one": "the spec's data section shape (rendered as one of --mock-data and --data-path)",
     "topk-within-experts": "without experts the router's top-k is not rendered",
     "moe-fields-need-experts": "without experts the MoE flags are not rendered (the trainer would note them as "

@@ -538,6 +538,37 @@ class At(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class In(Expr):
+    """CEL ``x in c``: ``x`` is an element of the list ``c``, or a key of the map ``c``."""
+
+    value: Expr
+    container: Expr
+
+    def cel(self) -> str:
+        return f"({self.value.cel()} in {self.container.cel()})"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        return self.value.eval(env) in self.container.eval(env)
+
+
+@dataclass(frozen=True, eq=False)
+class Get(Expr):
+    """CEL ``m[k]`` on a map with a computed key (the caller guards it with ``In``: a missing key is an error)."""
+
+    mapping: Expr
+    key: Expr
+
+    def cel(self) -> str:
+        return f"{self.mapping.cel()}[{self.key.cel()}]"
+
+    def eval(self, env: dict[str, Any]) -> Any:
+        m, k = self.mapping.eval(env), self.key.eval(env)
+        if not isinstance(m, dict) or k not in m:
+            raise Missing(self.cel())
+        return m[k]
+
+
+@dataclass(frozen=True, eq=False)
 class LastIndexOf(Expr):
     """Kubernetes CEL's lists-library ``list.lastIndexOf(x)``: the last position of ``x``, or -1."""
 

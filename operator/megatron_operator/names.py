@@ -43,6 +43,13 @@ MANAGED_BY = "megatron-operator"
 MANAGED_LABELS = {LABEL_MANAGED_BY: MANAGED_BY}
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 LABEL_JOB_NAME = f"{GROUP}/job-name"
+LABEL_APP_NAME = "app.kubernetes.io/name"
+LABEL_APP_INSTANCE = "app.kubernetes.io/instance"
+TRAINER_APP_NAME = "megatron-trainer"
+#: Keys of the labels on everything of a job, its pods included, whose value is the job's name (render.labels_for).
+JOB_NAME_VALUED_LABELS = (LABEL_APP_INSTANCE, LABEL_JOB_NAME)
+#: ... and those whose value is fixed.
+FIXED_JOB_LABELS = {LABEL_APP_NAME: TRAINER_APP_NAME, LABEL_MANAGED_BY: MANAGED_BY}
 #: On the JobSet: the spec.parallelism it was rendered for (compact JSON). spec.parallelism may change while the
 #: job is suspended; a suspended JobSet whose value differs is deleted and created again for the new layout.
 ANNOTATION_PARALLELISM = f"{GROUP}/parallelism"

@@ -32,6 +32,8 @@ from .names import (
     KUEUE_PODSET_TOPOLOGY_ANNOTATIONS,
     KUEUE_PRIORITY_CLASS_LABEL,
     KUEUE_QUEUE_LABEL,
+    LABEL_APP_INSTANCE,
+    LABEL_APP_NAME,
     LABEL_JOB_NAME,
     LABEL_MANAGED_BY,
     LABEL_TP_GROUP,
@@ -39,6 +41,7 @@ from .names import (
     OBJECT_STORE_CREDENTIALS_MOUNT,
     PLURAL,
     SERVICE_ACCOUNT_MOUNT,
+    TRAINER_APP_NAME,
     TRAINER_CONTAINER,
     WANDB_API_KEY_MOUNT,
     WANDB_SCRATCH_DIR,
@@ -63,12 +66,9 @@ EFA_ENV = {
 
 
 def labels_for(name: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "megatron-trainer",
-        "app.kubernetes.io/instance": name,
-        LABEL_MANAGED_BY: MANAGED_BY,
-        LABEL_JOB_NAME: name,
-    }
+    """On everything of the job, its pods included (rules: pod-affinity-selects-own-pods reads the same names)."""
+    return {LABEL_APP_NAME: TRAINER_APP_NAME, LABEL_APP_INSTANCE: name, LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_JOB_NAME: name}
 
 
 def service_account_name(name: str) -> str:

@@ -21,7 +21,9 @@ from .expr import (
     Expr,
     Field,
     Filter,
+    Get,
     Has,
+    In,
     Index,
     LastIndexOf,
     Lit,
@@ -41,6 +43,9 @@ from .expr import (
 )
 from .names import (
     CHECKPOINT_MOUNT,
+    FIXED_JOB_LABELS,
+    JOB_NAME_VALUED_LABELS,
+    LABEL_JOB_NAME,
     MAX_NAME_LENGTH,
     OPERATOR_MOUNTS,
     OPERATOR_VOLUMES,
@@ -1165,6 +1170,67 @@ OBJECT_RULES: list[Rule] = [
                      " the checkpoints' prefix, which is the job's name ", job_name,
                      " (spec.checkpoint.objectStore.prefix is not set); export to a prefix apart from the "
                      "checkpoints, e.g. exports/<name>")),
+]
+
+# A user's required pod-affinity term on a job whose tensor-parallel groups span pods. Each such pod already has
+# the operator's required term "next to the pods of my group" (render: the group's pods on one host), and
+# kube-scheduler's InterPodAffinity filter counts only existing pods that match *all* of a pod's required terms
+# (the first pod of a series passes only if it matches all its terms itself). A term of the user's that does
+# not select the job's own pods therefore can never be met together with the group's: no worker is ever
+# placed, without an error anywhere. It can be met when it selects the job's own pods (e.g. "every worker of
+# this job in one zone"): check it against the labels every pod of the job carries (render.labels_for and
+# spec.podMetadata.labels; the tensor-parallel group and JobSet's labels differ between pods and are not used).
+_pod_labels = f("spec.podMetadata.labels")
+_has_pod_labels = has("spec.podMetadata") & has("spec.podMetadata.labels")
+
+
+def _own_has(key: Expr) -> Expr:
+    known: Expr | None = None
+    for k in (*FIXED_JOB_LABELS, *JOB_NAME_VALUED_LABELS):
+        known = key.eq(k) if known is None else known | key.eq(k)
+    return known | (_has_pod_labels & In(key, _pod_labels))
+
+
+def _own_value(key: Expr) -> Expr:
+    """The value of label ``key`` on every pod of the job (guard with ``_own_has``)."""
+    value: Expr = Get(_pod_labels, key)
+    for k, v in FIXED_JOB_LABELS.items():
+        value = cond(key.eq(k), v, value)
+    for k in JOB_NAME_VALUED_LABELS:
+        value = cond(key.eq(k), job_name, value)
+    return value
+
+
+def _own_pods_meet(r: str) -> Expr:
+    """Label selector requirement ``r`` holds for the job's own pods."""
+    op, key, values = Field("operator", r), Field("key", r), Field("values", r)
+    present = _own_has(key)
+    return cond(op.eq("In"), present & In(_own_value(key), values),
+                cond(op.eq("NotIn"), ~present | ~In(_own_value(key), values),
+                     cond(op.eq("Exists"), present, ~present)))
+
+
+_match_labels = Field("labelSelector.matchLabels", "t")
+_selects_own_pods = ((~Has(_match_labels) | All(_match_labels, "k", _own_has(Var("k"))
+                                                 & _own_value(Var("k")).eq(Get(_match_labels, Var("k")))))
+                     & All(Field("labelSelector.matchExpressions", "t"), "r", _own_pods_meet("r")))
+_user_required_pod_affinity = f(f"spec.pod.affinity.podAffinity.{_REQ}")
+
+OBJECT_RULES += [
+    Rule("pod-affinity-selects-own-pods", f"spec.pod.affinity.podAffinity.{_REQ}",
+         All(_user_required_pod_affinity, "t", _selects_own_pods),
+         when=has("spec.pod") & has("spec.pod.affinity") & has("spec.pod.affinity.podAffinity")
+         & has(f"spec.pod.affinity.podAffinity.{_REQ}")
+         & (f("spec.parallelism.tensor") > f("spec.gpusPerNode")),
+         message=fmt("spec.pod.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution: with "
+                     "spec.parallelism.tensor ", f("spec.parallelism.tensor").str(), " larger than spec.gpusPerNode ",
+                     f("spec.gpusPerNode").str(), " every worker already has a required pod affinity that keeps "
+                     "its tensor-parallel group on one host, and kube-scheduler places a pod only next to an "
+                     "existing pod that matches all of its required terms at once; a term that does not select "
+                     "this job's own pods would leave every worker Pending. Select the job's pods (matchLabels "
+                     + LABEL_JOB_NAME + ": ", job_name, ", or labels of spec.podMetadata.labels) with the "
+                     "topologyKey you need, or make the term preferredDuringSchedulingIgnoredDuringExecution, or "
+                     "use nodeAffinity")),
 ]
 
 NAME_RULE = {

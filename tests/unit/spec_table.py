@@ -52,6 +52,18 @@ POD_FULL = {
                                    "labelSelector": {"matchLabels": {"megatron-operator.io/job-name": "job"}}}],
 }
 
+
+def _tp_spans_pods(**overrides: Any) -> dict[str, Any]:
+    """Two pods of one GPU, TP 2: each tensor-parallel group spans two pods (the operator's group pod affinity)."""
+    return make_job(numNodes=2, gpusPerNode=1, parallelism={"tensor": 2},
+                    training={"microBatchSize": 4, "globalBatchSize": 16, "trainIters": 10}, **overrides)
+
+
+def _required_pod_affinity(selector: dict[str, Any]) -> dict[str, Any]:
+    return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "topology.kubernetes.io/zone", "labelSelector": selector}]}}}
+
+
 # (id, manifest, violated rule or None)
 CASES: list[tuple[str, dict[str, Any], str | None]] = [
     # ---------------------------------------------------------------- valid
@@ -473,6 +485,39 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "extra-args-not-managed"),
     # ---------------------------------------------------------------- spec.pod (issue 53)
     ("pod-everything", make_job(pod=POD_FULL), None),
+    # a required pod-affinity term where each TP group spans pods: it must select the job's own pods
+    ("pod-affinity-own-job-tp-spans-pods", _tp_spans_pods(pod=_required_pod_affinity(
+        {"matchLabels": {"megatron-operator.io/job-name": "job"}})), None),
+    ("pod-affinity-own-pod-label-tp-spans-pods", _tp_spans_pods(podMetadata={"labels": {"team": "a"}}, pod=(
+        _required_pod_affinity({"matchLabels": {"team": "a", "app.kubernetes.io/instance": "job"},
+                                "matchExpressions": [{"key": "team", "operator": "In", "values": ["a", "b"]},
+                                                     {"key": "cache", "operator": "DoesNotExist"},
+                                                     {"key": "app.kubernetes.io/name", "operator": "Exists"},
+                                                     {"key": "megatron-operator.io/job-name", "operator": "NotIn",
+                                                      "values": ["other"]}]}))), None),
+    ("pod-affinity-empty-selector-tp-spans-pods", _tp_spans_pods(pod=_required_pod_affinity({})), None),
+    ("bad-pod-affinity-other-pods-tp-spans-pods", _tp_spans_pods(pod=_required_pod_affinity(
+        {"matchExpressions": [{"key": "cache", "operator": "Exists"}]})), "pod-affinity-selects-own-pods"),
+    ("bad-pod-affinity-other-job-tp-spans-pods", _tp_spans_pods(pod=_required_pod_affinity(
+        {"matchLabels": {"megatron-operator.io/job-name": "other"}})), "pod-affinity-selects-own-pods"),
+    ("bad-pod-affinity-label-value-tp-spans-pods", _tp_spans_pods(podMetadata={"labels": {"team": "a"}}, pod=(
+        _required_pod_affinity({"matchExpressions": [{"key": "team", "operator": "In", "values": ["b"]}]}))),
+     "pod-affinity-selects-own-pods"),
+    ("bad-pod-affinity-not-in-own-job-tp-spans-pods", _tp_spans_pods(pod=_required_pod_affinity(
+        {"matchExpressions": [{"key": "megatron-operator.io/job-name", "operator": "NotIn", "values": ["job"]}]})),
+     "pod-affinity-selects-own-pods"),
+    ("bad-pod-affinity-second-term-tp-spans-pods", _tp_spans_pods(pod={"affinity": {"podAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {"topologyKey": "topology.kubernetes.io/zone", "labelSelector": {}},
+            {"topologyKey": "topology.kubernetes.io/zone",
+             "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "cache"}}}]}}}),
+     "pod-affinity-selects-own-pods"),
+    # the same terms are fine where each TP group is inside one pod (no group term), or as a preference
+    ("pod-affinity-other-pods-tp-in-pod", make_job(pod=_required_pod_affinity(
+        {"matchExpressions": [{"key": "cache", "operator": "Exists"}]})), None),
+    ("pod-affinity-preferred-other-pods-tp-spans-pods", _tp_spans_pods(pod={"affinity": {"podAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 10, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "cache"}}}}]}}}), None),
     ("pod-empty", make_job(pod={}), None),
     ("pod-volume-no-source", make_job(pod={"volumes": [{"name": "a"}]}), "pod-volume-one-source"),
     ("pod-volume-two-sources", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}, "configMap": {"name": "c"}}]}),

@@ -628,3 +628,42 @@ def test_every_moe_field_renders_as_its_flag_and_none_is_left_out_of_the_table()
             "--moe-expert-capacity-factor 1.25 --moe-token-drop-policy position "
             "--moe-pad-expert-input-to-capacity") in args
     assert "--moe-router-pre-softmax" not in args and "--moe-ffn-hidden-size" not in args  # unset: not rendered
+
+
+def _selects(selector, labels):
+    """A Kubernetes label selector against a pod's labels (apimachinery's LabelSelectorAsSelector)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for r in selector.get("matchExpressions", []):
+        present, value = r["key"] in labels, labels.get(r["key"])
+        ok = {"In": present and value in r.get("values", []), "NotIn": not present or value not in r.get("values", []),
+              "Exists": present, "DoesNotExist": not present}[r["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_where_tp_groups_span_pods_every_admitted_pod_matches_all_its_own_required_pod_affinity_terms():
+    """kube-scheduler places a pod only next to an existing pod matching all of its required pod-affinity terms,
+    or, for the first pod of a series, when the pod matches all of them itself. So where the operator adds the
+    group's term, every admitted job's pods must match every required term they carry: checked on the rendered
+    pod templates of every valid spec in the table, by a selector evaluator independent of the admission rule."""
+    from megatron_operator.names import FIXED_JOB_LABELS, JOB_NAME_VALUED_LABELS, LABEL_TP_GROUP
+    from megatron_operator.render import labels_for
+    from spec_table import CASES
+
+    # the rule reads these names for the labels every pod carries: they must be exactly render's
+    assert labels_for("j") == {**FIXED_JOB_LABELS, **dict.fromkeys(JOB_NAME_VALUED_LABELS, "j")}
+    checked = 0
+    for name, doc, rule in CASES:
+        if rule is not None:
+            continue
+        for rj in objects(doc)["JobSet"]["spec"]["replicatedJobs"]:
+            template = rj["template"]["spec"]["template"]
+            terms = (template["spec"].get("affinity", {}).get("podAffinity", {})
+                     .get("requiredDuringSchedulingIgnoredDuringExecution", []))
+            if not any(LABEL_TP_GROUP in t["labelSelector"].get("matchLabels", {}) for t in terms):
+                continue
+            assert all(_selects(t["labelSelector"], template["metadata"]["labels"]) for t in terms), (name, terms)
+            checked += len(terms) > 1
+    assert checked >= 3  # the table's accepted user terms on jobs whose groups span pods were all seen
