@@ -254,7 +254,7 @@ def test_kubeflow_example_keeps_the_tp_group_on_one_node(cluster, namespace, wai
 @pytest.fixture
 def two_gpu_nodes(cluster, namespace):
     """Two fresh 2-GPU kwok nodes only this test schedules onto (label = the test's namespace), ready for pods."""
-    pool = namespace[-30:]
+    pool = namespace[-30:].lstrip("-.")  # a label value starts with a letter or digit
     names = [f"{namespace[-6:]}-2gpu-{i}" for i in range(2)]
     cluster.apply([gpu_node(n, pool, 2) for n in names])
     # Both nodes must take pods before the job comes: while one still has the not-ready taint, both groups'
@@ -284,6 +284,72 @@ def test_two_tp_groups_are_not_forced_onto_one_node(cluster, namespace, wait_for
         by_group.setdefault(p.metadata.labels["megatron-operator.io/tp-group"], set()).add(p.spec.node_name)
     assert all(len(nodes) == 1 for nodes in by_group.values()), by_group
     assert by_group["0"] != by_group["1"], by_group
+
+
+def _own_pods_term(job: str, topology_key: str) -> dict:
+    return {"topologyKey": topology_key, "labelSelector": {"matchLabels": {"megatron-operator.io/job-name": job}}}
+
+
+def test_required_pod_affinity_to_other_pods_would_never_place_a_tp_group_that_spans_pods(
+        cluster, crd, namespace, wait_for, two_gpu_nodes):
+    """Why admission refuses such a term (rule pod-affinity-selects-own-pods), on the real kube-scheduler: a
+    running pod the user's term selects sits on a node with room for the whole TP group, yet no pod of the
+    group is ever placed, because no existing pod matches the group's term and the user's at once."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    node0 = f"{namespace[-6:]}-2gpu-0"
+    cluster.apply([{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cache", "labels": {"app": "cache"}},
+                    "spec": {"nodeName": node0, "tolerations": [{"operator": "Exists"}],
+                             "containers": [{"name": "cache", "image": "cache:1"}]}}], namespace=namespace)
+    wait_for(lambda: core.read_namespaced_pod("cache", namespace).status.phase == "Running" or None, 60,
+             "the cache pod Running")
+    term = {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "cache"}}}
+    refused = tp_job("otheraff", 2, 2, resources={"nodeSelector": two_gpu_nodes},
+                     pod={"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}})
+    verdict = server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, refused)
+    assert verdict is not None and "would leave every worker Pending" in verdict, verdict
+    # What the operator rendered for it before the rule: the user's term beside the group's.
+    doc = tp_job("otheraff", 2, 2, resources={"nodeSelector": two_gpu_nodes})
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["podMetadata"] = {"annotations": pod_runtime_annotations(60)}
+    objs = render(parse_job(doc), Settings())
+    for o in objs:
+        if o["kind"] == "JobSet":
+            for rj in o["spec"]["replicatedJobs"]:
+                affinity = rj["template"]["spec"]["template"]["spec"]["affinity"]
+                affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"].append(term)
+    cluster.apply(objs, namespace=namespace)
+
+    def all_unschedulable():
+        pods = pods_of(cluster, namespace, "otheraff")
+        msgs = [c.message for p in pods for c in p.status.conditions or []
+                if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"]
+        return msgs if len(pods) == 2 and len(msgs) == 2 else None
+
+    msgs = wait_for(all_unschedulable, 60, "both pods of the group Unschedulable")
+    assert all("didn't match pod affinity rules" in m for m in msgs), msgs
+    assert not [p.spec.node_name for p in pods_of(cluster, namespace, "otheraff") if p.spec.node_name]
+
+
+def test_required_pod_affinity_to_the_jobs_own_pods_places_tp_groups_that_span_pods(
+        cluster, crd, namespace, wait_for, two_gpu_nodes):
+    """The form admission accepts: the user's term selects the job's own pods (here: every worker in the test's
+    pool of nodes), so each group's first pod matches all its terms itself and its partner finds it."""
+    pool_key = next(iter(two_gpu_nodes))
+    doc = tp_job("ownaff", 4, 2, resources={"nodeSelector": two_gpu_nodes},
+                 pod={"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                     _own_pods_term("ownaff", pool_key)]}}})
+    assert server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, doc) is None
+    name = apply_rendered(cluster, namespace, doc, run_s=60)
+
+    def scheduled():
+        pods = pods_of(cluster, namespace, name)
+        return pods if len(pods) == 4 and all(p.spec.node_name for p in pods) else None
+
+    pods = wait_for(scheduled, 60, "all 4 pods scheduled")
+    by_group: dict[str, set[str]] = {}
+    for p in pods:
+        by_group.setdefault(p.metadata.labels["megatron-operator.io/tp-group"], set()).add(p.spec.node_name)
+    assert all(len(nodes) == 1 for nodes in by_group.values()), by_group
 
 
 def test_gpu_and_efa_requests_are_honoured(cluster, namespace, wait_for):
