@@ -268,20 +268,24 @@ def two_gpu_nodes(cluster, namespace):
     cluster.kubectl("delete", "nodes", "-l", f"{POOL_LABEL}={pool}", "--wait=false", check=False)
 
 
+def nodes_by_tp_group(cluster, namespace, name, count, wait_for) -> dict[str, set[str]]:
+    """Once all ``count`` pods of the job are bound: the nodes of each tensor-parallel group."""
+    def scheduled():
+        pods = pods_of(cluster, namespace, name)
+        return pods if len(pods) == count and all(p.spec.node_name for p in pods) else None
+
+    by_group: dict[str, set[str]] = {}
+    for p in wait_for(scheduled, 60, f"all {count} pods scheduled"):
+        by_group.setdefault(p.metadata.labels["megatron-operator.io/tp-group"], set()).add(p.spec.node_name)
+    return by_group
+
+
 def test_two_tp_groups_are_not_forced_onto_one_node(cluster, namespace, wait_for, two_gpu_nodes):
     # Each 2-GPU node fits exactly one TP=2 group of 1-GPU pods: the second group must land on the
     # other node, which it can only do if the affinity binds each group, not the whole job, to a host.
     doc = tp_job("twogroups", 4, 2, resources={"nodeSelector": two_gpu_nodes})
     name = apply_rendered(cluster, namespace, doc, run_s=60)
-
-    def scheduled():
-        pods = pods_of(cluster, namespace, name)
-        return pods if len(pods) == 4 and all(p.spec.node_name for p in pods) else None
-
-    pods = wait_for(scheduled, 60, "all 4 pods scheduled")
-    by_group: dict[str, set[str]] = {}
-    for p in pods:
-        by_group.setdefault(p.metadata.labels["megatron-operator.io/tp-group"], set()).add(p.spec.node_name)
+    by_group = nodes_by_tp_group(cluster, namespace, name, 4, wait_for)
     assert all(len(nodes) == 1 for nodes in by_group.values()), by_group
     assert by_group["0"] != by_group["1"], by_group
 
@@ -340,15 +344,7 @@ def test_required_pod_affinity_to_the_jobs_own_pods_places_tp_groups_that_span_p
                      _own_pods_term("ownaff", pool_key)]}}})
     assert server_verdict(kubernetes.client.CustomObjectsApi(cluster.api_client()), namespace, doc) is None
     name = apply_rendered(cluster, namespace, doc, run_s=60)
-
-    def scheduled():
-        pods = pods_of(cluster, namespace, name)
-        return pods if len(pods) == 4 and all(p.spec.node_name for p in pods) else None
-
-    pods = wait_for(scheduled, 60, "all 4 pods scheduled")
-    by_group: dict[str, set[str]] = {}
-    for p in pods:
-        by_group.setdefault(p.metadata.labels["megatron-operator.io/tp-group"], set()).add(p.spec.node_name)
+    by_group = nodes_by_tp_group(cluster, namespace, name, 4, wait_for)
     assert all(len(nodes) == 1 for nodes in by_group.values()), by_group
 
 
