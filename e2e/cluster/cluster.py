@@ -1138,8 +1138,9 @@ def unmount_under(root: Path) -> list[str]:
 def stop_stale_node(p: RunPaths) -> None:
     """Stop the processes of a real node (e2e/cluster/node.py) that an interrupted run left behind.
 
-    node.py's own `down` tears its pods down properly; this is for when it never ran. Each pid is
-    stopped only if its command line still names the node's directory or program (stop_pid checks).
+    node.py's own `down` tears its pods down properly (and removes the node's bridge and NAT rules, which
+    this leaves to the next `node.py down`); this is for when it never ran. Each pid is stopped only if
+    it is alive and its command line still names that program (kubelet, node.py, containerd).
     """
     node_dir = p.root / "node"
     try:
