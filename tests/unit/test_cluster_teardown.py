@@ -40,6 +40,15 @@ def mount_tmpfs(point: Path) -> None:
         pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {proc.stderr.strip()}")
 
 
+def wait_for_exec(pid: int, argv0: str, timeout_s: float = 10) -> None:
+    """Wait until the child has exec'd: between fork and exec its command line is still pytest's."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.argv(pid)[:1] != [argv0]:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} never exec'd {argv0}: {cluster.argv(pid)!r}")
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def run_root(tmp_path: Path):
     if os.geteuid() != 0:
@@ -75,6 +84,9 @@ def test_down_clears_a_run_dir_left_mounted_by_a_killed_real_node(run_root: Path
     stale = subprocess.Popen(["bash", "-c", "exec -a containerd sleep 600"], start_new_session=True)
     unrelated = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
+        # A red CI run read the command line before the exec (still pytest's) and rightly left the pid alone.
+        wait_for_exec(stale.pid, "containerd")
+        wait_for_exec(unrelated.pid, "sleep")
         (node / "node.json").write_text(json.dumps(
             {"node": "real-node-0", "containerd_pid": stale.pid, "kubelet_pid": unrelated.pid}))
         p.logs.mkdir(parents=True)
