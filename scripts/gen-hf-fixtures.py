@@ -30,6 +30,9 @@ TINY = {
     # (top-k renormalised: Megatron's default router)
     "tiny-qwen3-moe": ("qwen3_moe", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "norm_topk_prob": False}),
+    # Qwen2-MoE: Qwen3-MoE's router (norm_topk_prob false) plus one gated shared expert, QKV bias, no QK norm
+    "tiny-qwen2-moe": ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
     "tiny-mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 

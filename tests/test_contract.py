@@ -31,7 +31,7 @@ EXTRA_CASES = {
     "moe-shared-sigmoid-capacity": {"numNodes": 1, "gpusPerNode": 8,
                                     "parallelism": {"tensor": 2, "expert": 2, "expertTensor": 1},
                                     "model": {"preset": "llama3-8b", "numExperts": 8, "moeRouterTopk": 1,
-                                              "moeSharedExpertIntermediateSize": 2048,
+                                              "moeSharedExpertIntermediateSize": 2048, "moeSharedExpertGate": True,
                                               "moeRouterScoreFunction": "sigmoid", "moeRouterEnableExpertBias": True,
                                               "moeRouterBiasUpdateRate": 0.01, "moeExpertCapacityFactor": 1.5,
                                               "moeTokenDropPolicy": "position", "moePadExpertInputToCapacity": True,
@@ -152,6 +152,7 @@ def test_trainer_parses_the_rendered_command_line(job):
         assert m.moe_aux_loss_coeff == (sm.moe_aux_loss_coeff or 0.0)
         assert (m.moe_z_loss_coeff, m.moe_router_dtype) == (sm.moe_z_loss_coeff, sm.moe_router_dtype)
         assert m.moe_shared_expert_intermediate_size == sm.moe_shared_expert_intermediate_size
+        assert m.moe_shared_expert_gate == model["moeSharedExpertGate"]
         assert (m.moe_router_score_function, m.moe_router_enable_expert_bias) == (
             model["moeRouterScoreFunction"], model["moeRouterEnableExpertBias"])
         assert m.moe_router_bias_update_rate == (sm.moe_router_bias_update_rate or 1e-3)
@@ -313,7 +314,7 @@ def test_every_flag_admission_accepts_is_accepted_by_the_trainer():
 HF_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "hf").glob("*.json"))
 #: Mixture-of-experts fixtures: hf-config maps them to spec.model's MoE fields, the trainer imports them (--num-experts
 #: and the --moe-* flags).
-MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
+MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"}
 DENSE_FIXTURES = [p for p in HF_FIXTURES if p.stem not in MOE_FIXTURES]
 MOE_FIXTURE_PATHS = [p for p in HF_FIXTURES if p.stem in MOE_FIXTURES]
 
@@ -367,7 +368,7 @@ def test_hf_config_output_reaches_the_trainer_as_the_config_json_model(config_pa
 
 @pytest.mark.parametrize("config_path", MOE_FIXTURE_PATHS, ids=[p.stem for p in MOE_FIXTURE_PATHS])
 def test_hf_config_output_reaches_the_trainer_as_the_moe_of_config_json(config_path, capsys):
-    """Qwen3-MoE and Mixtral (issue 50): hf-config's spec.model, rendered, parses in the trainer into the experts,
+    """Qwen3-MoE, Qwen2-MoE and Mixtral (issue 50): hf-config's spec.model, rendered, parses in the trainer into the experts,
     router and experts' hidden size that config.json describes (read here straight from the JSON), and the trainer
     finds nothing to tell apart from the file."""
     from megatron_trainer import hf_config as trainer_hf
@@ -375,13 +376,17 @@ def test_hf_config_output_reaches_the_trainer_as_the_moe_of_config_json(config_p
     hf, job = _hf_job(config_path, capsys)
     cfg = parse_args(trainer_argv(job))
     m = cfg.model
-    qwen = hf["model_type"] == "qwen3_moe"
+    qwen = hf["model_type"] in ("qwen3_moe", "qwen2_moe")
     assert m.num_experts == hf.get("num_experts", hf.get("num_local_experts"))
     assert m.moe_router_topk == hf["num_experts_per_tok"]
     assert m.effective_moe_ffn_hidden_size == hf["moe_intermediate_size" if qwen else "intermediate_size"]
     assert m.moe_router_pre_softmax == (qwen and not hf["norm_topk_prob"])
     assert m.moe_aux_loss_coeff == hf["router_aux_loss_coef"]
-    assert m.qk_layernorm == qwen
+    assert m.qk_layernorm == (hf["model_type"] == "qwen3_moe")
+    # Qwen2-MoE: its shared expert, gated, and QKV bias; the others have neither shared experts nor a gate
+    assert m.moe_shared_expert_intermediate_size == hf.get("shared_expert_intermediate_size")
+    assert m.moe_shared_expert_gate == ("shared_expert_intermediate_size" in hf)
+    assert m.add_qkv_bias == (hf["model_type"] == "qwen2_moe" and hf["qkv_bias"])
     assert trainer_hf.mismatches(cfg, trainer_hf.parse_config(hf, m.seq_length)) == []
 
 

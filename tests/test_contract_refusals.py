@@ -235,6 +235,8 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "--moe-shared-expert-intermediate-size ({}) must be divisible by --tensor-model-parallel-size ({})":
         ("rule", "bad-moe-shared-vs-tensor"),
     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid": ("rule", "bad-moe-bias-softmax"),
+    "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (there is no shared expert to gate)":
+        ("rule", "bad-moe-gate-without-shared"),
     "--moe-router-bias-update-rate must be >= 0, got {}":
         ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeRouterScoreFunction="sigmoid",
                       model__moeRouterEnableExpertBias=True, model__moeRouterBiasUpdateRate=-0.001),

@@ -7,9 +7,9 @@ with the same words. What each side compares the model with stays on its side
 (``megatron_operator.hf_config``, ``megatron_trainer.hf_config``).
 
 Architectures: Llama 2/3/3.1/3.2 (RoPE ``default`` or ``llama3``), Mistral, Qwen2/2.5 (QKV bias),
-Qwen3 (QK norm), and the mixture-of-experts Qwen3-MoE and Mixtral (the trainer imports them; the operator's
-``spec_model`` maps them to spec.model's MoE fields). DeepSeek-V2/V3, gpt-oss and
-Qwen2-MoE are refused by name. Both layouts: transformers 5 (``rope_parameters``, ``dtype``) and 4.x (top-level
+Qwen3 (QK norm), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE (a gated shared expert) and Mixtral (the
+trainer imports them; the operator's ``spec_model`` maps them to spec.model's MoE fields). DeepSeek-V2/V3 and
+gpt-oss are refused by name. Both layouts: transformers 5 (``rope_parameters``, ``dtype``) and 4.x (top-level
 ``rope_theta``/``rope_scaling``, ``torch_dtype``). Every field that changes the math is mapped or
 refused by name; a field not known here is refused too (it may change the math). Any JSON value,
 of any type or shape, is either accepted or refused with HfConfigError, one line per problem.
@@ -36,7 +36,8 @@ MAX_UNKNOWN_NAMED = 10
 DENSE_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3"}
 #: Mixture-of-experts architectures.
-MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+                     "MixtralForCausalLM": "mixtral"}
 ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
 #: Architectures refused with the reason (what in them the converter cannot represent).
 REFUSED_ARCHITECTURES = {
@@ -44,7 +45,6 @@ REFUSED_ARCHITECTURES = {
                              "and shared experts",
     "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-head latent attention (MLA) and shared experts",
     "GptOssForCausalLM": "gpt-oss's attention sinks, router and expert biases and clamped SwiGLU",
-    "Qwen2MoeForCausalLM": "Qwen2-MoE's gated shared expert",
 }
 # Megatron-Core 0.19 implements only Llama 3.1-style RoPE scaling, with these fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -65,6 +65,8 @@ MAPPED = frozenset({
 MOE_MAPPED = frozenset({
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "router_aux_loss_coef", "output_router_logits"})
+#: Fields of one family only (elsewhere they are not known, so refused).
+FAMILY_MAPPED = {"qwen2_moe": frozenset({"shared_expert_intermediate_size", "qkv_bias"})}
 
 
 class HfConfigError(ValueError):
@@ -79,7 +81,7 @@ class HfConfigError(ValueError):
 class HfModel:
     """The architecture a config.json describes."""
 
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | qwen2_moe | mixtral
     architecture: str
     num_layers: int
     hidden_size: int
@@ -104,6 +106,8 @@ class HfModel:
     moe_ffn_hidden_size: int = 0  # each expert's MLP (Qwen3-MoE moe_intermediate_size, Mixtral intermediate_size)
     moe_pre_softmax: bool = False  # softmax over all experts, top-k not renormalised (Qwen3-MoE norm_topk_prob false)
     router_aux_loss_coef: float = 0.0  # the file's load-balancing coefficient (a training setting, a suggestion)
+    # Qwen2-MoE: one shared expert every token passes, its output scaled by sigmoid(a learned gate) (0: none)
+    shared_expert_ffn_hidden_size: int = 0
 
     @property
     def moe(self) -> bool:
@@ -234,10 +238,10 @@ def _rope(d: dict[str, Any], problems: list[str]) -> tuple[int, float | None]:
     return int(theta), float(factor)
 
 
-def _unknown_key_problem(key: str) -> str:
+def _unknown_key_problem(key: str, moe: bool) -> str:
     if "expert" in key or "moe" in key or key.startswith("router") or key == "num_local_experts":
-        return (f"config.json {_key(key)}: mixture-of-experts field in a dense architecture: the converter cannot "
-                "represent it")
+        where = "not one of this architecture's" if moe else "in a dense architecture"
+        return (f"config.json {_key(key)}: mixture-of-experts field {where}: the converter cannot represent it")
     if key == "quantization_config":
         return ("config.json quantization_config: quantized checkpoints: the converter cannot represent them; "
                 "start from the unquantized weights")
@@ -247,9 +251,10 @@ def _unknown_key_problem(key: str) -> str:
             "remove it only if you know it does not")
 
 
-def _unknown_keys(d: dict[str, Any], moe: bool) -> list[str]:
-    unknown = sorted(set(d) - INFO_ONLY - MAPPED - (MOE_MAPPED if moe else frozenset()))
-    problems = [_unknown_key_problem(k) for k in unknown[:MAX_UNKNOWN_NAMED]]
+def _unknown_keys(d: dict[str, Any], family: str, moe: bool) -> list[str]:
+    unknown = sorted(set(d) - INFO_ONLY - MAPPED - (MOE_MAPPED if moe else frozenset())
+                     - FAMILY_MAPPED.get(family, frozenset()))
+    problems = [_unknown_key_problem(k, moe) for k in unknown[:MAX_UNKNOWN_NAMED]]
     if len(unknown) > MAX_UNKNOWN_NAMED:
         problems.append(f"config.json: {len(unknown) - MAX_UNKNOWN_NAMED} more fields not known to the converter")
     return problems
@@ -274,10 +279,13 @@ def _layer_types(d: dict[str, Any], layers: int, problems: list[str]) -> bool:
 
 
 def _moe(d: dict[str, Any], family: str, ffn: int, problems: list[str]) -> dict[str, Any]:
-    """The HfModel fields of a Qwen3-MoE or Mixtral config.json; what the converter cannot represent goes to
-    ``problems``. Qwen3-MoE: transformers 5 writes num_local_experts, the published files num_experts (either;
-    both must agree). Every layer must be a MoE layer (Megatron's moe_layer_freq is not wired)."""
-    if family == "qwen3_moe" and "num_experts" in d:
+    """The HfModel fields of a Qwen3-MoE, Qwen2-MoE or Mixtral config.json; what the converter cannot represent
+    goes to ``problems``. Qwen3-MoE: transformers 5 writes num_local_experts, the published files num_experts
+    (either; both must agree). Every layer must be a MoE layer (Megatron's moe_layer_freq is not wired).
+    Qwen2-MoE is Qwen3-MoE's block plus one shared expert (shared_expert_intermediate_size wide) whose output
+    is scaled by sigmoid(shared_expert_gate(x)): Megatron's shared experts with moe_shared_expert_gate."""
+    qwen = family in ("qwen3_moe", "qwen2_moe")
+    if qwen and "num_experts" in d:
         experts = _int(d, "num_experts", problems)
         if "num_local_experts" in d and d["num_local_experts"] != d["num_experts"]:
             problems.append(f"config.json num_local_experts {_show(d['num_local_experts'])} and num_experts "
@@ -287,7 +295,8 @@ def _moe(d: dict[str, Any], family: str, ffn: int, problems: list[str]) -> dict[
     topk = _int(d, "num_experts_per_tok", problems)
     if topk > experts:
         problems.append(f"config.json num_experts_per_tok {topk} is more than the {experts} experts")
-    if family == "qwen3_moe":
+    shared = 0
+    if qwen:
         moe_ffn = _int(d, "moe_intermediate_size", problems)
         norm = d.get("norm_topk_prob", False)
         if not isinstance(norm, bool):
@@ -301,6 +310,8 @@ def _moe(d: dict[str, Any], family: str, ffn: int, problems: list[str]) -> dict[
         if dense not in (None, []):
             problems.append(f"config.json mlp_only_layers: {_show(dense)}; dense MLP layers among the MoE layers: "
                             "the converter cannot represent them (only an empty list)")
+        if family == "qwen2_moe":
+            shared = _int(d, "shared_expert_intermediate_size", problems)
     else:  # mixtral: every expert is intermediate_size wide, the top-k always renormalised
         moe_ffn, norm = ffn, True
         jitter = d.get("router_jitter_noise", 0.0)
@@ -317,7 +328,7 @@ def _moe(d: dict[str, Any], family: str, ffn: int, problems: list[str]) -> dict[
         problems.append(f"config.json router_aux_loss_coef: expected a number >= 0, got {_show(coef)}")
         coef = 0.0
     return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": moe_ffn, "moe_pre_softmax": not norm,
-            "router_aux_loss_coef": float(coef)}
+            "router_aux_loss_coef": float(coef), "shared_expert_ffn_hidden_size": shared}
 
 
 def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
@@ -339,7 +350,7 @@ def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
         problems.append(f"config.json model_type: {_show(d.get('model_type'))} does not match architecture {arch} "
                         f"(expected {family!r})")
     is_moe = family in MOE_ARCHITECTURES.values()
-    problems += _unknown_keys(d, is_moe)
+    problems += _unknown_keys(d, family, is_moe)
     layers = _int(d, "num_hidden_layers", problems)
     hidden = _int(d, "hidden_size", problems)
     heads = _int(d, "num_attention_heads", problems)
@@ -392,11 +403,16 @@ def parse_config(d: dict[str, Any], seq_length: int | None = None) -> HfModel:
     elif sliding_layers:
         problems.append("config.json layer_types: sliding_attention layers without a sliding_window")
     experts = _moe(d, family, ffn, problems) if is_moe else {}
+    qkv_bias = family == "qwen2"
+    if family == "qwen2_moe":  # transformers 5 writes qkv_bias (default true); 4.x files have none (always biased)
+        qkv_bias = d.get("qkv_bias", True)
+        if not isinstance(qkv_bias, bool):
+            problems.append(f"config.json qkv_bias: expected true or false, got {_show(qkv_bias)}")
     if problems:
         raise HfConfigError(problems)
     dtype = d.get("dtype", d.get("torch_dtype"))
     return HfModel(family=family, architecture=arch, num_layers=layers, hidden_size=hidden, num_heads=heads,
                    num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_pos,
                    head_dim=head_dim, norm_epsilon=eps, rope_theta=theta, rope_scaling_factor=factor, tied=tie,
-                   qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"), attention_dropout=dropout,
+                   qkv_bias=qkv_bias, qk_norm=family in ("qwen3", "qwen3_moe"), attention_dropout=dropout,
                    seq_length=seq, dtype=dtype if isinstance(dtype, str) else None, **experts)

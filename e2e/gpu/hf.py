@@ -77,7 +77,7 @@ def scenario_hf_logits(ctx) -> dict:
     return {"ok": not failures, "failures": failures, "results": out}
 
 
-MOE_ARCHS = ["tiny-qwen3-moe", "tiny-mixtral"]
+MOE_ARCHS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"]  # tiny-qwen2-moe: added 2026-11-28, not yet run on GPUs
 # (TP, EP, experts) of hf_moe_logits; the world is TP x EP (data parallel = EP, PP 1)
 MOE_LOGIT_LAYOUTS = ((1, 1, "grouped"), (1, 2, "grouped"), (1, 2, "sequential"), (2, 1, "grouped"),
                      (2, 2, "grouped"), (1, 4, "grouped"))

@@ -18,14 +18,17 @@ __all__ = ["MAX_CONFIG_BYTES", "HfConfigError", "HfModel", "load_config", "misma
 
 
 def _moe_block(hf: HfModel) -> dict[str, Any]:
-    """The MoE fields of spec.model for Qwen3-MoE and Mixtral: the experts, the router's top-k and the experts'
-    hidden size always (Qwen3-MoE's differs from its intermediate_size), pre-softmax where the file does not
-    renormalise the top-k (Qwen3-MoE norm_topk_prob false), and the file's load-balancing coefficient as the
-    starting point (a training setting: the job may change it)."""
+    """The MoE fields of spec.model for Qwen3-MoE, Qwen2-MoE and Mixtral: the experts, the router's top-k and the
+    experts' hidden size always (Qwen3-MoE's differs from its intermediate_size), pre-softmax where the file does
+    not renormalise the top-k (Qwen norm_topk_prob false), Qwen2-MoE's gated shared expert, and the file's
+    load-balancing coefficient as the starting point (a training setting: the job may change it)."""
     out: dict[str, Any] = {"numExperts": hf.num_experts, "moeRouterTopk": hf.moe_topk,
                            "moeFfnHiddenSize": hf.moe_ffn_hidden_size}
     if hf.moe_pre_softmax:
         out["moeRouterPreSoftmax"] = True
+    if hf.shared_expert_ffn_hidden_size:
+        out["moeSharedExpertIntermediateSize"] = hf.shared_expert_ffn_hidden_size
+        out["moeSharedExpertGate"] = True
     if hf.router_aux_loss_coef:
         out["moeAuxLossCoeff"] = hf.router_aux_loss_coef
     return out
@@ -33,8 +36,8 @@ def _moe_block(hf: HfModel) -> dict[str, Any]:
 
 def spec_model(hf: HfModel) -> dict[str, Any]:
     """spec.model (wire names) for the model, with only what differs from the defaults left to them; the MoE
-    fields for Qwen3-MoE and Mixtral. (What the converter cannot map, DeepSeek's MLA, gpt-oss's attention sinks,
-    Qwen2-MoE's shared expert, parse_config refuses by name.)"""
+    fields for Qwen3-MoE, Qwen2-MoE and Mixtral. (What the converter cannot map, DeepSeek's MLA, gpt-oss's
+    attention sinks, parse_config refuses by name.)"""
     out: dict[str, Any] = {
         "numLayers": hf.num_layers, "hiddenSize": hf.hidden_size, "numAttentionHeads": hf.num_heads,
         "numQueryGroups": hf.num_kv_heads, "ffnHiddenSize": hf.ffn_hidden_size, "seqLength": hf.seq_length,
@@ -94,17 +97,26 @@ def mismatches(model: dict[str, Any], hf: HfModel) -> list[str]:
     if hf.moe:  # the fields megatron_trainer.hf_config.mismatches compares before an import
         differ("numExperts", model["numExperts"], "the number of experts", hf.num_experts)
         differ("moeRouterTopk", model["moeRouterTopk"], "num_experts_per_tok", hf.moe_topk)
+        qwen = hf.family in ("qwen3_moe", "qwen2_moe")
         differ("moeFfnHiddenSize", model["moeFfnHiddenSize"],
-               "moe_intermediate_size" if hf.family == "qwen3_moe" else "intermediate_size", hf.moe_ffn_hidden_size)
+               "moe_intermediate_size" if qwen else "intermediate_size", hf.moe_ffn_hidden_size)
         differ("moeRouterPreSoftmax", model["moeRouterPreSoftmax"],
-               "norm_topk_prob (negated)" if hf.family == "qwen3_moe" else f"architecture {hf.architecture}",
-               hf.moe_pre_softmax)
+               "norm_topk_prob (negated)" if qwen else f"architecture {hf.architecture}", hf.moe_pre_softmax)
+        differ("moeSharedExpertIntermediateSize", model["moeSharedExpertIntermediateSize"] or None,
+               "shared_expert_intermediate_size" if hf.shared_expert_ffn_hidden_size
+               else f"architecture {hf.architecture} (shared experts)", hf.shared_expert_ffn_hidden_size or None)
+        differ("moeSharedExpertGate", model["moeSharedExpertGate"],
+               f"architecture {hf.architecture} (shared expert gate)", bool(hf.shared_expert_ffn_hidden_size))
+        differ("moeRouterScoreFunction", model["moeRouterScoreFunction"],
+               f"architecture {hf.architecture} (router scores)", "softmax")
     elif model["numExperts"]:
         out.append(f"spec.model.numExperts: {model['numExperts']} does not match config.json: the model is dense")
     return out
 
 
 def _yamlish(v: Any) -> str:
+    if v is None:
+        return "not set"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):

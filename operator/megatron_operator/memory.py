@@ -85,7 +85,7 @@ UNCALIBRATED_MOE_TERMS = (
     "routing imbalance: routing is assumed even; dropless routing gives a busy rank more rows (the measured "
     "ranks of one run differed by up to 0.8 GiB, and the busiest rank is what must fit)",
     "expert optimizer state sharded over expert data parallel > 1 (world / (expertTensor x expert x pipeline))",
-    "shared experts: a dense MLP's weights and activations per MoE layer",
+    "shared experts: a dense MLP's weights and activations per MoE layer (and Qwen2-MoE's gate on it)",
     "capacity factor and padding to capacity (token dropping)",
     "the all-gather dispatcher's buffers (only all-to-all was measured)",
     "expert TP other than TP, TP > 2, PP / VPP / CP and recomputation with experts",
@@ -255,6 +255,8 @@ def estimate(job: MegatronJob) -> Estimate:
     dense_per_layer = attn_params / tp + norm_params + (h * experts if experts else mlp_one / tp)
     if shared_ffn:
         dense_per_layer += _mlp_params(h, shared_ffn, swiglu, bias) / tp
+        if m["moeSharedExpertGate"]:  # its gate: 1 x hidden, whole on every TP rank
+            dense_per_layer += h
     expert_per_layer = experts * _mlp_params(h, moe_ffn, swiglu, bias) / (ep * etp) if experts else 0.0
     layers_per_stage = L / pp
     embed = v * h / tp + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)
@@ -303,6 +305,8 @@ def estimate(job: MegatronJob) -> Estimate:
                                                                                  act_bytes))
         # shared experts: every token through a dense MLP (its input is the MLP norm's output, counted above)
         mlp += act_bytes * ((2 if swiglu else 1) + 1) * s * b * shared_ffn / tp
+        if shared_ffn and m["moeSharedExpertGate"]:  # its gate keeps the ungated output and the token's score
+            mlp += act_bytes * (sbh / split + s * b)
     else:
         mlp = act_bytes * ((2 if swiglu else 1) + 1) * s * b * ffn / tp  # activation input + fc2 input
     full_layer = replicated + qkv + attn_out + rope + scores + lse + mlp
@@ -380,7 +384,8 @@ def model_parameters(job: MegatronJob) -> int:
     mlp_one = _mlp_params(h, ffn, swiglu, bias)
     mlp = experts * _mlp_params(h, m["moeFfnHiddenSize"], swiglu, bias) + h * experts if experts else mlp_one
     if experts and m["moeSharedExpertIntermediateSize"]:
-        mlp += _mlp_params(h, m["moeSharedExpertIntermediateSize"], swiglu, bias)
+        mlp += _mlp_params(h, m["moeSharedExpertIntermediateSize"], swiglu, bias) + (h if m["moeSharedExpertGate"]
+                                                                                   else 0)
     norms = (2 if m["normalization"] == "LayerNorm" else 1) * h * 2
     v = padded_vocab(m["vocabSize"], tp)
     embed = v * h + (m["maxPositionEmbeddings"] * h if m["positionEmbedding"] == "learned_absolute" else 0)

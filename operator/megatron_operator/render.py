@@ -132,7 +132,7 @@ def _fmt(x: float) -> str:
 #: (the field's name with hyphens): a switch when true, a float as _fmt writes it, anything else as it is.
 _MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
                "moe_z_loss_coeff", "moe_router_dtype", "moe_token_dispatcher_type",
-               "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
                "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
                "moe_pad_expert_input_to_capacity")
 

@@ -139,6 +139,7 @@ moe_balancing = model_value("moeRouterLoadBalancingType", "aux_loss")
 moe_dispatcher = model_value("moeTokenDispatcherType", "allgather")
 # no shared experts (0), softmax scores, no expert bias, no capacity (0: none dropped; memory.py), no padding
 moe_shared_ffn = model_value("moeSharedExpertIntermediateSize", 0)
+moe_shared_gate = model_value("moeSharedExpertGate", False)
 moe_score_function = model_value("moeRouterScoreFunction", "softmax")
 moe_expert_bias = model_value("moeRouterEnableExpertBias", False)
 moe_capacity_factor = model_value("moeExpertCapacityFactor", 0)
@@ -146,7 +147,7 @@ moe_pad_to_capacity = model_value("moePadExpertInputToCapacity", False)
 #: spec.model's MoE fields besides numExperts and moeRouterTopk (which has its own rule, topk-within-experts).
 MOE_FIELDS = ("moeFfnHiddenSize", "moeRouterPreSoftmax", "moeRouterLoadBalancingType", "moeAuxLossCoeff",
               "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType", "moeSharedExpertIntermediateSize",
-              "moeRouterScoreFunction", "moeRouterEnableExpertBias", "moeRouterBiasUpdateRate",
+              "moeSharedExpertGate", "moeRouterScoreFunction", "moeRouterEnableExpertBias", "moeRouterBiasUpdateRate",
               "moeExpertCapacityFactor", "moeTokenDropPolicy", "moePadExpertInputToCapacity")
 normalization = model_value("normalization", "LayerNorm")
 position_embedding = model_value("positionEmbedding", "learned_absolute")
@@ -166,7 +167,8 @@ MODEL_VALUES: dict[str, Expr] = {
     "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
     "numExperts": experts, "moeRouterTopk": topk, "moeFfnHiddenSize": moe_ffn, "moeRouterPreSoftmax": moe_pre_softmax,
     "moeRouterLoadBalancingType": moe_balancing, "moeTokenDispatcherType": moe_dispatcher,
-    "moeSharedExpertIntermediateSize": moe_shared_ffn, "moeRouterScoreFunction": moe_score_function,
+    "moeSharedExpertIntermediateSize": moe_shared_ffn, "moeSharedExpertGate": moe_shared_gate,
+    "moeRouterScoreFunction": moe_score_function,
     "moeRouterEnableExpertBias": moe_expert_bias, "moeExpertCapacityFactor": moe_capacity_factor,
     "moePadExpertInputToCapacity": moe_pad_to_capacity,
     "activation": activation, "normalization": normalization,
@@ -190,7 +192,8 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "ffn-hidden-size", "seq-length", "max-position-embeddings", "vocab-size", "num-experts",
     "moe-router-topk", "moe-ffn-hidden-size", "moe-router-pre-softmax", "moe-router-load-balancing-type",
     "moe-aux-loss-coeff", "moe-z-loss-coeff", "moe-router-dtype", "moe-token-dispatcher-type",
-    "moe-shared-expert-intermediate-size", "moe-router-score-function", "moe-router-enable-expert-bias",
+    "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "moe-router-score-function",
+    "moe-router-enable-expert-bias",
     "moe-router-bias-update-rate", "moe-expert-capacity-factor", "moe-token-drop-policy",
     "moe-pad-expert-input-to-capacity", "swiglu", "normalization", "position-embedding-type", "rotary-base",
     "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
@@ -550,6 +553,11 @@ SPEC_RULES: list[Rule] = [
          message=fmt("spec.model.moeSharedExpertIntermediateSize: ", moe_shared_ffn.str(), " is not divisible by "
                      "spec.parallelism.tensor ", tp.str(), "; use a multiple of ", tp.str(),
                      multiple_hint(moe_shared_ffn, tp))),
+    # moe_layer.py builds the shared experts (and so their gate) only with a shared size: the gate would be ignored
+    Rule("moe-shared-gate-needs-shared-experts", "model.moeSharedExpertGate",
+         moe_shared_ffn > 0, when=(experts > 0) & moe_shared_gate,
+         message=lit("spec.model.moeSharedExpertGate: without moeSharedExpertIntermediateSize there is no shared "
+                     "expert to gate; set moeSharedExpertIntermediateSize or omit moeSharedExpertGate")),
     # transformer_config.py (TransformerConfig.__post_init__: expert bias only with sigmoid or sqrtsoftplus scores)
     Rule("moe-expert-bias-needs-sigmoid", "model.moeRouterEnableExpertBias",
          moe_score_function.eq("sigmoid"), when=(experts > 0) & moe_expert_bias,
@@ -834,15 +842,17 @@ def _no_literal_env(name: str, names_re: str, what: str, secret_field: str) -> R
 
 
 def llama_family_rule(name: str, where: str, what: str) -> Rule:
-    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE and
-    Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
+    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE
+    and Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
     read or write."""
     off = [(activation.ne("swiglu"), fmt(" activation is ", activation, " (set swiglu);")),
            (normalization.ne("RMSNorm"), fmt(" normalization is ", normalization, " (set RMSNorm);")),
            (position_embedding.ne("rope"), fmt(" positionEmbedding is ", position_embedding, " (set rope);")),
            (add_bias_linear, lit(" addBiasLinear is true (set false);")),
-           # Qwen3-MoE and Mixtral have neither shared experts nor sigmoid routing (nor, with it, an expert bias)
-           ((experts > 0) & (moe_shared_ffn > 0), lit(" moeSharedExpertIntermediateSize is set (omit it);")),
+           # shared experts only as Qwen2-MoE's, gated; no family has sigmoid routing (nor, with it, an expert bias)
+           ((experts > 0) & (moe_shared_ffn > 0) & ~moe_shared_gate,
+            lit(" moeSharedExpertIntermediateSize is set without moeSharedExpertGate (Qwen2-MoE's shared expert is "
+                "gated: set moeSharedExpertGate true, or omit both);")),
            ((experts > 0) & moe_score_function.eq("sigmoid"), lit(" moeRouterScoreFunction is sigmoid (set "
                                                                    "softmax);"))]
     ok: Expr = Lit(True)
@@ -850,7 +860,7 @@ def llama_family_rule(name: str, where: str, what: str) -> Rule:
         ok = ok & ~bad
     return Rule(name, where, ok, when=has(where.split(".")[0]),
                 message=fmt(f"spec.{where}: {what} needs a Llama-family spec.model (Llama, Mistral, Qwen2, Qwen3, "
-                            "or Qwen3-MoE and Mixtral), but in spec.model", *[cond(bad, part, "") for bad, part in off],
+                            "or Qwen3-MoE, Qwen2-MoE and Mixtral), but in spec.model", *[cond(bad, part, "") for bad, part in off],
                             " `megatron-operator hf-config config.json` prints the matching spec.model"))
 
 

@@ -189,6 +189,9 @@ class ModelSpec(ApiModel):
         None, ge=1, le=1048576, description="Hidden size of the shared experts' MLP, which every token passes beside "
         "its routed experts (--moe-shared-expert-intermediate-size; shared experts x each one's size; split over "
         "spec.parallelism.tensor). Default: no shared experts.")
+    moe_shared_expert_gate: bool | None = Field(
+        None, description="Scale the shared experts' output by sigmoid of a learned gate (1 x hidden) of the token "
+        "(--moe-shared-expert-gate; Qwen2-MoE). Needs moeSharedExpertIntermediateSize. Default false.")
     moe_router_score_function: Literal["softmax", "sigmoid"] | None = Field(
         None, description="Router scores (--moe-router-score-function): softmax, or sigmoid with the k chosen scores "
         "renormalised (DeepSeek-V3). Default softmax.")

@@ -134,6 +134,7 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "moe-pad-expert-input-to-capacity",
     "moe-router-enable-expert-bias",
     "moe-router-pre-softmax",
+    "moe-shared-expert-gate",
     "no-bias-dropout-fusion",
     "no-bias-gelu-fusion",
     "no-bias-swiglu-fusion",

@@ -62,6 +62,8 @@ def make_model(arch: str, directory: Path, dtype: str = "float32", seed: int = 0
                 p.uniform_(0.5, 1.5)
             if name.endswith(".gate.weight"):  # a MoE router: logits of order 1, so routing decides something
                 p.normal_(0.0, 0.3)
+            if name.endswith(".shared_expert_gate.weight"):  # Qwen2-MoE: gate scores spread over (0, 1), not ~0.5
+                p.normal_(0.0, 0.3)
     model.save_pretrained(directory)
     make_tokenizer(directory, config.vocab_size)
     return json.loads((directory / "config.json").read_text())
@@ -99,6 +101,9 @@ def trainer_argv(config: dict, tp: int, pp: int, precision: str, ep: int = 1,
                  "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size), "--expert-model-parallel-size", str(ep)]
         if m.moe_pre_softmax:
             argv.append("--moe-router-pre-softmax")
+        if m.shared_expert_ffn_hidden_size:
+            argv += ["--moe-shared-expert-intermediate-size", str(m.shared_expert_ffn_hidden_size),
+                     "--moe-shared-expert-gate"]
         if dispatcher:
             argv += ["--moe-token-dispatcher-type", dispatcher]
         if tp > 1:  # megatron-core trains MoE at TP > 1 only with it

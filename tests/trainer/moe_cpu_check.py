@@ -223,6 +223,7 @@ LAYER_CASES = (("swiglu", True, 8, 2, {}), ("gelu", False, 4, 1, {}), ("swiglu",
 OPTION_CASES = (
     ("swiglu", True, 4, 2, {"moe_shared_expert_intermediate_size": 32}),
     ("gelu", False, 4, 1, {"moe_shared_expert_intermediate_size": 16}),
+    ("swiglu", True, 4, 2, {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}),  # Qwen2-MoE
     ("swiglu", True, 4, 2, {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}),
     ("swiglu", True, 4, 2, {"moe_expert_capacity_factor": 0.5}),
     ("swiglu", False, 4, 2, {"moe_expert_capacity_factor": 0.5, "moe_token_drop_policy": "position"}),

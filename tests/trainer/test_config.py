@@ -144,6 +144,8 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
                     "--moe-router-bias-update-rate", "-0.001"], "--moe-router-bias-update-rate must be >= 0, got -0.001"),
     (lambda a: a + ["--num-experts", "4", "--moe-expert-capacity-factor", "-1"],
      "--moe-expert-capacity-factor must be > 0, got -1.0"),
+    (lambda a: a + ["--num-experts", "4", "--moe-shared-expert-gate"],
+     "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
     (lambda a: a + ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
 ])

@@ -120,6 +120,13 @@ def test_mapping_of_the_moe_fixtures():
     assert (x.family, x.num_experts, x.moe_topk, x.moe_ffn_hidden_size, x.moe_pre_softmax, x.qk_norm) == \
         ("mixtral", 4, 2, 96, False, False)
     assert not parse_config(fixture("tiny-qwen3"), 128).moe
+    # Qwen2-MoE: Qwen3-MoE's router plus one gated shared expert, QKV bias, no QK norm; 4.x files have no qkv_bias
+    q2 = parse_config(fixture("tiny-qwen2-moe"), 128)
+    assert (q2.family, q2.num_experts, q2.moe_topk, q2.moe_ffn_hidden_size, q2.moe_pre_softmax, q2.qk_norm,
+            q2.qkv_bias, q2.shared_expert_ffn_hidden_size) == ("qwen2_moe", 8, 2, 32, True, False, True, 48)
+    assert parse_config(_mutated("tiny-qwen2-moe", qkv_bias=None), 128).qkv_bias
+    assert not parse_config(_mutated("tiny-qwen2-moe", qkv_bias=False), 128).qkv_bias
+    assert q.shared_expert_ffn_hidden_size == 0 and x.shared_expert_ffn_hidden_size == 0
 
 
 @pytest.mark.parametrize("config, message", [
@@ -131,6 +138,15 @@ def test_mapping_of_the_moe_fixtures():
     (_mutated("tiny-qwen3-moe", norm_topk_prob="yes"), "norm_topk_prob: expected true or false"),
     (_mutated("tiny-qwen3-moe", moe_intermediate_size=None), "moe_intermediate_size: expected an integer"),
     (_mutated("tiny-mixtral", router_jitter_noise=0.01), "router_jitter_noise: 0.01; router input jitter"),
+    (_mutated("tiny-qwen2-moe", shared_expert_intermediate_size=0), "shared_expert_intermediate_size: expected an "
+                                                                    "integer >= 1, got 0"),
+    (_mutated("tiny-qwen2-moe", shared_expert_intermediate_size=None), "shared_expert_intermediate_size: expected"),
+    (_mutated("tiny-qwen2-moe", qkv_bias="yes"), "qkv_bias: expected true or false, got 'yes'"),
+    (_mutated("tiny-qwen2-moe", mlp_only_layers=[1]), "mlp_only_layers: [1]; dense MLP layers"),
+    (_mutated("tiny-qwen3-moe", shared_expert_intermediate_size=64), "shared_expert_intermediate_size: "
+                                                                     "mixture-of-experts field not one of this "
+                                                                     "architecture's"),
+    (_mutated("tiny-mixtral", qkv_bias=True), "field qkv_bias is not known to the converter"),
     (_mutated("tiny-mixtral", sliding_window=64), "sliding_window: 64 tokens is shorter than the sequence (128)"),
     (_mutated("tiny-qwen3-moe", architectures=["DeepseekV3ForCausalLM"]), "multi-head latent attention (MLA)"),
     (_mutated("tiny-qwen3-moe", architectures=["GptOssForCausalLM"]), "attention sinks"),
@@ -186,6 +202,22 @@ def test_shared_experts_and_sigmoid_routing_are_not_qwen3_moe_or_mixtral():
     assert [p.split(" does not match")[0] for p in problems] == ["--moe-shared-expert-intermediate-size 64",
                                                                  "--moe-router-score-function sigmoid"], problems
     assert "config.json architecture Qwen3MoeForCausalLM (shared experts) None" in problems[0]
+
+
+def test_qwen2_moe_needs_its_gated_shared_expert():
+    """Qwen2-MoE's flags (hf_cpu_check.trainer_argv: the shared expert's size and its gate) match its config.json;
+    without the gate, or with another size, the import is refused naming both values."""
+    argv = _argv_for("tiny-qwen2-moe")
+    m = parse_config(fixture("tiny-qwen2-moe"), 24)
+    assert "--moe-shared-expert-gate" in argv and mismatches(parse_args(argv), m) == []
+    ungated = [a for a in argv if a != "--moe-shared-expert-gate"]
+    assert mismatches(parse_args(ungated), m) == [
+        "--moe-shared-expert-gate False does not match config.json architecture Qwen2MoeForCausalLM (shared expert "
+        "gate) True"]
+    i = argv.index("--moe-shared-expert-intermediate-size")
+    wider = argv[:i + 1] + ["64"] + argv[i + 2:]
+    assert mismatches(parse_args(wider), m) == [
+        "--moe-shared-expert-intermediate-size 64 does not match config.json shared_expert_intermediate_size 48"]
 
 
 def test_a_mismatch_names_both_values():
@@ -316,8 +348,17 @@ def megatron_reference(m, hf: dict, name: str, tp: int, padded: int) -> list[np.
         full = np.concatenate([q.reshape(m.num_kv_heads, per * d, *rest), k.reshape(m.num_kv_heads, d, *rest),
                                v.reshape(m.num_kv_heads, d, *rest)], axis=1).reshape(-1, *rest)
         return np.split(full, tp, axis=0)
-    moe = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    moe = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("mlp", "gate_proj", "up_proj",
+                                                                                   "down_proj"),
            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(m.family)
+    if ".shared_experts." in name:  # Qwen2-MoE's shared expert: a dense MLP split over TP; its gate replicated
+        if name.endswith("gate_weight"):
+            return [hf[p + "mlp.shared_expert_gate.weight"]] * tp
+        if name.endswith("linear_fc1.weight"):
+            g, u = np.split(hf[p + "mlp.shared_expert.gate_proj.weight"], tp), \
+                np.split(hf[p + "mlp.shared_expert.up_proj.weight"], tp)
+            return [np.concatenate([a, b]) for a, b in zip(g, u, strict=True)]
+        return np.split(hf[p + "mlp.shared_expert.down_proj.weight"], tp, axis=1)
     if name.endswith("mlp.router.weight"):
         return [hf[p + f"{moe[0]}.gate.weight"]] * tp  # replicated
     if ".local_experts." in name:  # experts.E.{gate ; up} split over (expert) TP like the dense MLP
@@ -355,7 +396,7 @@ def apply(plan, hf: dict) -> np.ndarray:
 @pytest.mark.parametrize("name, tp", [("tiny-llama3", 1), ("tiny-llama3", 2), ("tiny-llama3", 4),
                                       ("tiny-qwen2", 2), ("tiny-qwen3", 2), ("tiny-llama32-tied", 2),
                                       ("tiny-mistral", 4), ("tiny-qwen3-moe", 1), ("tiny-qwen3-moe", 2),
-                                      ("tiny-mixtral", 4)])
+                                      ("tiny-qwen2-moe", 2), ("tiny-mixtral", 4)])
 def test_plans_build_megatrons_layout_and_export_inverts_them(name, tp):
     """GQA with TP < groups, = groups and > groups (tiny models have 2 KV heads), QKV bias, QK norm,
     tied embeddings, a vocabulary (1001) that TP does not divide; MoE routers and every expert's weights (here

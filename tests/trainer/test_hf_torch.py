@@ -50,11 +50,13 @@ def test_logits_match_transformers_and_export_is_bit_identical(tmp_path, archs, 
     (2, 2, "grouped"),     # four ranks: EP 2 x TP 2
 ])
 def test_moe_logits_match_transformers_and_export_is_bit_identical(tmp_path, tp, ep, experts):
-    """Qwen3-MoE (8 experts, top-2, QK norm, norm_topk_prob false: Megatron's pre-softmax router) and Mixtral
-    (4 experts, top-2 renormalised), routers scaled so routing decides (hf_cpu_check.make_model): fp32 logits
-    against transformers', argmax equal, and the export (each EP rank writes its own experts' shards) bit-identical
-    to the source. Flipping the router's pre-softmax moves the logits by 0.015-0.02, so 1e-4 can fail."""
-    for r in hc.run(["tiny-qwen3-moe", "tiny-mixtral"], tp, 1, ("fp32",), "cpu", tmp_path, ep=ep, experts=experts,
+    """Qwen3-MoE (8 experts, top-2, QK norm, norm_topk_prob false: Megatron's pre-softmax router), Qwen2-MoE (the
+    same router, QKV bias, and a shared expert scaled by sigmoid(its gate): Megatron's moe_shared_expert_gate) and
+    Mixtral (4 experts, top-2 renormalised), routers and the shared expert's gate scaled so they decide something
+    (hf_cpu_check.make_model): fp32 logits against transformers', argmax equal, and the export (each EP rank writes
+    its own experts' shards) bit-identical to the source. Flipping the router's pre-softmax moves the logits by
+    0.015-0.02, so 1e-4 can fail."""
+    for r in hc.run(["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"], tp, 1, ("fp32",), "cpu", tmp_path, ep=ep, experts=experts,
                     compile_fusions=False):
         assert "error" not in r, r.get("error")
         assert r["experts"] == ("GroupedMLP" if experts == "grouped" else "SequentialMLP"), r

@@ -275,7 +275,8 @@ def test_a_checkpoint_of_either_experts_module_loads_into_the_other_with_its_opt
 @pytest.mark.parametrize("world, tp, ep", [(1, 1, 1), (2, 1, 2), (2, 2, 1)])
 def test_shared_experts_sigmoid_bias_and_capacity_layers_match_sequential_mlp(tmp_path, world, tp, ep):
     """Issue 50's remaining settings in whole MoE layers built from the trainer's spec (all-gather dispatcher):
-    shared experts (SwiGLU and GeLU; megatron-core's SharedExpertMLP kept in the spec beside GroupedMLP), sigmoid
+    shared experts (SwiGLU and GeLU, and gated as Qwen2-MoE's; megatron-core's SharedExpertMLP kept in the spec
+    beside GroupedMLP), sigmoid
     scores with an expert bias, capacity 0.5 dropping by probability and by position (18 tokens at top-2 over 4
     experts: 5 each of 36 routed), padding to capacity 1.0 (9 each) and 0.5 with shared experts: GroupedMLP's
     outputs and gradients (tokens, router, shared experts) within 1e-5 of SequentialMLP's, the same tokens given;
@@ -292,7 +293,8 @@ def check_option_layers(rows: list[dict], one_rank: bool) -> None:
         assert row["scale"] > 0.1 and max(row["out"], row["dx"], row["drouter"]) <= FP32_TOL, row
         assert row["same_counts"] and row["grouped_params"] == ["experts.weight1", "experts.weight2"], row
         if "moe_shared_expert_intermediate_size" in kw:
-            assert row["shared_params"] == ["linear_fc1", "linear_fc2"] and row["dshared"] <= FP32_TOL, row
+            gate = ["gate_weight"] if kw.get("moe_shared_expert_gate") else []  # Qwen2-MoE's, 1 x hidden
+            assert row["shared_params"] == gate + ["linear_fc1", "linear_fc2"] and row["dshared"] <= FP32_TOL, row
         else:
             assert row["shared_params"] == [] and row["dshared"] is None, row
         bias = {"router.expert_bias": "ShardedTensor"} if kw.get("moe_router_enable_expert_bias") else {}

@@ -14,7 +14,7 @@ from test_cli import cli, write
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 # mixture-of-experts fixtures (tests/trainer/test_hf_pure.py for the trainer's side): tested apart below
-MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-mixtral"}
+MOE_FIXTURES = {"tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"}
 CONFIGS = sorted(p for p in FIXTURES.glob("*.json") if p.stem not in MOE_FIXTURES)
 
 LLAMA_TINY_COMMON = {"numLayers": 4, "hiddenSize": 64, "numAttentionHeads": 4, "numQueryGroups": 2,
@@ -207,12 +207,16 @@ MOE_EXPECTED = {
                        "moeAuxLossCoeff": 0.001, "ffnHiddenSize": 96, "qkLayernorm": True, "kvChannels": 32},
     "tiny-mixtral": {"numExperts": 4, "moeRouterTopk": 2, "moeFfnHiddenSize": 96, "moeAuxLossCoeff": 0.001,
                      "ffnHiddenSize": 96},
+    # Qwen2-MoE: Qwen3-MoE's router, one gated shared expert, QKV bias, no QK norm
+    "tiny-qwen2-moe": {"numExperts": 8, "moeRouterTopk": 2, "moeFfnHiddenSize": 32, "moeRouterPreSoftmax": True,
+                       "moeSharedExpertIntermediateSize": 48, "moeSharedExpertGate": True, "addQkvBias": True,
+                       "qkLayernorm": None, "moeAuxLossCoeff": 0.001, "ffnHiddenSize": 96},
 }
 
 
 @pytest.mark.parametrize("name", sorted(MOE_FIXTURES))
 def test_moe_configs_map_to_the_moe_fields(name, tmp_path):
-    """Qwen3-MoE and Mixtral (issue 50): hf-config prints their experts, router and experts' hidden size, a block
+    """Qwen3-MoE, Qwen2-MoE and Mixtral (issue 50): hf-config prints their experts, router and experts' hidden size, a block
     admission takes (at tensor 2: the experts split over 2 expert-tensor ranks, no biases), and --check finds
     nothing to tell apart."""
     r = cli("hf-config", str(FIXTURES / f"{name}.json"))
@@ -221,6 +225,8 @@ def test_moe_configs_map_to_the_moe_fields(name, tmp_path):
     assert {k: model.get(k) for k in MOE_EXPECTED[name]} == MOE_EXPECTED[name]
     if name == "tiny-mixtral":  # renormalised top-k: Megatron's default
         assert "moeRouterPreSoftmax" not in model
+    if name != "tiny-qwen2-moe":  # no shared experts
+        assert "moeSharedExpertIntermediateSize" not in model and "moeSharedExpertGate" not in model
     job = make_job(numNodes=1, parallelism={"tensor": 2, "expert": 2}, model=model,
                    training={"trainIters": 10, "microBatchSize": 1})
     assert cli("validate", write(tmp_path, "job.yaml", [job])).returncode == 0
@@ -236,6 +242,16 @@ def test_moe_configs_map_to_the_moe_fields(name, tmp_path):
     ("tiny-qwen3-moe", "moeFfnHiddenSize", 64, "spec.model.moeFfnHiddenSize: 64 does not match config.json "
                                                "moe_intermediate_size 32"),
     ("tiny-mixtral", "moeRouterTopk", 1, "spec.model.moeRouterTopk: 1 does not match config.json num_experts_per_tok 2"),
+    ("tiny-qwen2-moe", "moeSharedExpertIntermediateSize", 64, "spec.model.moeSharedExpertIntermediateSize: 64 does "
+                                                              "not match config.json shared_expert_intermediate_size 48"),
+    ("tiny-qwen2-moe", "moeSharedExpertGate", False, "spec.model.moeSharedExpertGate: false does not match config.json "
+                                                     "architecture Qwen2MoeForCausalLM (shared expert gate) true"),
+    ("tiny-qwen3-moe", "moeSharedExpertIntermediateSize", 64, "spec.model.moeSharedExpertIntermediateSize: 64 does "
+                                                              "not match config.json architecture Qwen3MoeForCausalLM "
+                                                              "(shared experts) not set"),
+    ("tiny-mixtral", "moeRouterScoreFunction", "sigmoid", "spec.model.moeRouterScoreFunction: sigmoid does not match "
+                                                          "config.json architecture MixtralForCausalLM (router scores) "
+                                                          "softmax"),
 ])
 def test_check_names_a_moe_field_that_differs(name, field, value, fragment, tmp_path):
     model = yaml.safe_load(cli("hf-config", str(FIXTURES / f"{name}.json")).stdout)["model"]

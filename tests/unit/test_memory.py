@@ -301,6 +301,24 @@ def test_moe_shared_experts_by_hand():
     assert model_parameters(job) - model_parameters(dense_job) == L * 3 * h * fs
 
 
+def test_moe_shared_expert_gate_by_hand():
+    """Qwen2-MoE's gate on the shared experts: 1 x h weights per layer, whole on every TP rank; autograd keeps the
+    ungated output (s x h, split over TP by sequence parallelism) and one score per token, 2 bytes each."""
+    h, L, fs, s = 1024, 4, 1024, 2048
+    par = {"tensor": 2, "expert": 2, "expertTensor": 1}
+    shared = moe_est(par, moeSharedExpertIntermediateSize=fs)
+    gated = moe_est(par, moeSharedExpertIntermediateSize=fs, moeSharedExpertGate=True)
+    assert gated.details["paramsPerGpu"] - shared.details["paramsPerGpu"] == pytest.approx(L * h)
+    per_layer = gated.details["perLayerActivationBytes"] - shared.details["perLayerActivationBytes"]
+    assert per_layer == pytest.approx(2 * (s * h / 2 + s))
+    job = parse_job(make_job(parallelism=par, model={**MOE_MODEL, "moeSharedExpertIntermediateSize": fs,
+                                                     "moeSharedExpertGate": True}))
+    ungated = parse_job(make_job(parallelism=par, model={**MOE_MODEL, "moeSharedExpertIntermediateSize": fs}))
+    from megatron_operator.memory import model_parameters
+
+    assert model_parameters(job) - model_parameters(ungated) == L * h
+
+
 def test_moe_capacity_factor_by_hand():
     """A capacity factor keeps each expert to that factor x its even share: 0.5 halves the routed rows (the rest
     dropped), 1.5 drops none under even routing, and with padding to capacity every expert gets exactly it (1.5 x

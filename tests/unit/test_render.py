@@ -624,7 +624,7 @@ def test_every_moe_field_renders_as_its_flag_and_none_is_left_out_of_the_table()
             "--moe-token-dispatcher-type alltoall") in args
     args = " ".join(megatron_args(parse_job(jobs["moe-shared-sigmoid-bias-capacity"])))
     assert ("--moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 512 "
-            "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
+            "--moe-shared-expert-gate --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
             "--moe-expert-capacity-factor 1.25 --moe-token-drop-policy position "
             "--moe-pad-expert-input-to-capacity") in args
     assert "--moe-router-pre-softmax" not in args and "--moe-ffn-hidden-size" not in args  # unset: not rendered

@@ -122,6 +122,10 @@ class ModelConfig:
         "--moe-shared-expert-intermediate-size", type=int,
         help="Hidden size of the shared experts' MLP, which every token passes (shared experts x each one's size; "
              "default: none)."))
+    moe_shared_expert_gate: bool = field(default=False, metadata=flag(
+        "--moe-shared-expert-gate", action="store_true",
+        help="Scale the shared experts' output by sigmoid of a learned gate of the token (Qwen2-MoE; needs "
+             "--moe-shared-expert-intermediate-size)."))
     moe_router_score_function: str = field(default="softmax", metadata=flag(
         "--moe-router-score-function", choices=("softmax", "sigmoid"),
         help="Router scores: softmax (default) or sigmoid (DeepSeek-V3; the k chosen scores renormalised)."))
@@ -780,6 +784,9 @@ def _validate_moe(cfg: TrainerConfig) -> None:
     if shared is not None and shared % p.tensor:  # a dense MLP split over the TP ranks (shared_experts.py: MLP)
         raise ValueError(f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by "
                          f"--tensor-model-parallel-size ({p.tensor})")
+    if m.moe_shared_expert_gate and shared is None:  # moe_layer.py builds no shared experts, so no gate
+        raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (there is no shared "
+                         "expert to gate)")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":  # transformer_config.py
         raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
     if not m.moe_router_bias_update_rate >= 0:  # a negative step would move the bias away from balance

@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` of a Llama-family model (dense, or Qwen3-MoE / Mixtral) <-> this trainer's flags
+"""Hugging Face `config.json` of a Llama-family model (dense, or Qwen3-MoE / Qwen2-MoE / Mixtral) <-> this trainer's flags
 (pure: no torch).
 
 The file is read and parsed by `megatron_contract.hf_config`, the one reader the operator's
@@ -80,14 +80,20 @@ def mismatches(cfg: TrainerConfig, hf: HfModel) -> list[str]:
     if hf.moe:
         differ("--num-experts", m.num_experts, "the number of experts", hf.num_experts)
         differ("--moe-router-topk", m.moe_router_topk, "num_experts_per_tok", hf.moe_topk)
+        qwen = hf.family in ("qwen3_moe", "qwen2_moe")
         differ("--moe-ffn-hidden-size (the experts' hidden size)", m.effective_moe_ffn_hidden_size,
-               "moe_intermediate_size" if hf.family == "qwen3_moe" else "intermediate_size", hf.moe_ffn_hidden_size)
+               "moe_intermediate_size" if qwen else "intermediate_size", hf.moe_ffn_hidden_size)
         differ("--moe-router-pre-softmax", m.moe_router_pre_softmax,
-               "norm_topk_prob (negated)" if hf.family == "qwen3_moe" else f"architecture {hf.architecture}",
-               hf.moe_pre_softmax)
-        # Qwen3-MoE and Mixtral: no shared experts, softmax scores, no expert bias
-        differ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
-               f"architecture {hf.architecture} (shared experts)", None)
+               "norm_topk_prob (negated)" if qwen else f"architecture {hf.architecture}", hf.moe_pre_softmax)
+        # Qwen2-MoE: one gated shared expert; Qwen3-MoE and Mixtral: none. All: softmax scores, no expert bias
+        if hf.shared_expert_ffn_hidden_size:
+            differ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
+                   "shared_expert_intermediate_size", hf.shared_expert_ffn_hidden_size)
+        else:
+            differ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
+                   f"architecture {hf.architecture} (shared experts)", None)
+        differ("--moe-shared-expert-gate", m.moe_shared_expert_gate,
+               f"architecture {hf.architecture} (shared expert gate)", bool(hf.shared_expert_ffn_hidden_size))
         differ("--moe-router-score-function", m.moe_router_score_function,
                f"architecture {hf.architecture} (router scores)", "softmax")
     elif m.num_experts:
@@ -110,7 +116,8 @@ def export_config(cfg: TrainerConfig, source: dict[str, Any] | None, dtype: str)
         return out
     m = cfg.model
     if m.num_experts:
-        family = "qwen3_moe" if m.qk_layernorm or m.moe_router_pre_softmax else "mixtral"
+        family = "qwen2_moe" if m.moe_shared_expert_gate else \
+            "qwen3_moe" if m.qk_layernorm or m.moe_router_pre_softmax else "mixtral"
     else:
         family = "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias else "llama"
     arch = {v: k for k, v in ARCHITECTURES.items()}[family]
@@ -131,10 +138,12 @@ def export_config(cfg: TrainerConfig, source: dict[str, Any] | None, dtype: str)
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     if family in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
                    moe_intermediate_size=m.effective_moe_ffn_hidden_size, norm_topk_prob=not m.moe_router_pre_softmax,
                    decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=m.moe_aux_loss_coeff)
+    if family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, qkv_bias=m.add_qkv_bias)
     if family == "mixtral":
         out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
                    intermediate_size=m.effective_moe_ffn_hidden_size, router_aux_loss_coef=m.moe_aux_loss_coeff,

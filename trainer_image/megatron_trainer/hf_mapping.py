@@ -16,12 +16,19 @@ Megatron-Core GPTModel names (global layer index L), local spec [Transformer Eng
     decoder.final_layernorm.weight                   <- model.norm.weight
     output_layer.weight                              <- lm_head.weight (embed_tokens when tied)
 
-Mixture of experts (Qwen3-MoE `mlp.`, Mixtral `block_sparse_moe.`; global expert index E, SequentialMLP's names,
-which moe.GroupedMLP's 3-D weights are presented as by hf_torch.global_params):
+Mixture of experts (Qwen3-MoE and Qwen2-MoE `mlp.`, Mixtral `block_sparse_moe.`; global expert index E,
+SequentialMLP's names, which moe.GroupedMLP's 3-D weights are presented as by hf_torch.global_params):
 
     decoder.layers.L.mlp.router.weight               <- mlp.gate.weight / block_sparse_moe.gate.weight
     decoder.layers.L.mlp.experts.local_experts.E.linear_fc1.weight <- experts.E.gate_proj ; up_proj  (w1 ; w3)
     decoder.layers.L.mlp.experts.local_experts.E.linear_fc2.weight <- experts.E.down_proj            (w2)
+
+Qwen2-MoE's gated shared expert (Megatron's SharedExpertMLP: a dense MLP split over TP like the dense layers',
+times sigmoid(gate_weight . x); the gate is whole on every rank):
+
+    decoder.layers.L.mlp.shared_experts.linear_fc1.weight <- mlp.shared_expert.gate_proj ; up_proj (per-rank halves)
+    decoder.layers.L.mlp.shared_experts.linear_fc2.weight <- mlp.shared_expert.down_proj   (input columns)
+    decoder.layers.L.mlp.shared_experts.gate_weight       <- mlp.shared_expert_gate.weight (1 x hidden)
 
 An expert's fc1/fc2 are split over the expert tensor-parallel ranks (ETP, which may differ from TP): the caller
 passes that size and rank for them (`is_expert`).
@@ -62,6 +69,7 @@ class ParamPlan:
 
 #: HF names of the MoE block per family: (prefix under the layer, gate name, up name, down name).
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+             "qwen2_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
              "mixtral": ("block_sparse_moe.", "w1", "w3", "w2")}
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
@@ -98,6 +106,12 @@ def hf_tensor_shapes(m: HfModel) -> dict[str, tuple[int, ...]]:
             for e in range(m.num_experts):
                 for which, shape in (("gate", (f, h)), ("up", (f, h)), ("down", (h, f))):
                     out[_expert_hf(m, L, e, which)] = shape
+            s = m.shared_expert_ffn_hidden_size
+            if s:
+                out[p + "mlp.shared_expert.gate_proj.weight"] = (s, h)
+                out[p + "mlp.shared_expert.up_proj.weight"] = (s, h)
+                out[p + "mlp.shared_expert.down_proj.weight"] = (h, s)
+                out[p + "mlp.shared_expert_gate.weight"] = (1, h)
             continue
         out[p + "mlp.gate_proj.weight"] = (m.ffn_hidden_size, h)
         out[p + "mlp.up_proj.weight"] = (m.ffn_hidden_size, h)
@@ -194,16 +208,22 @@ def param_plan(name: str, m: HfModel, tp: int, rank: int, padded_vocab: int) -> 
             return ParamPlan(name, (2 * n, h), (Piece(_expert_hf(m, L, e, "gate"), 0, (0, n), (a, b)),
                                                 Piece(_expert_hf(m, L, e, "up"), 0, (n, 2 * n), (a, b))))
         return ParamPlan(name, (h, n), (Piece(_expert_hf(m, L, e, "down"), 1, (0, n), (a, b)),))
+    mlp, width, what = "mlp.", ffn, "--ffn-hidden-size"  # a dense layer's MLP, or the MoE layer's shared expert
     if m.moe:
-        raise ValueError(f"no Hugging Face tensor for Megatron parameter {name} (a MoE layer)")
+        if not m.shared_expert_ffn_hidden_size or not rest.startswith("mlp.shared_experts."):
+            raise ValueError(f"no Hugging Face tensor for Megatron parameter {name} (a MoE layer)")
+        if rest == "mlp.shared_experts.gate_weight":
+            return whole(p + "mlp.shared_expert_gate.weight", (1, h))
+        rest = "mlp." + rest[len("mlp.shared_experts."):]
+        mlp, width, what = "mlp.shared_expert.", m.shared_expert_ffn_hidden_size, "the shared expert's hidden size"
     if rest == "mlp.linear_fc1.weight":
-        a, b = _split(ffn, tp, rank, "--ffn-hidden-size")
+        a, b = _split(width, tp, rank, what)
         n = b - a
-        return ParamPlan(name, (2 * n, h), (Piece(p + "mlp.gate_proj.weight", 0, (0, n), (a, b)),
-                                            Piece(p + "mlp.up_proj.weight", 0, (n, 2 * n), (a, b))))
+        return ParamPlan(name, (2 * n, h), (Piece(p + mlp + "gate_proj.weight", 0, (0, n), (a, b)),
+                                            Piece(p + mlp + "up_proj.weight", 0, (n, 2 * n), (a, b))))
     if rest == "mlp.linear_fc2.weight":
-        a, b = _split(ffn, tp, rank, "--ffn-hidden-size")
-        return ParamPlan(name, (h, b - a), (Piece(p + "mlp.down_proj.weight", 1, (0, b - a), (a, b)),))
+        a, b = _split(width, tp, rank, what)
+        return ParamPlan(name, (h, b - a), (Piece(p + mlp + "down_proj.weight", 1, (0, b - a), (a, b)),))
     raise ValueError(f"no Hugging Face tensor for Megatron parameter {name}")
 
 
@@ -224,6 +244,9 @@ def megatron_names(m: HfModel, te_norms: bool = False) -> list[str]:
             for e in range(m.num_experts):
                 names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
                           p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            if m.shared_expert_ffn_hidden_size:
+                names += [p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight",
+                          p + "mlp.shared_experts.gate_weight"]
             continue
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_norms else "pre_mlp_layernorm.weight"))
         names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]

@@ -219,6 +219,7 @@ def moe_kwargs(cfg: TrainerConfig) -> dict:
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff,
                 moe_router_dtype=m.moe_router_dtype, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
                 moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=m.moe_shared_expert_gate,
                 moe_router_score_function=m.moe_router_score_function,
                 moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
                 moe_router_bias_update_rate=m.moe_router_bias_update_rate,
