@@ -234,6 +234,43 @@ def test_moe_configs_map_to_the_moe_fields(name, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+# A 4.x-layout Qwen2-MoE config.json (top-level rope_theta, torch_dtype, no qkv_bias or mlp_only_layers) of
+# Qwen1.5-MoE-A2.7B's shape: the defaults of transformers' Qwen2MoeConfig, which are that model's.
+QWEN2_MOE_4X = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+    "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.39.0.dev0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+    "router_aux_loss_coef": 0.001}
+
+
+def test_a_4x_layout_qwen2_moe_file_maps_and_its_job_is_admitted(tmp_path):
+    """The 4.x layout reads as transformers 5 does (QKV bias when qkv_bias is absent); the printed block is
+    admitted at expert 4 (60 experts), and at expert 8 admission names the experts' divisibility."""
+    r = cli("hf-config", write(tmp_path, "config.json", json.dumps(QWEN2_MOE_4X)), "--seq-length", "8192")
+    assert r.returncode == 0, r.stderr
+    model = yaml.safe_load(r.stdout)["model"]
+    assert {k: model.get(k) for k in ("numExperts", "moeRouterTopk", "moeFfnHiddenSize", "moeRouterPreSoftmax",
+                                      "moeSharedExpertIntermediateSize", "moeSharedExpertGate", "addQkvBias",
+                                      "qkLayernorm", "numQueryGroups", "rotaryBase")} == {
+        "numExperts": 60, "moeRouterTopk": 4, "moeFfnHiddenSize": 1408, "moeRouterPreSoftmax": True,
+        "moeSharedExpertIntermediateSize": 5632, "moeSharedExpertGate": True, "addQkvBias": True,
+        "qkLayernorm": None, "numQueryGroups": 16, "rotaryBase": 1000000}
+    training = {"trainIters": 10, "microBatchSize": 1}
+    job = make_job(numNodes=1, gpusPerNode=8, parallelism={"tensor": 2, "expert": 4}, model=model, training=training)
+    assert cli("validate", write(tmp_path, "job.yaml", [job])).returncode == 0
+    r = cli("hf-config", str(tmp_path / "config.json"), "--check", str(tmp_path / "job.yaml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    job8 = make_job(numNodes=1, gpusPerNode=8, parallelism={"expert": 8}, model=model, training=training)
+    r = cli("validate", write(tmp_path, "job8.yaml", [job8]))
+    assert r.returncode == 1 and ("spec.model.numExperts: 60 experts are not divisible by spec.parallelism.expert 8"
+                                  in r.stdout + r.stderr), r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("name, field, value, fragment", [
     ("tiny-qwen3-moe", "numExperts", 16, "spec.model.numExperts: 16 does not match config.json the number of "
                                          "experts 8"),
