@@ -237,7 +237,8 @@ def test_config_written_from_the_flags_describes_the_same_model(name):
     cfg = parse_args(_argv_for(name))
     a, b = parse_config(export_config(cfg, None, "bfloat16"), 24), parse_config(fixture(name), 24)
     fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-              "head_dim", "norm_epsilon", "rope_theta", "rope_scaling_factor", "tied", "qkv_bias", "qk_norm")
+              "head_dim", "norm_epsilon", "rope_theta", "rope_scaling_factor", "tied", "qkv_bias", "qk_norm",
+              "num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_pre_softmax", "shared_expert_ffn_hidden_size")
     assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
     # Mistral without a sliding window is Llama's math: written as LlamaForCausalLM
     assert a.family == (b.family if b.family != "mistral" else "llama") and a.dtype == "bfloat16"
