@@ -81,7 +81,7 @@ $(TORCH_STAMP): constraints-torch.txt constraints-objstore.txt scripts/find-pyth
 	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install -q -c constraints-torch.txt -c constraints-objstore.txt torch \
 	  megatron-core transformers safetensors tokenizers jinja2 numpy pyyaml pytest pytest-timeout \
-	  'multi-storage-client[boto3]' wandb
+	  'multi-storage-client[boto3]' wandb tensorboard
 	@touch $(TORCH_STAMP)
 
 torch-tests: $(TORCH_STAMP) versitygw

@@ -566,9 +566,7 @@ def worker(rank: int, world: int, check: str, tp: int, ep: int, port: int, out_p
         elif check == "train":
             from optim_state_check import stub_cuda
 
-            stub_cuda(torch)
-            # DDP's grad sync asks for the current stream to wait on CUDA-graph events (none here)
-            torch.cuda.current_stream = lambda *a, **k: type("NoStream", (), {"wait_event": lambda self, e: None})()
+            stub_cuda(torch)  # DDP's grad sync waits on the current stream: cpu.use_cpu gives torch.cpu's
             result.update(check_train())
         elif check == "router":
             torch.Tensor.cuda = lambda self, *a, **k: self  # GPTModel's batch and rotary tables, on the CPU

@@ -34,30 +34,11 @@ def argv(tp: int, pp: int, gbs: int, ckpt: str, sharding: str) -> list[str]:
 
 
 def stub_cuda(torch) -> None:
-    """The CUDA calls model building, the optimizer and dist_checkpointing make, on the CPU."""
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda *a, **k: None
-    torch.cuda.is_available = lambda: False
+    """The CUDA calls model building, the optimizer and dist_checkpointing make, on the CPU: the trainer's own
+    `--device cpu` shims (megatron_trainer/cpu.py), torch.compile left on as these checks have always run."""
+    from megatron_trainer.cpu import use_cpu
 
-    def on_cpu(factory):
-        def make(*args, **kwargs):
-            if "cuda" in str(kwargs.get("device", "")):
-                kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
-        return make
-
-    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
-    kind = torch.Tensor.type  # the optimizer accepts only torch.cuda.*Tensor parameters
-    torch.Tensor.type = lambda self, *a, **k: kind(self, *a, **k) if a or k else \
-        kind(self).replace("torch.", "torch.cuda.", 1)
-    to = torch.Tensor.to
-    torch.Tensor.to = lambda self, *a, **k: to(self, *[("cpu" if "cuda" in str(x) else x) for x in a],
-                                                  **{n: ("cpu" if n == "device" and "cuda" in str(v) else v)
-                                                     for n, v in k.items()})
+    use_cpu(torch, eager=False)
 
 
 def dump(optimizer) -> dict:

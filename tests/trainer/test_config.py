@@ -148,6 +148,16 @@ def test_unknown_or_abbreviated_flag_exits_2(mock_argv, extra, capsys):
      "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
     (lambda a: a + ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+    # --device cpu: what CPUs cannot run (the operator's cpu-* admission rules refuse the same)
+    (lambda a: a + ["--device", "cpu", "--transformer-impl", "transformer_engine"],
+     "Transformer Engine runs on CUDA only; use --transformer-impl local"),
+    (lambda a: without(a, "--bf16") + ["--device", "cpu", "--transformer-impl", "local", "--fp16"],
+     "--device cpu: --fp16 cannot run on CPUs"),
+    (lambda a: a + ["--device", "cpu", "--transformer-impl", "local", "--cuda-graph-impl", "full_iteration"],
+     "--device cpu: --cuda-graph-impl full_iteration cannot run on CPUs"),
+    (lambda a: a + ["--device", "cpu", "--transformer-impl", "local", "--async-save", "--use-persistent-ckpt-worker",
+                    "--save", "/c"], "--device cpu: --async-save cannot run on CPUs"),
+    (lambda a: a + ["--device", "gpu"], "invalid choice: 'gpu'"),
 ])
 def test_invalid_combinations_exit_2_with_a_fix(mock_argv, change, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -303,12 +313,20 @@ def test_pure_modules_do_not_import_torch():
     code = ("import sys; import megatron_trainer.config, megatron_trainer.ckpt_layout, megatron_trainer.progress, "
             "megatron_trainer.preprocess, megatron_trainer.flops, megatron_trainer.sampler, megatron_trainer.metrics, "
             "megatron_trainer.hf_config, megatron_trainer.hf_mapping, megatron_trainer.hf_source, "
-            "megatron_trainer.safetensors_io, megatron_contract.hf_config; "
+            "megatron_trainer.safetensors_io, megatron_trainer.cpu, megatron_contract.hf_config; "
             "print('torch' in sys.modules)")
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": f"{root / 'trainer_image'}:{root / 'contract'}"})
     assert out.stdout.strip() == "False"
+
+
+def test_device_cpu_is_local_bf16_without_cuda_graphs(mock_argv):
+    cfg = parse_args(mock_argv + ["--device", "cpu"])  # MOCK_ARGV has --transformer-impl local
+    assert (cfg.training.device, cfg.training.transformer_impl, cfg.training.precision) == ("cpu", "local", "bf16")
+    resolved, why = resolve_cuda_graph(cfg, have_te=True)
+    assert resolved.training.cuda_graph_impl == "none" and "CPUs have no CUDA graphs" in why
+    assert parse_args(mock_argv).training.device == "cuda"
 
 
 def test_cuda_graph_flags(mock_argv):

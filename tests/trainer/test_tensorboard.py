@@ -34,3 +34,22 @@ def test_interval_and_missing_values():
     out = scalars([(6, 5.0)], step(6, grad_norm=None, lr=None), interval=2)
     tags = {t for t, _, _ in out}
     assert "grad-norm" not in tags and "learning-rate" not in tags and "throughput" in tags
+
+
+def test_preflight_refuses_an_image_without_the_tensorboard_package(monkeypatch):
+    """A job with logging.tensorboard on an image without the package exits 2 (not retried) before it starts,
+    instead of exit 1 (retried: a crash loop) at its first log line."""
+    import importlib.util
+
+    import pytest
+    from megatron_trainer import tensorboard
+    from megatron_trainer.exitcodes import NON_RETRIABLE, ExitCode, Fatal
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(Fatal) as exc:
+        tensorboard.preflight("/checkpoints/run/tensorboard")
+    assert exc.value.code == ExitCode.BAD_ARGUMENTS and exc.value.code in NON_RETRIABLE
+    assert "needs the tensorboard package" in str(exc.value)
+    tensorboard.preflight(None)  # no --tensorboard-dir: nothing to check
+

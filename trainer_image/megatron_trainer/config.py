@@ -207,6 +207,10 @@ class TrainingConfig:
     transformer_impl: str = field(default="transformer_engine", metadata=flag(
         "--transformer-impl", choices=("transformer_engine", "local"),
         help="Layer implementation; falls back to 'local' when Transformer Engine is not importable."))
+    device: str = field(default="cuda", metadata=flag(
+        "--device", choices=("cuda", "cpu"),
+        help="Where the ranks run: cuda (one GPU per process, NCCL) or cpu (gloo; Megatron's local spec, bf16; "
+             "for smoke runs of a job before it takes GPUs: megatron_trainer/cpu.py says what differs)."))
     attention_backend: str = field(default="flash", metadata=flag(
         "--attention-backend", choices=("flash", "fused", "unfused", "local", "auto"),
         help="Attention kernel. Local path: 'flash'/'fused'/'auto' = torch SDPA (flash/cuDNN), "
@@ -637,8 +641,8 @@ def validate(cfg: TrainerConfig) -> None:
     operator's admission rules (megatron_operator/rules.py) refuse the same specs earlier, and
     tests/test_contract_refusals.py holds the two together.
     """
-    for check in (_validate_parallel_and_model, _validate_training, _validate_data, _validate_checkpoint,
-                  _validate_logging):
+    for check in (_validate_parallel_and_model, _validate_training, _validate_device, _validate_data,
+                  _validate_checkpoint, _validate_logging):
         check(cfg)
 
 
@@ -685,6 +689,7 @@ def resolve_cuda_graph(cfg: TrainerConfig, have_te: bool) -> tuple[TrainerConfig
     if t.cuda_graph_impl != "auto":
         return cfg, "as asked"
     why_not = [why for cond, why in (
+        (t.device == "cpu", "CPUs have no CUDA graphs"),
         (cfg.checkpoint.hf_export_only, "an export-only run trains nothing"),
         (cfg.parallel.pipeline > 1, "pipeline parallelism (PP > 1) is not captured"),
         (cfg.model.num_experts is not None, "MoE routing sizes change every step"),
@@ -855,6 +860,30 @@ def _validate_training(cfg: TrainerConfig) -> None:
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         raise ValueError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
                          f"--micro-batch-size ({t.micro_batch_size})")
+
+
+#: What `--device cpu` refuses, and why (the operator's admission twins: rules `cpu-*`, for gpusPerNode 0).
+CPU_REFUSALS = (
+    ("--transformer-impl transformer_engine", "Transformer Engine runs on CUDA only; use --transformer-impl local"),
+    ("--fp8-format", "FP8 GEMMs are Transformer Engine's, on CUDA only"),
+    ("--fp16", "fp16 mixed precision is not verified on CPUs; use --bf16"),
+    ("--cuda-graph-impl full_iteration", "CUDA graphs need CUDA; use --cuda-graph-impl none (auto is none on CPUs)"),
+    ("--async-save", "the background writer pins host memory for its device-to-host copies, which needs CUDA; "
+                     "CPU runs save synchronously"),
+)
+
+
+def _validate_device(cfg: TrainerConfig) -> None:
+    t = cfg.training
+    if t.device != "cpu":
+        return
+    given = {"--transformer-impl transformer_engine": t.transformer_impl == "transformer_engine",
+             "--fp8-format": t.fp8_format is not None, "--fp16": t.fp16,
+             "--cuda-graph-impl full_iteration": t.cuda_graph_impl == "full_iteration",
+             "--async-save": cfg.checkpoint.async_save}
+    for flag_text, why in CPU_REFUSALS:
+        if given[flag_text]:
+            raise ValueError(f"--device cpu: {flag_text} cannot run on CPUs ({why})")
 
 
 def _validate_data(cfg: TrainerConfig) -> None:

@@ -30,7 +30,8 @@ class DistEnv:
 
 
 def init_distributed(cfg: TrainerConfig) -> DistEnv:
-    """torch.distributed (NCCL) from torchrun's env, then `initialize_model_parallel` by keyword."""
+    """torch.distributed (NCCL; gloo with --device cpu) from the launcher's env, then `initialize_model_parallel`
+    by keyword."""
     from megatron.core import parallel_state
 
     rank = int(os.environ.get("RANK", "0"))
@@ -48,7 +49,9 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
 
         set_now = enable(os.environ)
         log.info("deterministic mode: %s, torch deterministic algorithms on", ", ".join(set_now) or "env as given")
-    torch.cuda.set_device(local_rank)
+    on_cpu = cfg.training.device == "cpu"
+    if not on_cpu:
+        torch.cuda.set_device(local_rank)
     if cfg.training.cuda_graph_impl == "full_iteration":
         # Run everything on the stream the graph is captured on. Megatron's DDP keeps each
         # parameter's AccumulateGrad node from its construction; a node made on the legacy default
@@ -59,8 +62,11 @@ def init_distributed(cfg: TrainerConfig) -> DistEnv:
         torch.cuda.set_stream(get_shared_capture_stream())
     minutes = cfg.training.distributed_timeout_minutes
     timeout = {} if minutes is None else {"timeout": datetime.timedelta(minutes=minutes)}
-    torch.distributed.init_process_group(backend="nccl", rank=rank, world_size=world_size,
-                                         device_id=torch.device("cuda", local_rank), **timeout)
+    if on_cpu:  # gloo for everything: Megatron-Core's groups follow the world group's backend
+        torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world_size, **timeout)
+    else:
+        torch.distributed.init_process_group(backend="nccl", rank=rank, world_size=world_size,
+                                             device_id=torch.device("cuda", local_rank), **timeout)
     cpu_group = torch.distributed.new_group(backend="gloo", **timeout)
     parallel_state.initialize_model_parallel(
         **cfg.parallel.megatron_sizes(), **({} if minutes is None else {"distributed_timeout_minutes": minutes}))

@@ -178,7 +178,7 @@ class Trainer:
 
             if use_fused_adamw(self.optimizer):
                 self.patched_ops.append("torch.optim.AdamW fused")
-        if runtime.compile_rope and m.position_embedding_type == "rope":
+        if runtime.compile_rope and m.position_embedding_type == "rope" and t.device != "cpu":
             if self.path.transformer_impl == "local" and not cfg.data.sft_packing:
                 from .compat import compile_unfused_rope
 
@@ -242,7 +242,8 @@ class Trainer:
         self.checkpointer.start_workers()
         from .distributed import start_compile_workers
 
-        start_compile_workers()
+        if t.device != "cpu":  # no torch.compile on CPUs (cpu.py)
+            start_compile_workers()
         self.lifecycle.enter("looking for a checkpoint")
         self.checkpointer.on_loading = lambda iteration: self.lifecycle.enter(f"loading checkpoint {iteration}")
         self.loaded = self.checkpointer.load()

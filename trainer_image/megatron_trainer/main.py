@@ -49,6 +49,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"megatron_trainer: {e}", file=sys.stderr)
         return int(ExitCode.BAD_ARGUMENTS)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.training.device == "cpu":  # before anything of Megatron-Core runs (cpu.py says what it changes)
+        import torch
+
+        from .cpu import threads_per_process, use_cpu
+
+        use_cpu(torch)
+        torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     from .model import te_available
 
     have_te = te_available()
@@ -61,6 +68,9 @@ def main(argv: Sequence[str]) -> int:
         from . import wandb_log
 
         wandb_log.preflight(cfg, os.environ)  # wandb importable, the key file readable: before any GPU is used
+        from .tensorboard import preflight
+
+        preflight(cfg.logging.tensorboard_dir)
         hf_source = hf_start(cfg)  # before anything is written: bad input leaves the checkpoint directory as it was
     except Fatal as exc:
         message = f"rank {rank}: exit {int(exc.code)} (not retried) during start-up: {exc}"

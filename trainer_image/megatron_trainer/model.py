@@ -203,6 +203,7 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         transformer_impl=path.transformer_impl,
         attention_backend=AttnBackend.local if local else AttnBackend[t.attention_backend],
         deterministic_mode=t.deterministic_mode,
+        use_cpu_initialization=t.device == "cpu",  # Megatron's GPU initialisation draws from the CUDA generator
     )
     if t.fp8_format:
         kwargs.update(fp8=t.fp8_format)

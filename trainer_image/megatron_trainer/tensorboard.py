@@ -58,14 +58,24 @@ def scalars(losses: Sequence[tuple[int, float]], step: StepFigures, interval: in
     return out
 
 
+def preflight(tensorboard_dir: str | None) -> None:
+    """Before anything starts: --tensorboard-dir needs the tensorboard package (torch.utils.tensorboard's
+    SummaryWriter imports it). Missing, it is a Fatal BAD_ARGUMENTS (not retried: the same image fails again)."""
+    import importlib.util
+
+    from .exitcodes import ExitCode, Fatal
+
+    if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise Fatal(ExitCode.BAD_ARGUMENTS, "--tensorboard-dir needs the tensorboard package, which this trainer "
+                    "image lacks (pip install tensorboard, or set spec.logging.tensorboard: false)")
+
+
 class TensorBoardWriter:
     """torch.utils.tensorboard's SummaryWriter on the writing rank."""
 
     def __init__(self, log_dir: str, interval: int = 1, queue_size: int = 1000):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # the tensorboard package is missing from the image
-            raise RuntimeError(f"--tensorboard-dir needs the tensorboard package in the trainer image: {e}") from e
+        preflight(log_dir)
+        from torch.utils.tensorboard import SummaryWriter
         if interval < 1:
             raise ValueError(f"--tensorboard-log-interval must be >= 1, got {interval}")
         self.interval = interval
