@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the local test control plane from Go modules (Go module proxy only, no git, no Docker):
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, kwokctl, jobset, kueue,
-# helm; on request promtool, versitygw (the S3 server of the object-storage tests) and kubelet.
+# helm; on request promtool, versitygw (the S3 server of the object-storage tests), kubelet and coredns
+# (the real node).
 # Binaries land in $CACHE/bin/<component>-<version>/ and are skipped when already built.
 # Prints how long each step took. `build.sh helm` (or any subset of: etcd kubernetes kwok jobset kueue
 # helm promtool versitygw) builds only those components: the unit tests need helm, promtool and versitygw.
@@ -160,6 +161,22 @@ build_argocd() {
   ln -s argocd "$BIN_DIR.tmp/argocd-repo-server"
 }
 
+# Cluster DNS for the real node's pods (node.py): e2e/cluster/coredns/main.go, which imports the plugins it
+# serves with (kubernetes, cache, bind, health, ready, errors, log) from CoreDNS's module, built as a throw-away
+# main module like the others. Built only on request, as the kubelet is.
+build_coredns() {
+  local d=$SRC/coredns-$COREDNS_VERSION
+  mkdir -p "$d"; cp "$here/coredns/main.go" "$d/main.go"; cd "$d"
+  if [ ! -f .resolved ]; then
+    printf 'module local/coredns\n\ngo 1.26\n' > go.mod; rm -f go.sum
+    $GO get "github.com/coredns/coredns@v$COREDNS_VERSION"
+    $GO mod tidy
+    touch .resolved
+  fi
+  $GO build -trimpath -ldflags="-s -w -X github.com/coredns/coredns/coremain.GitCommit=v$COREDNS_VERSION" \
+    -o "$BIN_DIR.tmp/coredns" .
+}
+
 build_versitygw() {
   # The S3 server of the object-storage checkpoint tests (no replace directives in its go.mod, but the
   # wrapper route keeps the proxy's version list out of it, as for jobset).
@@ -182,8 +199,11 @@ for c in $wanted; do
     promtool)   BIN_DIR=$CACHE/bin/promtool-$PROMETHEUS_MODULE_VERSION; step promtool "$BIN_DIR" promtool -- build_promtool ;;
     versitygw)  BIN_DIR=$CACHE/bin/versitygw-$VERSITYGW_VERSION; step versitygw "$BIN_DIR" versitygw -- build_versitygw ;;
     kubelet)    BIN_DIR=$CACHE/bin/kubelet-$KUBE_VERSION;    step kubelet "$BIN_DIR" kubelet -- build_kubelet ;;
+    coredns)    # keyed by main.go too (the plugins it imports): node.py's coredns_binary() computes the same name
+                BIN_DIR=$CACHE/bin/coredns-$COREDNS_VERSION-$(sha256sum "$here/coredns/main.go" | cut -c1-12)
+                step coredns "$BIN_DIR" coredns -- build_coredns ;;
     argocd)     BIN_DIR=$CACHE/bin/argocd-$ARGOCD_VERSION;   step argocd "$BIN_DIR" argocd argocd-application-controller argocd-repo-server -- build_argocd ;;
-    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool versitygw kubelet argocd)" >&2; exit 2 ;;
+    *) echo "build.sh: unknown component '$c' (etcd kubernetes kwok jobset kueue helm promtool versitygw kubelet coredns argocd)" >&2; exit 2 ;;
   esac
 done
 echo "[build] $(echo $wanted) ready in $((SECONDS - total0)) s"

@@ -18,6 +18,13 @@ iptables`, and the local cluster (`cluster.py up`). Everything lives in $MEGATRO
   listens on that address. There is no kube-proxy: the ClusterIP 10.0.0.1 is not in the
   certificate, so pods set KUBERNETES_SERVICE_HOST/PORT to the advertised address (chart extraEnv).
 - The kubelet's own API listens on 127.0.0.1 with anonymous access: test only.
+- Cluster DNS is CoreDNS (`build.sh coredns`, e2e/cluster/coredns/main.go) with its kubernetes plugin, as
+  on a real cluster: the Service `kube-system/kube-dns` has a ClusterIP, the kubelet writes it into every
+  pod's resolv.conf (clusterDNS, clusterDomain cluster.local), and CoreDNS answers Service and headless-
+  service names (a JobSet's pods: `<pod>.<jobset>.<namespace>.svc.cluster.local`) from the API server's
+  EndpointSlices, with its own ServiceAccount and the usual `system:coredns` rights. The one departure:
+  without kube-proxy nothing routes a ClusterIP, so CoreDNS runs on this host and listens on the Service's
+  ClusterIP itself, added to this host's loopback device (pods reach it through their gateway, this host).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -50,6 +58,10 @@ BRIDGE = "mo-node0"
 CNI_BIN = Path("/usr/lib/cni")
 PACKAGES = "containerd containernetworking-plugins iptables"
 READY_TIMEOUT_S = 120
+DNS_LABEL = "lo:mo-dns"
+CLUSTER_DOMAIN = "cluster.local"
+#: The last octet of kube-dns's ClusterIP in the cluster's Service range (kubeadm's choice: .10).
+DNS_HOST_OCTET = 10
 
 
 def node_dir() -> Path:
@@ -66,6 +78,14 @@ def log(msg: str) -> None:
 
 def kubelet_binary() -> Path:
     return cluster.cache_dir() / "bin" / f"kubelet-{cluster.versions()['KUBE_VERSION']}" / "kubelet"
+
+
+def coredns_binary() -> Path:
+    """build.sh's path: keyed by the version and by main.go, whose imports are the plugins."""
+    import hashlib
+
+    key = hashlib.sha256((HERE / "coredns" / "main.go").read_bytes()).hexdigest()[:12]
+    return cluster.cache_dir() / "bin" / f"coredns-{cluster.versions()['COREDNS_VERSION']}-{key}" / "coredns"
 
 
 def ctr(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -92,6 +112,8 @@ def check_prerequisites() -> None:
         raise cluster.ClusterError(f"missing {', '.join(missing)}: apt-get install --no-install-recommends {PACKAGES}")
     if not os.access(kubelet_binary(), os.X_OK):
         raise cluster.ClusterError(f"{kubelet_binary()} missing: run `e2e/cluster/build.sh kubelet`")
+    if not os.access(coredns_binary(), os.X_OK):
+        raise cluster.ClusterError(f"{coredns_binary()} missing: run `e2e/cluster/build.sh coredns`")
 
 
 def start(name: str, argv: list[str]) -> int:
@@ -218,7 +240,96 @@ def apiserver_endpoint(p: cluster.RunPaths) -> tuple[str, int]:
     return eps["endpoints"][0]["addresses"][0], eps["ports"][0]["port"]
 
 
-def write_kubelet_config(d: Path) -> Path:
+# CoreDNS's rights on a real cluster (the system:coredns ClusterRole of kubeadm and the CoreDNS chart).
+COREDNS_RBAC = """
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: coredns, namespace: kube-system}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "system:coredns"}
+rules:
+- apiGroups: [""]
+  resources: [endpoints, services, pods, namespaces]
+  verbs: [list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "system:coredns"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:coredns"}
+subjects:
+- {kind: ServiceAccount, name: coredns, namespace: kube-system}
+"""
+
+
+def dns_service_ip(p: cluster.RunPaths) -> str:
+    """kube-dns's ClusterIP: .10 of the /24 the `kubernetes` Service's ClusterIP is in (the API server's range)."""
+    ip = cluster.kubectl(p, "get", "service", "kubernetes", "-n", "default", "-o", "jsonpath={.spec.clusterIP}"
+                         ).stdout.strip()
+    return ".".join([*ip.split(".")[:3], str(DNS_HOST_OCTET)])
+
+
+def start_dns(p: cluster.RunPaths, d: Path, state: dict) -> str:
+    """CoreDNS on kube-dns's ClusterIP with its own identity; returns the ClusterIP once CoreDNS is ready."""
+    ip = dns_service_ip(p)
+    cluster.kubectl(p, "apply", "--server-side", "-f", "-", input=COREDNS_RBAC)
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": "kube-dns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
+        "spec": {"clusterIP": ip, "selector": {"k8s-app": "kube-dns"}, "ports": [
+            {"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]}}
+    cluster.kubectl(p, "apply", "--server-side", "-f", "-", input=json.dumps(service))
+    token = cluster.kubectl(p, "create", "token", "coredns", "-n", "kube-system", "--duration=24h").stdout.strip()
+    admin = yaml.safe_load(p.kubeconfig.read_text())
+    dns = d / "dns"
+    dns.mkdir(parents=True, exist_ok=True)
+    kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "coredns",
+                  "clusters": [{"name": "e2e", "cluster": admin["clusters"][0]["cluster"]}],
+                  "users": [{"name": "coredns", "user": {"token": token}}],
+                  "contexts": [{"name": "coredns", "context": {"cluster": "e2e", "user": "coredns"}}]}
+    (dns / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    (dns / "kubeconfig").chmod(0o600)
+    # On the loopback device (this kernel has no dummy interfaces): a local address like any other, so a pod's
+    # packet to it, routed through the pod's gateway (this host), is delivered to CoreDNS.
+    cluster.run(["ip", "addr", "replace", f"{ip}/32", "dev", "lo", "label", DNS_LABEL], timeout=30)
+    state["dns_address"] = f"{ip}/32"
+    (d / "node.json").write_text(json.dumps(state))  # down removes the address even if what follows fails
+    health, ready = cluster.free_port(), cluster.free_port()
+    (dns / "Corefile").write_text(f"""\
+.:53 {{
+    bind {ip}
+    health 127.0.0.1:{health}
+    ready 127.0.0.1:{ready}
+    errors
+    log
+    cache 5
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {dns / 'kubeconfig'} coredns
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+}}
+""")
+    state["coredns_pid"] = start("coredns", [str(coredns_binary()), "-conf", str(dns / "Corefile")])
+    state["dns"] = {"ip": ip, "ready_port": ready}
+    (d / "node.json").write_text(json.dumps(state))
+
+    def answering() -> bool:
+        if not cluster.pid_alive(state["coredns_pid"]):
+            raise cluster.ProcessExited(f"CoreDNS exited:\n{cluster.tail(d / 'coredns.log', 40)}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{ready}/ready", timeout=2) as r:
+            return r.status == 200
+        return False
+
+    cluster.wait_until(answering, 60, "CoreDNS ready (its kubernetes plugin synced with the API server)")
+    return ip
+
+
+def write_kubelet_config(d: Path, dns_ip: str) -> Path:
     config = {
         "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
         "address": "127.0.0.1", "port": cluster.free_port(), "readOnlyPort": 0, "healthzPort": 0,
@@ -232,6 +343,7 @@ def write_kubelet_config(d: Path) -> Path:
         "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
         "serializeImagePulls": False, "resolvConf": "/etc/resolv.conf",
         "staticPodPath": "", "maxPods": 20, "podPidsLimit": 1024, "podLogsDir": str(node_dir() / "pod-logs"),
+        "clusterDNS": [dns_ip], "clusterDomain": CLUSTER_DOMAIN,
     }
     path = d / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -268,7 +380,11 @@ def up() -> dict:
                                                  str(port)])
     (d / "node.json").write_text(json.dumps(state))
 
-    kubelet_config = write_kubelet_config(d / "kubelet")
+    dns_ip = start_dns(p, d, state)
+    (d / "node.json").write_text(json.dumps(state))
+    log(f"CoreDNS answering on {dns_ip}:53 in {time.monotonic() - t0:.1f} s")
+
+    kubelet_config = write_kubelet_config(d / "kubelet", dns_ip)
     state["kubelet_pid"] = start("kubelet", [
         str(kubelet_binary()), f"--config={kubelet_config}", f"--kubeconfig={p.kubeconfig}",
         f"--root-dir={d / 'kubelet' / 'root'}", f"--cert-dir={d / 'kubelet' / 'pki'}",
@@ -316,6 +432,10 @@ def down() -> None:
         cluster.stop_pid(state["containerd_pid"], "containerd")
     if state.get("forwarder_pid"):
         cluster.stop_pid(state["forwarder_pid"], "forward")
+    if state.get("coredns_pid"):
+        cluster.stop_pid(state["coredns_pid"], "coredns")
+    if state.get("dns_address"):
+        subprocess.run(["ip", "addr", "del", state["dns_address"], "dev", "lo"], capture_output=True, check=False)
     # kubelet volume and containerd snapshot mounts under the node dir, deepest first
     cluster.unmount_under(d)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
