@@ -130,6 +130,11 @@ def test_the_te_paths_transformer_config_takes_the_planned_kernel_and_refuses_an
     path.te = dataclasses.replace(path.te, rope_fusion=False)
     tc = M.transformer_config(cfg, path)
     assert (tc.attention_backend, tc.apply_rope_fusion) == (AttnBackend.flash, False)
+    fp8 = parse_args(TE_ARGV + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    path = M.choose_path(fp8, True)
+    M.plan_te_path(fp8, path, TeKernels(flash=False, fused=True, unfused=True, rope_fusion=False), {})
+    tc = M.transformer_config(fp8, path)
+    assert (tc.fp8, tc.fp8_recipe) == ("hybrid", "tensorwise")  # megatron's Fp8Recipe is a str enum
 
 
 def test_log_iterations_takes_a_tensor_grad_norm_and_logs_only_host_numbers(tmp_path):

@@ -267,7 +267,7 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         deterministic_mode=t.deterministic_mode,
     )
     if t.fp8_format:
-        kwargs.update(fp8=t.fp8_format)
+        kwargs.update(fp8=t.fp8_format, fp8_recipe=t.fp8_recipe)
     return TransformerConfig(**kwargs)
 
 
