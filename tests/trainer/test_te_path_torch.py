@@ -217,3 +217,87 @@ print(json.dumps({{"rc": rc, "written": written}}))
     assert got["written"] == [expected]
     assert [x for x in proc.stderr.splitlines() if x.strip()] == [f"megatron_trainer: {expected}"], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _fake_te(monkeypatch, available=(False, True, True), raises: Exception | None = None) -> list:
+    """A stand-in for the parts of Transformer Engine te_path.probe reads (TE itself is not installable on a CPU):
+    AttentionParams (a subset of TE 2.20's fields: the probe passes only the fields TE has), get_attention_backend,
+    the GPU's compute capability, cuDNN's version, FlashAttentionUtils. Returns the calls it saw."""
+    import dataclasses as dc
+    import os
+    import types
+
+    calls = []
+
+    @dc.dataclass
+    class AttentionParams:
+        qkv_dtype: object = None
+        qkv_layout: str = "sbh3d"
+        batch_size: int = 1
+        num_heads: int = 16
+        num_gqa_groups: int = 16
+        max_seqlen_q: int = 128
+        max_seqlen_kv: int = 128
+        head_dim_qk: int = 64
+        head_dim_v: int = 64
+        attn_mask_type: str = "no_mask"
+        window_size: object = None
+        deterministic: bool = False
+        is_training: bool = True
+
+    def get_attention_backend(params):
+        calls.append((params, {v: os.environ.get(v) for v in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}))
+        if raises is not None:
+            raise raises
+        return (False, None, available[1], 1, False, list(available))
+
+    utils = types.SimpleNamespace(AttentionParams=AttentionParams, get_attention_backend=get_attention_backend,
+                                  get_device_compute_capability=lambda: (9, 0), get_cudnn_version=lambda: (9, 19, 0),
+                                  FlashAttentionUtils=types.SimpleNamespace(is_installed=False, version="0"))
+    pkg = types.ModuleType("transformer_engine")
+    pkg.__version__ = "2.20.2"
+    modules = {"transformer_engine": pkg, "transformer_engine.pytorch": types.ModuleType("transformer_engine.pytorch"),
+               "transformer_engine.pytorch.attention": types.ModuleType("transformer_engine.pytorch.attention"),
+               "transformer_engine.pytorch.attention.dot_product_attention":
+                   types.SimpleNamespace(utils=utils, __path__=[])}
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.attention.dot_product_attention.utils", utils)
+    return calls
+
+
+def test_the_probe_asks_te_for_this_models_call_with_every_backend_enabled_and_restores_the_environment(monkeypatch):
+    """te_path.probe with only the import faked: TE is asked about the rank's own call (heads and groups per TP rank,
+    bf16, causal, sbhd q/k/v), with NVTE_*_ATTN=1 while it answers (its filters read them) and the user's values back
+    after; TE's verdict becomes the TeKernels the plan decides on (the issue's machine: no flash-attn, cuDNN)."""
+    from megatron_trainer.config import parse_args
+    from megatron_trainer.te_path import plan, probe
+
+    calls = _fake_te(monkeypatch)
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
+    i = TE_ARGV.index("--tensor-model-parallel-size")
+    cfg = parse_args(TE_ARGV[:i + 1] + ["2"] + TE_ARGV[i + 2:])
+    kernels = probe(cfg)
+    (params, env), = calls
+    assert (params.num_heads, params.num_gqa_groups, params.head_dim_qk, params.qkv_dtype) == (2, 2, 16, torch.bfloat16)
+    assert (params.attn_mask_type, params.qkv_layout, params.window_size, params.batch_size) == \
+        ("causal", "sbhd_sbhd_sbhd", (-1, 0), 2)
+    assert env == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "1"}
+    import os
+
+    assert os.environ.get("NVTE_FLASH_ATTN") is None and os.environ["NVTE_FUSED_ATTN"] == "1"
+    assert "NVTE_UNFUSED_ATTN" not in os.environ
+    assert (kernels.flash, kernels.fused, kernels.unfused, kernels.fused_first) == (False, True, True, True)
+    assert kernels.note == "TE 2.20.2, sm90, cuDNN 9.19.0, flash-attn not installed, bfloat16"
+    assert plan(cfg, kernels, os.environ).attention_backend == "fused"
+
+
+def test_a_probe_te_cannot_answer_leaves_the_verdict_unknown(monkeypatch):
+    from megatron_trainer.config import parse_args
+    from megatron_trainer.te_path import probe
+
+    _fake_te(monkeypatch, raises=RuntimeError("cuDNN not loaded"))
+    kernels = probe(parse_args(TE_ARGV))
+    assert (kernels.flash, kernels.fused, kernels.unfused) == (None, None, None)
+    assert kernels.note == "attention probe failed: RuntimeError: cuDNN not loaded"

@@ -199,7 +199,7 @@ def probe(cfg) -> TeKernels:
         rope = False
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.training.precision]
     try:
-        import transformer_engine
+        import transformer_engine.pytorch  # noqa: F401  (sets flash-attn's flags: attention/.../backends.py)
         from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa
 
         names = {f.name for f in dataclasses.fields(dpa.AttentionParams)}
@@ -209,12 +209,24 @@ def probe(cfg) -> TeKernels:
         if len(available) != 3:
             raise TypeError(f"get_attention_backend returned {available!r} as its available backends")
         flash, fused, unfused = (bool(x) for x in available)
-        sm = dpa.get_device_compute_capability()
-        fa = dpa.FlashAttentionUtils
-        fa_version = (f"flash-attn {fa.version}" if fa.is_installed else "flash-attn not installed") + \
-            (f", flash-attn 3 {fa.fa3_version}" if getattr(fa, "v3_is_installed", False) else "")
-        note = (f"TE {transformer_engine.__version__}, sm{10 * sm[0] + sm[1]}, cuDNN "
-                f"{'.'.join(map(str, dpa.get_cudnn_version()))}, {fa_version}, {str(dtype).removeprefix('torch.')}")
-        return TeKernels(flash, fused, unfused, fused_first=tuple(sm) >= (9, 0), rope_fusion=rope, note=note)
+        sm = tuple(dpa.get_device_compute_capability())
     except Exception as e:  # TE's internals move between versions: trust the request, say why it was not checked
         return TeKernels(rope_fusion=rope, note=f"attention probe failed: {type(e).__name__}: {str(e)[:200]}")
+    return TeKernels(flash, fused, unfused, fused_first=sm >= (9, 0), rope_fusion=rope, note=_versions(dpa, sm, dtype))
+
+
+def _versions(dpa, sm: tuple, dtype) -> str:
+    """TE's, the GPU's, cuDNN's and flash-attn's versions and the dtype, for the start-up line (best effort)."""
+    import transformer_engine
+
+    parts = [f"TE {getattr(transformer_engine, '__version__', '?')}", f"sm{10 * sm[0] + sm[1]}"]
+    try:
+        cudnn = dpa.get_cudnn_version()
+        parts.append("cuDNN " + (".".join(map(str, cudnn)) if isinstance(cudnn, (tuple, list)) else str(cudnn)))
+        fa = dpa.FlashAttentionUtils
+        parts.append(f"flash-attn {fa.version}" if fa.is_installed else "flash-attn not installed")
+        if getattr(fa, "v3_is_installed", False):
+            parts.append(f"flash-attn 3 {fa.fa3_version}")
+    except Exception:  # a note only
+        pass
+    return ", ".join(parts + [str(dtype).removeprefix("torch.")])
