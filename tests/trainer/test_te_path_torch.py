@@ -274,8 +274,9 @@ def test_the_probe_asks_te_for_this_models_call_with_every_backend_enabled_and_r
     from megatron_trainer.te_path import plan, probe
 
     calls = _fake_te(monkeypatch)
-    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
-    monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")  # the user's, and none of the others (a GPTModel built earlier in
+    monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)  # this process leaves Megatron-Core's values behind)
+    monkeypatch.delenv("NVTE_UNFUSED_ATTN", raising=False)
     i = TE_ARGV.index("--tensor-model-parallel-size")
     cfg = parse_args(TE_ARGV[:i + 1] + ["2"] + TE_ARGV[i + 2:])
     kernels = probe(cfg)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import TrainerConfig, takes_te_path
-from .exitcodes import ExitCode, Fatal, Refusal
+from .exitcodes import ExitCode, Refusal
 from .flops import padded_vocab_size
 from .te_path import TeKernels, TePlan
 
@@ -130,7 +130,7 @@ def te_available() -> bool:
 
 
 def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
-    """The implementation for this run; Fatal (exit 2) when the job needs TE and TE is missing."""
+    """The implementation for this run; a Refusal (exit 2, one line) when the job needs TE and TE is missing."""
     t, p = cfg.training, cfg.parallel
     needs_te = [why for cond, why in ((p.context > 1, "--context-parallel-size > 1"),
                                       (t.fp8_format is not None, "--fp8-format")) if cond]
@@ -143,8 +143,8 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
         log.warning("--sft-packing: packed samples are kept apart by an attention mask, which Transformer "
                     "Engine's attention ignores: running the local (Megatron-Core + SDPA) path instead")
     if needs_te:
-        raise Fatal(ExitCode.BAD_ARGUMENTS,
-                    f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
+        raise Refusal(ExitCode.BAD_ARGUMENTS,
+                      f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
     if t.transformer_impl == "transformer_engine" and not (have_te and packed):
         log.warning("!!! --transformer-impl transformer_engine asked for, but Transformer Engine is not "
                     "importable: FALLING BACK to the local (Megatron-Core only) implementation !!!")

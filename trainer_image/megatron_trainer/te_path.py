@@ -151,8 +151,9 @@ def plan(cfg, kernels: TeKernels, environ: Mapping[str, str]) -> TePlan:
     wants_rope = cfg.model.position_embedding_type == "rope" and not cfg.training.no_rope_fusion
     if wants_rope and not kernels.rope_fusion:
         # TransformerConfig raises "apply_rope_fusion is not available. Please install TE >= 1.4." otherwise
-        # (transformer_config.py, __post_init__); megatron/core/extensions finds it in TE >= 2.3 only
-        notes.append("RoPE fusion off: Megatron-Core finds no fused RoPE in this Transformer Engine (it needs TE >= 2.3)")
+        # (transformer_config.py, __post_init__); megatron/core/extensions/transformer_engine.py imports TE's
+        # apply_rotary_pos_emb (attention/rope.py from TE 2.3, attention/ before)
+        notes.append("RoPE fusion off: Megatron-Core finds no fused RoPE in this Transformer Engine (it asks for TE >= 1.4)")
     return TePlan(backend, text, kernels.rope_fusion, tuple(notes))
 
 
