@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,11 +127,11 @@ def test_the_local_path_without_te_leaves_only_tes_site_off_pythonpath():
     assert T.without_te("/opt/te-site/", "/opt/te-site") == ""
 
 
-def _log(iters: int, path: str) -> str:
+def _log(iters: int, path: str, base_ms: float = 1000.0) -> str:
     lines = [f"[2026-12-01 10:00:00,000 rank0] INFO megatron_trainer.loop: megatron_trainer: {path}"]
     for i in range(1, iters + 1):
         lines.append(f" [2026-12-01 10:00:{i:02d}] iteration {i:8d}/{iters:8d} | consumed samples: {8 * i:12d} | "
-                     f"elapsed time per iteration (ms): {1000.0 + i:.1f} | throughput per GPU (TFLOP/s/GPU): 300.0 | "
+                     f"elapsed time per iteration (ms): {base_ms + i:.1f} | throughput per GPU (TFLOP/s/GPU): 300.0 | "
                      f"learning rate: 3.000000E-04 | global batch size:     8 | lm loss: {11 - i / 10:.6E} | "
                      f"grad norm: {2.5:.3f} | number of skipped iterations:   0 | mem GiB (alloc/peak): 50.00/{70 + i:.2f} |")
     lines.append("[2026-12-01 10:01:00,000 rank0] INFO megatron_trainer.loop: startup: process start -> first "
@@ -197,3 +198,102 @@ def test_each_te_scenario_fits_one_device_call(name, seconds):
     scenario = S.SCENARIOS[name]
     assert scenario.seconds == seconds and scenario.min_gpus == 1
     assert S.skip_reason(scenario, 1, 1, 540) is None
+
+
+class _FakeRun:
+    """Stands in for harness.Run: the trainer's log as its command line would make it (parse_args must accept the
+    command line; the TE path unless --transformer-impl local; an exit-2 refusal line for --attention-backend local)."""
+
+    seen: list = []
+
+    def __init__(self, name, nproc, args, env=None, gpus=None, grace_period_s=None, **_):
+        cfg = parse_args(args)
+        _FakeRun.seen.append((name, args, env or {}, grace_period_s))
+        self.started, t = 0.0, cfg.training
+        if t.attention_backend == "local":
+            self.rc, self._text = 2, ("[x rank0] INFO megatron_trainer.loop: starting\nmegatron_trainer: rank 0: exit 2 "
+                                      "(bad command line or environment; not retried) during building the model: "
+                                      "Refusal: --attention-backend local is ...\nmegatron_trainer.launch: exit 2\n")
+            return
+        path = "transformer_impl=local, attention=SDPA (cudnn>flash>efficient)" if t.transformer_impl == "local" else \
+            f"transformer_impl=transformer_engine, attention=TE's {t.attention_backend}"
+        ms = 900.0 if t.transformer_impl == "local" else 1000.0
+        self.rc, self._text = 0, _log(t.train_iters, path + ", wgrad accumulation fusion=torch", ms)
+
+    def wait(self, timeout):
+        return self.rc
+
+    def close(self):
+        pass
+
+    def text(self):
+        return self._text
+
+
+@pytest.fixture
+def an_hour_left():
+    """The suite's deadline an hour away (DEADLINE is changed in place, as suite.py does), restored after."""
+    import time
+
+    saved = H.DEADLINE[0]
+    H.DEADLINE[0] = time.monotonic() + 3600
+    yield
+    H.DEADLINE[0] = saved
+
+
+def test_each_scenario_runs_through_with_stand_ins_for_the_gpu(monkeypatch, an_hour_left):
+    """The four scenarios end to end, TE's import check, the trainer, Megatron-LM and hf_cpu_check replaced by
+    stand-ins: what each runs, in which order, and what it reports and checks."""
+    monkeypatch.setattr(T, "te_problem", lambda: None)
+    monkeypatch.setattr(T, "Run", _FakeRun)
+    _FakeRun.seen = []
+    mlm = []
+
+    def fake_mlm(name, gpus, model, tp, pp, gbs, visible, iters=26, impl="local", **_):
+        mlm.append((name, model, gbs, impl))
+        return {"rc": 0, "iter_ms": 1157.1 if impl == "te" else 1648.9, "losses_1_5": [10.0] * 5}
+
+    monkeypatch.setattr(T, "run_mlm_peer", fake_mlm)
+    paths = T.scenario_te_paths({"te_backends": ("flash", "unfused")})
+    assert paths["ok"], paths["failures"]
+    assert [s[0] for s in _FakeRun.seen] == ["te_paths_flash", "te_paths_unfused", "te_paths_refused_local"]
+    assert all(s[3] == 30 for s in _FakeRun.seen)  # through the pods' launcher
+    assert paths["refused_local"]["rc"] == 2 and paths["refused_local"]["line"].startswith("megatron_trainer: rank 0")
+
+    _FakeRun.seen = []
+    bench = T.scenario_te_bench({"te_model": "llama_mha4b", "te_iters": 26, "te_variants": ("local_without_te",)})
+    assert bench["ok"], bench["failures"]
+    assert mlm == [("te_bench_megatron_lm_te", "llama_mha4b", 8, "te"), ("te_bench_megatron_lm_local", "llama_mha4b", 8,
+                                                                         "local")]
+    assert [s[0] for s in _FakeRun.seen] == ["te_bench_ours_te", "te_bench_ours_local", "te_bench_ours_local_without_te"]
+    assert "/opt/te-site" not in _FakeRun.seen[2][2]["PYTHONPATH"]
+    assert (bench["ours_te"]["iter_ms"], bench["ours_local"]["iter_ms"]) == (1012.0, 912.0)
+    assert bench["speedups"]["ours_local_over_megatron_lm_te"] == round(1157.1 / 912.0, 3)
+    assert bench["megatron_lm_te"]["mfu_pct_megatron"] == 33.72 and "text" not in bench["ours_te"]
+
+    _FakeRun.seen = []
+    fp8 = T.scenario_te_fp8({"te_fp8_model": "llama8b_l16", "te_fp8_iters": 20})
+    assert fp8["ok"], fp8["failures"]
+    assert [s[0] for s in _FakeRun.seen] == ["te_fp8_bf16", "te_fp8_fp8_delayed", "te_fp8_fp8_tensorwise"]
+    assert fp8["fp8_delayed"]["max_abs_loss_diff_1_5"] == 0.0 and fp8["fp8_delayed"]["speedup_over_bf16"] == 1.0
+
+    hf_calls = []
+
+    def fake_hc_run(archs, tp, pp, precisions, device, work, impl, diagnose, tf32):
+        hf_calls.append((tuple(archs), precisions, device, impl, diagnose, tf32, os.environ.get("NVIDIA_TF32_OVERRIDE")))
+        fp32_diff = 1e-6 if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0" else 3e-4
+        return [{"arch": a, "tp": 1, "pp": 1, "precision": p, "max_abs_diff": fp32_diff if p == "fp32" else 0.01,
+                 "max_abs_diff_vs_fp32_hf": 0.01, "hf_bf16_vs_fp32": 0.01, "logit_scale": 1.0, "argmax_equal": 1.0,
+                 "roundtrip": {"not_identical": [], "extra": [], "config_equal": True, "tensors": 3, "exported": 3},
+                 **({"modules": [{"module": "layer0.attention", "max_abs_diff": fp32_diff, "scale": 1.0}]}
+                    if p == "fp32" else {})} for a in archs for p in precisions]
+
+    monkeypatch.setattr(T.hc, "run", fake_hc_run)
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    hf = T.scenario_te_hf_logits({})
+    assert [c[-2:] for c in hf_calls] == [(None, None), (None, "0"), ("on", None)]
+    assert all(c[1:5] == (("fp32", "bf16"), "cuda", "te", True) for c in hf_calls)
+    assert "NVIDIA_TF32_OVERRIDE" not in os.environ  # restored
+    assert not hf["ok"] and hf["failures"] == [f"{a} tp1pp1 fp32: fp32 max |diff| 3.00e-04 > 0.0001" for a in T.HF_ARCHS]
+    assert hf["tf32override0"]["failures"] == [] and hf["asis"]["fp32_max_abs_diff"]["tiny-llama3"] == 3e-4
+    assert hf["asis"]["results"][0]["first_module_over_1e-6"] == "layer0.attention"
