@@ -5,8 +5,10 @@
 - the trainer's log lines (ITER_RE, RESUMED_RE, ...) and the checks on them: `check`, `compare`,
   `loss_falls`, `trainer_summaries`, `sdpa_kernel`;
 - checkpoints on local disk or in the object store on loopback: `ckpt_state`, `ckpt_loc`, `start_object_store`;
-- the peers: ../shared/bench/mcore_peer.py (`run_peer`) and Megatron-LM's pretrain_gpt.py (`run_mlm_peer`,
-  `mlm_second_peer`); tokens/s/GPU and MFU (`throughput_fields`, `ours_throughput`, `model_flops`);
+- the peers: ../shared/bench/mcore_peer.py (`run_peer`) and Megatron-LM's pretrain_gpt.py (`run_mlm_peer`, on its
+  local spec or on Transformer Engine; `mlm_second_peer`); tokens/s/GPU and MFU (`throughput_fields`,
+  `ours_throughput`, `model_flops`);
+- the HF import's logits and round trip judged (`hf_logits_verdict`: hf.py's scenarios and te.py's);
 - rendered pods run verbatim (`pods_job`, on e2e/gpu/pods.py): pods, preempt, tensorboard, hf_pods, sft_pods;
 - the outputs: results.json, table.txt, logs.tar.gz (`flush_outputs`, `render_table`);
 - `Scenario`: an entry of a family's SCENARIOS table.
@@ -69,6 +71,16 @@ MODELS = {
     # The small model's size with the Llama architecture: RoPE (compiled, rounded as eager), RMSNorm, SwiGLU and
     # GQA in runs short enough for the deterministic/resume scenarios at every layout in one device call.
     "llama_small": dict(layers=8, hidden=512, heads=8, groups=4, ffn=1408, seq=512, vocab=8192, mbs=4, arch="llama"),
+    # issue 59's model (e2e/gpu/te.py): 3.8B parameters, Llama architecture with full multi-head attention (24 KV
+    # heads of 128), 32 x 3072, ffn 8192, vocabulary 32768, sequence 2048, global batch 8 (8 micro-batches of 1, as
+    # the other Llama shapes: Megatron-LM's unfused attention keeps each layer's s x s probabilities)
+    "llama_mha4b": dict(layers=32, hidden=3072, heads=24, groups=24, ffn=8192, seq=2048, vocab=32768, mbs=1, accum=8,
+                        arch="llama"),
+    # Llama-3-8B's layer (h 4096, 32/8 heads, ffn 14336, vocabulary 128256, sequence 4096) at 16 of its 32 layers:
+    # 4.5B parameters, whose weights, fp32 main copy, gradients and Adam moments (18 bytes each, 82 GB) fit one
+    # H200 with the activations; the GEMMs that FP8 speeds up are the 8B's own (issue 59's fp8 runs, te.py)
+    "llama8b_l16": dict(layers=16, hidden=4096, heads=32, groups=8, ffn=14336, seq=4096, vocab=128256, mbs=1, accum=8,
+                        arch="llama"),
 }
 
 
@@ -443,22 +455,26 @@ def ours_throughput(model: str, dp: int, gpus: int, iter_ms: float, peer: dict) 
 MLM_RE = re.compile(r"MLM RESULT iter_ms=([0-9.]+) MFU=([0-9.]+)% losses1_5=(\[[^\]]*\])")
 
 
+#: Where Transformer Engine is installed on the device (../shared/bench/te/README.md): TE_SITE, else /opt/te-site.
+TE_SITE_DEFAULT = "/opt/te-site"
+
+
 def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, visible: str,
                  flags: list[str] | tuple[str, ...] = (), env_extra: dict | None = None, vpp: int | None = None,
-                 iters: int = 26) -> dict:
+                 iters: int = 26, impl: str = "local") -> dict:
     """Megatron-LM's own pretrain_gpt.py (../shared/bench/mlm_peer.sh, carried as .run/mlm_peer.sh) on
     the same model, layout and global batch; Megatron-LM's source at core_v0.19.0 in .run/mlm.
-    `env_extra`: more environment for its processes (stepdump's STEPDUMP_DIR)."""
+    `env_extra`: more environment for its processes (stepdump's STEPDUMP_DIR). `impl`: its layer spec, local or
+    te (MLM_IMPL=te: Transformer Engine from TE_SITE, the spec Megatron-LM's users run)."""
     m = MODELS[model]
     wheel = sorted((REPO / ".whl").glob("megatron_core-*.whl"))
+    te = {"MLM_IMPL": "te", "TE_SITE": os.environ.get("TE_SITE", TE_SITE_DEFAULT)} if impl == "te" else {}
     env = dict(os.environ, MLM_DIR=str(REPO / ".run" / "mlm"), WHL=str(wheel[0]) if wheel else "", GPUS=str(gpus),
                TP=str(tp), PP=str(pp), LAYERS=str(m["layers"]), HIDDEN=str(m["hidden"]), HEADS=str(m["heads"]),
                FFN=str(m["ffn"]), SEQ=str(m["seq"]), VOCAB=str(m["vocab"]), MBS=str(m["mbs"]), GBS=str(gbs),
                ITERS=str(iters), VPP=str(vpp or ""), CUDA_VISIBLE_DEVICES=visible, PORT=str(free_port()),
-               **(env_extra or {}))
-    # Extra flags reach pretrain_gpt.py after the script's own (argparse: the last one wins). No RoPE fusion:
-    # it needs Transformer Engine, and ours runs RoPE unfused on the local path too.
-    extra = llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" else []) + list(flags)
+               **te, **(env_extra or {}))
+    extra = mlm_extra_flags(m, impl) + list(flags)
     # mlm_peer.sh prints only its RESULT line; its full log (mktemp) lands here, for report_memory's peak.
     tmp = WORK / f"{name}_tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -482,6 +498,13 @@ def run_mlm_peer(name: str, gpus: int, model: str, tp: int, pp: int, gbs: int, v
     return {"rc": rc, "iter_ms": float(mm.group(1)), "mfu_pct_classic": float(mm.group(2)),
             "losses_1_5": mlm_losses_per_iteration(logged), "losses_1_5_as_logged": logged,
             "peak_alloc_gib": round(max(peaks), 2) if peaks else None, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def mlm_extra_flags(m: dict, impl: str = "local") -> list[str]:
+    """The model's flags for pretrain_gpt.py beyond mlm_peer.sh's own (they come after its own: argparse's last one
+    wins). On the local spec no RoPE fusion: it needs Transformer Engine, and ours runs RoPE unfused on the local path
+    too; on TE (impl te) Megatron-LM's default, fused."""
+    return llama_flags(m) + (["--no-rope-fusion"] if m.get("arch") == "llama" and impl != "te" else [])
 
 
 def mlm_losses_per_iteration(logged: list[float]) -> list[float]:
@@ -701,6 +724,35 @@ def render_table(results: dict) -> str:
         if name == "probe":
             lines.append(f"  {json.dumps({k: v for k, v in r.items() if k not in ('ok',)}, default=str)[:900]}")
     return "\n".join(lines) + "\n"
+
+
+FP32_TOL = 1e-4
+
+
+def hf_logits_verdict(r: dict) -> list[str]:
+    """What a tests/trainer/hf_cpu_check.py logits/round-trip result fails, in words (empty: passed): fp32 within
+    FP32_TOL of transformers' logits with argmax equal, bf16 within its budget, the export bit-identical (hf.py's
+    scenarios, te.py's te_hf_logits)."""
+    bad = []
+    if "error" in r:
+        return [f"{r['arch']} tp{r['tp']}pp{r['pp']} {r['precision']}: {r['error'][-400:]}"]
+    tag = f"{r['arch']} tp{r['tp']}pp{r['pp']} {r['precision']}"
+    if r["precision"] == "fp32":
+        if not r["max_abs_diff"] <= FP32_TOL:
+            bad.append(f"{tag}: fp32 max |diff| {r['max_abs_diff']:.2e} > {FP32_TOL}")
+        if r["argmax_equal"] != 1.0:
+            bad.append(f"{tag}: argmax differs on {1 - r['argmax_equal']:.1%} of tokens")
+    else:
+        # bf16: our error against transformers' fp32 logits must stay within twice transformers' own
+        # bf16 error (the same weights run in bf16 by transformers), plus 1 bf16 ulp at the logit scale.
+        budget = 2 * r["hf_bf16_vs_fp32"] + r["logit_scale"] * 2 ** -8
+        if not r["max_abs_diff_vs_fp32_hf"] <= budget:
+            bad.append(f"{tag}: bf16 error {r['max_abs_diff_vs_fp32_hf']:.3e} > budget {budget:.3e}")
+    rt = r["roundtrip"]
+    if rt["not_identical"] or rt["extra"] or not rt["config_equal"] or rt["tensors"] != rt["exported"]:
+        bad.append(f"{tag}: round trip not identical: {rt['not_identical'][:3]} extra {rt['extra'][:3]} "
+                   f"config equal {rt['config_equal']}")
+    return bad
 
 
 class Scenario(NamedTuple):

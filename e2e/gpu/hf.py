@@ -36,36 +36,20 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 
 import hf_cpu_check as hc  # noqa: E402
-from harness import LOGS, STORE, STORE_BUCKET, WORK, Run, Scenario, check, pods_job, trainer_summaries  # noqa: E402
+from harness import (  # noqa: E402
+    LOGS,
+    STORE,
+    STORE_BUCKET,
+    WORK,
+    Run,
+    Scenario,
+    check,
+    hf_logits_verdict,
+    pods_job,
+    trainer_summaries,
+)
 
 ARCHS = ["tiny-llama3", "tiny-llama32-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
-FP32_TOL = 1e-4
-
-
-def _verdict(r: dict) -> list[str]:
-    """What a logits/round-trip result fails, in words (empty: passed)."""
-    bad = []
-    if "error" in r:
-        return [f"{r['arch']} tp{r['tp']}pp{r['pp']} {r['precision']}: {r['error'][-400:]}"]
-    tag = f"{r['arch']} tp{r['tp']}pp{r['pp']} {r['precision']}"
-    if r["precision"] == "fp32":
-        if not r["max_abs_diff"] <= FP32_TOL:
-            bad.append(f"{tag}: fp32 max |diff| {r['max_abs_diff']:.2e} > {FP32_TOL}")
-        if r["argmax_equal"] != 1.0:
-            bad.append(f"{tag}: argmax differs on {1 - r['argmax_equal']:.1%} of tokens")
-    else:
-        # bf16: our error against transformers' fp32 logits must stay within twice transformers' own
-        # bf16 error (the same weights run in bf16 by transformers), plus 1 bf16 ulp at the logit scale.
-        budget = 2 * r["hf_bf16_vs_fp32"] + r["logit_scale"] * 2 ** -8
-        if not r["max_abs_diff_vs_fp32_hf"] <= budget:
-            bad.append(f"{tag}: bf16 error {r['max_abs_diff_vs_fp32_hf']:.3e} > budget {budget:.3e}")
-    rt = r["roundtrip"]
-    if rt["not_identical"] or rt["extra"] or not rt["config_equal"] or rt["tensors"] != rt["exported"]:
-        bad.append(f"{tag}: round trip not identical: {rt['not_identical'][:3]} extra {rt['extra'][:3]} "
-                   f"config equal {rt['config_equal']}")
-    return bad
-
-
 def scenario_hf_logits(ctx) -> dict:
     work = WORK / "hf_logits"
     out, failures = {}, []
@@ -73,7 +57,7 @@ def scenario_hf_logits(ctx) -> dict:
         results = hc.run(ARCHS, tp, pp, ("fp32", "bf16"), "cuda", work)
         out[f"tp{tp}pp{pp}"] = results
         for r in results:
-            failures += _verdict(r)
+            failures += hf_logits_verdict(r)
     return {"ok": not failures, "failures": failures, "results": out}
 
 
@@ -95,7 +79,7 @@ def scenario_hf_moe_logits(ctx) -> dict:
                          dispatcher="alltoall")
         out[key] = results
         for r in results:
-            failures += [f"ep{ep} {experts}: {f}" for f in _verdict(r)]
+            failures += [f"ep{ep} {experts}: {f}" for f in hf_logits_verdict(r)]
             if "error" not in r and r.get("experts") != ("GroupedMLP" if experts == "grouped" else "SequentialMLP"):
                 failures.append(f"{r['arch']} tp{tp}ep{ep}: built {r.get('experts')}, asked for {experts}")
     ran = [k for k, v in out.items() if isinstance(v, list)]
@@ -146,7 +130,7 @@ def scenario_hf_train(ctx) -> dict:
         res["trained_logits"] = logits
         for r in logits:
             r["arch"] = "trained-export"
-            failures += [f for f in _verdict(r) if "round trip" not in f or r["precision"] == "bf16"]
+            failures += [f for f in hf_logits_verdict(r) if "round trip" not in f or r["precision"] == "bf16"]
     # resume with the HF directory gone: the job's own checkpoint, never the HF directory
     shutil.move(str(src), str(work / "src-moved-away"))
     resumed = Run("hf_resume", 2, _argv(config, 2, 1, 25, ["--hf-init", str(src), "--hf-export", str(out_c),
@@ -341,7 +325,7 @@ def scenario_hf_pods(ctx) -> dict:
         result["export_logits"] = logits
         for r in logits:
             r["arch"] = "pods-export"
-            failures += [f for f in _verdict(r) if "round trip" not in f]
+            failures += [f for f in hf_logits_verdict(r) if "round trip" not in f]
     result.update(ok=not failures, failures=failures, export_files=files)
     return result
 

@@ -9,6 +9,8 @@
 # annotated-types==0.8.0, typing-inspection==0.4.5, google-re2==1.1.20251105 (cp312, manylinux x86_64;
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`). hf_logits, hf_train and
 # hf_bench need only megatron-core (transformers, safetensors and tokenizers are in the GPU image).
+# te.py's scenarios (issue 59) need Transformer Engine installed into /opt/te-site and PYTHONPATH=/opt/te-site, and
+# pydantic's wheels above in .whl (TE imports pydantic): e2e/gpu/TE_RUNS.md has the calls in order.
 # --object-store (issue 33) also needs .run/versitygw.gz (gzip -9 of `cluster.py build versitygw`'s binary)
 # and multi-storage-client's wheels in .whl (`pip download -c constraints-objstore.txt --only-binary=:all:
 # --python-version 3.12 --platform manylinux2014_x86_64 'multi-storage-client[boto3]'`, awscrt left out). Writes results to $OUT (default ./.device/out). The wheels

@@ -21,6 +21,9 @@ documented in its module's docstring:
   hf.py           hf_logits, hf_moe_logits, hf_train, hf_bench, hf_pods, hf_store: Hugging Face import and
                   export
   sft.py          sft_reverse, sft_moe, sft_bench, sft_pods, sft_sigterm: supervised fine-tuning
+  te.py           te_paths, te_bench, te_hf_logits, te_fp8: the Transformer Engine path (issue 59; TE installed
+                  per ../shared/bench/te/README.md and on PYTHONPATH): its kernels and refusals, ours on TE and local
+                  against Megatron-LM on TE and local, the HF import's logits on TE's spec, FP8
   harness.py      what the families share (Run, trainer_args, MODELS, checks, peers, pods_job, the
                   outputs); no scenario
 
@@ -50,6 +53,7 @@ import mlm_compare
 import moe
 import performance
 import scale
+import te
 from correctness import POD_JOBS, layouts_for
 from harness import (
     DEADLINE,
@@ -65,6 +69,7 @@ from harness import (
 from mlm_compare import MLM_VARIANTS, THREEWAY, THREEWAY_VARIANTS
 from moe import MOE_LAYOUTS
 from performance import MEMORY_CONFIGS, PERF_VARIANTS, bench_layouts
+from te import FP8_RECIPES, HF_ARCHS, HF_VARIANTS, TE_VARIANTS
 
 
 def optional_family(name: str):
@@ -78,7 +83,7 @@ def optional_family(name: str):
 
 
 # The scenario families, each a module with a SCENARIOS table: a new family is its module and one line here.
-FAMILIES = [correctness, performance, mlm_compare, scale, moe, optional_family("hf"), optional_family("sft")]
+FAMILIES = [correctness, performance, mlm_compare, scale, moe, optional_family("hf"), optional_family("sft"), te]
 
 # The order a run without --only takes (and --list shows): the suite's order before the families were split out,
 # so that indexed's data and layouts' reference runs come before the scenarios that use them (resume, sigterm,
@@ -126,6 +131,17 @@ def skip_reason(scenario: Scenario | None, gpus: int, layouts: int, seconds_left
     if need > seconds_left:
         return f"deadline (needs ~{need} s)"
     return None
+
+
+def te_ctx(args) -> dict:
+    """The te family's settings (e2e/gpu/te.py) from the command line."""
+    def names(value: str) -> tuple[str, ...]:
+        return tuple(filter(None, value.split(",")))
+
+    return {"te_backends": names(args.te_backends), "te_model": args.te_model, "te_iters": args.te_iters,
+            "te_variants": names(args.te_variants), "te_hf_variants": names(args.te_hf_variants),
+            "te_hf_archs": names(args.te_hf_archs), "te_fp8_model": args.te_fp8_model,
+            "te_fp8_iters": args.te_fp8_iters, "te_fp8_recipes": names(args.te_fp8_recipes)}
 
 
 def main() -> int:
@@ -199,6 +215,18 @@ def main() -> int:
     ap.add_argument("--object-store", action="store_true",
                     help="checkpoints to versitygw on loopback through multi-storage-client (issue 33)")
     ap.add_argument("--objbench-model", default="gpt1b", choices=sorted(MODELS), help="model of objbench")
+    ap.add_argument("--te-backends", default="flash,unfused", help="te_paths' --attention-backend values (each must "
+                    "train on Transformer Engine; local is always tried and must be refused)")
+    ap.add_argument("--te-model", default="llama_mha4b", choices=sorted(MODELS), help="te_bench's model (issue 59's "
+                    "3.8B MHA Llama)")
+    ap.add_argument("--te-iters", type=int, default=26, help="iterations of each te_bench run (median over 4 .. N-6)")
+    ap.add_argument("--te-variants", default="", help=f"extra runs of ours in te_bench, of {sorted(TE_VARIANTS)}")
+    ap.add_argument("--te-hf-variants", default=",".join(HF_VARIANTS),
+                    help=f"te_hf_logits' TF32 settings, of {list(HF_VARIANTS)} (HF_VARIANTS in e2e/gpu/te.py)")
+    ap.add_argument("--te-hf-archs", default=",".join(HF_ARCHS), help="te_hf_logits' fixtures (tests/fixtures/hf)")
+    ap.add_argument("--te-fp8-model", default="llama8b_l16", choices=sorted(MODELS), help="te_fp8's model")
+    ap.add_argument("--te-fp8-iters", type=int, default=20, help="iterations of each te_fp8 run")
+    ap.add_argument("--te-fp8-recipes", default=",".join(FP8_RECIPES), help=f"te_fp8's recipes, of {list(FP8_RECIPES)}")
     args = ap.parse_args()
     unknown = set(filter(None, args.threeway_variants.split(","))) - set(THREEWAY_VARIANTS)
     if unknown:
@@ -206,6 +234,13 @@ def main() -> int:
     unknown = set(filter(None, args.threeway_mlm_variants.split(","))) - set(MLM_VARIANTS)
     if unknown:
         ap.error(f"--threeway-mlm-variants: unknown {sorted(unknown)}; known: {sorted(MLM_VARIANTS)}")
+    for flag, given, known in (("--te-variants", args.te_variants, TE_VARIANTS),
+                               ("--te-hf-variants", args.te_hf_variants, HF_VARIANTS),
+                               ("--te-fp8-recipes", args.te_fp8_recipes, FP8_RECIPES),
+                               ("--te-backends", args.te_backends, ("flash", "fused", "unfused", "auto"))):
+        unknown = set(filter(None, given.split(","))) - set(known)
+        if unknown:
+            ap.error(f"{flag}: unknown {sorted(unknown)}; known: {sorted(known)}")
     import torch
 
     started = time.monotonic()
@@ -240,6 +275,7 @@ def main() -> int:
            "moe_only": set(args.moe_only.split(",")) if args.moe_only else None}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model
+    ctx.update(te_ctx(args))
     ctx["det_env"] = dict(MATH_DETERMINISTIC_ENV) if args.deterministic_attention == "math" else {}
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": gpus,
                "device": [torch.cuda.get_device_name(i) for i in range(gpus)]}

@@ -465,3 +465,16 @@ def test_object_store_flags(mock_argv):
     # an export-only run reads its checkpoint from the store (Checkpointer.load) and writes a directory
     cfg = parse_args(mock_argv + ["--load", "s3://ckpt-bucket/runs/a", "--hf-export-only", "--hf-export", "/out"])
     assert cfg.checkpoint.load == "s3://ckpt-bucket/runs/a" and cfg.checkpoint.hf_export == "/out"
+
+
+def test_fp8_recipe_is_megatron_lms_flag_and_is_named_unused_without_fp8(mock_argv):
+    """--fp8-recipe (Megatron-LM's flag; delayed by default, tensorwise = TE's current scaling) reaches
+    TransformerConfig.fp8_recipe (model.transformer_config); without --fp8-format nothing reads it."""
+    te = [a if a != "local" else "transformer_engine" for a in mock_argv]
+    assert parse_args(te + ["--fp8-format", "hybrid"]).training.fp8_recipe == "delayed"
+    current = parse_args(te + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    assert (current.training.fp8_format, current.training.fp8_recipe) == ("hybrid", "tensorwise")
+    assert ignored_flags(current) == []
+    assert ignored_flags(parse_args(te + ["--fp8-recipe", "tensorwise"])) == ["--fp8-recipe"]
+    with pytest.raises(SystemExit):
+        parse_args(te + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])  # Blackwell only: not offered

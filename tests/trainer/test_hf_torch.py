@@ -11,6 +11,7 @@ docs/benchmarks/hf.md#2026-11-24-hf-import-export).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -66,3 +67,20 @@ def test_moe_logits_match_transformers_and_export_is_bit_identical(tmp_path, tp,
         assert not rt["not_identical"] and not rt["extra"] and rt["config_equal"], rt
         assert rt["tensors"] == rt["exported"]
         assert [e["shards"] for e in r["export"]] == [ep] * (tp * ep)  # one writer per EP rank (small model)
+
+
+def test_diagnose_compares_every_block_with_transformers_in_forward_order(tmp_path):
+    """hf_cpu_check's --diagnose (what the GPU suite's te_hf_logits runs on the Transformer Engine spec, issue 59):
+    each layer's attention block, MLP block (a MoE layer's too) and output, the embedding and the final norm against
+    transformers' same module in the same forward; on the local spec in fp32 all within the logits' tolerance, the
+    embedding exactly (the same rows)."""
+    for r in hc.run(["tiny-llama3", "tiny-mixtral"], 1, 1, ("fp32",), "cpu", tmp_path, diagnose=True):
+        assert "error" not in r, r.get("error")
+        n = json.loads((hc.FIXTURES / f"{r['arch']}.json").read_text())["num_hidden_layers"]
+        names = [m["module"] for m in r["modules"]]
+        assert names[0] == "embedding" and names[-1] == "final_norm", names
+        assert names[1:-1] == [f"layer{i}.{w}" for i in range(n) for w in ("attention", "mlp", "output")], names
+        assert all("max_abs_diff" in m for m in r["modules"]), r["modules"]  # shapes agree everywhere
+        assert r["modules"][0]["max_abs_diff"] == 0.0
+        assert all(m["max_abs_diff"] <= FP32_TOL for m in r["modules"]), r["modules"]
+        assert "ops" not in r  # TE's operators: --impl te only

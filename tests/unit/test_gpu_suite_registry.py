@@ -27,8 +27,9 @@ BEFORE_THE_SPLIT = ["probe", "indexed", "layouts", "resume", "sigterm", "reshard
 SCALE = ["goodput", "diskfull"]  # issue 49's family (scale.py), added after the split
 MOE = ["moe_qwen3", "moe_mixtral", "moe_resume"]  # issue 50's family (moe.py)
 LATER = ["hf_moe_logits", "sft_moe"]  # issue 50's scenarios in hf.py and sft.py: after ORDER, by family
-NOW = BEFORE_THE_SPLIT + SCALE + MOE + LATER
-FAMILIES = ["correctness", "performance", "mlm_compare", "scale", "moe", "hf", "sft"]
+TE = ["te_paths", "te_bench", "te_hf_logits", "te_fp8"]  # issue 59's family (te.py), last in FAMILIES
+NOW = BEFORE_THE_SPLIT + SCALE + MOE + LATER + TE
+FAMILIES = ["correctness", "performance", "mlm_compare", "scale", "moe", "hf", "sft", "te"]
 
 
 def run_suite_without_torch(*argv: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Work-arounds for Megatron-Core 0.19.2 on the Transformer-Engine-less path (each cites the bug)."""
+"""Work-arounds for Megatron-Core 0.19.2 without apex, most of them also without Transformer Engine (each cites the bug)."""
 
 from __future__ import annotations
 
@@ -180,12 +180,15 @@ def wgrad_accumulation_fusion_check(device: torch.device | str = "cuda") -> str 
 
 
 def patch_wgrad_accumulation_fusion() -> str:
-    """Give Megatron-Core's linear layers weight-gradient accumulation fusion on the local path.
+    """Give Megatron-Core's own linear layers weight-gradient accumulation fusion: every linear on the local
+    path, and on the Transformer Engine path the output layer (GPTModel's output_layer is Megatron-Core's
+    ColumnParallelLinear on both specs; TE's layers fuse in their own GEMMs).
 
     Returns "apex" when apex's extension is installed (nothing to do), "torch" when the stand-in
-    was installed, or "off: <reason>" when neither works (the trainer then keeps the fusion off).
-    Must run before the model is built: ColumnParallelLinear/RowParallelLinear refuse
-    `gradient_accumulation_fusion` when the module-level flag says the extension is missing.
+    was installed, or "off: <reason>" when neither works (the trainer then keeps the fusion off, TE's
+    layers too: one TransformerConfig serves both). Must run before the model is built:
+    ColumnParallelLinear/RowParallelLinear refuse `gradient_accumulation_fusion` when the module-level
+    flag says the extension is missing (the TE path's first crash in issue 59).
     """
     from megatron.core.tensor_parallel import layers
 

@@ -246,6 +246,10 @@ class TrainingConfig:
     fp16: bool = field(default=False, metadata=flag("--fp16", action="store_true", help="fp16 mixed precision."))
     fp8_format: str | None = field(default=None, metadata=flag(
         "--fp8-format", choices=("e4m3", "hybrid"), help="FP8 GEMMs (Transformer Engine only)."))
+    fp8_recipe: str = field(default="delayed", metadata=flag(
+        "--fp8-recipe", choices=("delayed", "tensorwise"),
+        help="FP8 scaling with --fp8-format (Megatron-LM's flag and default): 'delayed' scales each tensor by the "
+             "amax of earlier steps, 'tensorwise' by its own current amax (TE's current scaling)."))
     use_distributed_optimizer: bool = field(default=False, metadata=flag(
         "--use-distributed-optimizer", action="store_true",
         help="Shard fp32 main params and Adam states over data-parallel ranks (ZeRO-1)."))
@@ -1020,6 +1024,8 @@ def ignored_flags(cfg: TrainerConfig) -> list[str]:
                 out.append(f.metadata["flags"][0])
     if cfg.training.eval_interval is not None and not cfg.data.sft_valid_path:
         out.append("--eval-interval")
+    if cfg.training.fp8_recipe != "delayed" and cfg.training.fp8_format is None:  # read only with FP8 GEMMs
+        out.append("--fp8-recipe")
     if not cfg.model.num_experts:  # the router's flags of a dense model
         out += [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
                 if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(cfg.model, f.name) != f.default]

@@ -68,6 +68,12 @@ class Fatal(Exception):
         self.code = code
 
 
+class Refusal(Fatal):
+    """A start-up decision that refuses the job as asked (a kernel or extension this machine lacks, a flag the
+    chosen path cannot serve): its one line says what to change, so no traceback follows it in the log or in
+    the termination message (main.py)."""
+
+
 @dataclass
 class Lifecycle:
     """How far the worker got: the stage a fatal error is reported in (and status.progress.stage shows),
@@ -167,7 +173,8 @@ def classify(exc: BaseException, first_iteration_done: bool) -> ExitCode:
 
 
 def fatal_message(exc: BaseException, code: ExitCode, rank: int, stage: str) -> str:
-    """One short paragraph: who, which code and why, the error, and the innermost frames."""
+    """One short paragraph: who, which code and why, the error, and the innermost frames (none for a Refusal:
+    its one line is the whole message)."""
     what = {ExitCode.BAD_ARGUMENTS: "bad command line or environment", ExitCode.BAD_DATA: "bad training data",
             ExitCode.OOM_AT_STARTUP: "CUDA out of memory before the first iteration",
             ExitCode.BAD_CHECKPOINT: "checkpoint cannot be resumed",
@@ -176,7 +183,7 @@ def fatal_message(exc: BaseException, code: ExitCode, rank: int, stage: str) -> 
             ExitCode.ERROR: "error"}.get(code, "error")
     retry = "not retried" if code in NON_RETRIABLE else "retried"
     head = f"rank {rank}: exit {int(code)} ({what}; {retry}) during {stage}: {type(exc).__name__}: {exc}"
-    frames = traceback.format_tb(exc.__traceback__)[-3:] if exc.__traceback__ else []
+    frames = traceback.format_tb(exc.__traceback__)[-3:] if exc.__traceback__ and not isinstance(exc, Refusal) else []
     text = head + ("\n" + "".join(frames).rstrip() if frames else "")
     data = text.encode()
     return text if len(data) <= MAX_MESSAGE_BYTES else data[:MAX_MESSAGE_BYTES].decode(errors="ignore") + " ..."

@@ -26,7 +26,10 @@ from .model import (
     build_model,
     choose_path,
     count_parameters,
+    fusion_flags,
     moe_experts_path,
+    plan_te_path,
+    refuse_missing_fusion_kernels,
     te_available,
     tp_overlap_chunks,
     transformer_config,
@@ -124,11 +127,20 @@ class Trainer:
                             f"--vocab-size {m.vocab_size} (the Hugging Face model's vocab_size)")
             self.vocab_size = m.vocab_size
         self.lifecycle.enter("building the model")
-        if self.path.transformer_impl == "local":
-            from .compat import patch_wgrad_accumulation_fusion
+        if self.path.transformer_impl == "transformer_engine":
+            # TE's attention kernel and fused RoPE as this machine has them; a request none serves is refused here
+            # (exit 2, one line) rather than failing at the first forward (te_path.py)
+            from .te_path import probe
 
-            self.path.wgrad_fusion = "off: --no-gradient-accumulation-fusion" \
-                if t.no_gradient_accumulation_fusion else patch_wgrad_accumulation_fusion()
+            for note in plan_te_path(cfg, self.path, probe(cfg), os.environ):
+                if self.env.is_rank0:
+                    log.info("%s", note)
+        # Megatron-Core's own linears (all of them on the local path, the output layer on the TE path too) fuse
+        # weight-gradient accumulation only with a kernel for it: apex's, or the trainer's torch stand-in
+        from .compat import patch_wgrad_accumulation_fusion
+
+        self.path.wgrad_fusion = "off: --no-gradient-accumulation-fusion" \
+            if t.no_gradient_accumulation_fusion else patch_wgrad_accumulation_fusion()
         self.path.tp_overlap_chunks = tp_overlap_chunks(cfg, self.path, runtime.tp_overlap_chunks)
         self.path.tp_overlap_sm_carveout = runtime.tp_overlap_sm_carveout if self.path.tp_overlap_chunks > 1 else 0
         if self.path.tp_overlap_sm_carveout and torch.cuda.is_available():
@@ -149,6 +161,7 @@ class Trainer:
                                              runtime.deterministic_attention_set)
         if note:
             log.info(note)
+        refuse_missing_fusion_kernels(fusion_flags(cfg, self.path))
         self.tconfig = transformer_config(cfg, self.path)
         self.model, self.padded_vocab = build_model(cfg, self.tconfig, self.path, self.vocab_size)
         self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) >= 0 else tokenizer.eod
@@ -482,7 +495,9 @@ class Trainer:
 
         return output, loss_func
 
-    def train_step(self) -> tuple[torch.Tensor | None, float | None, bool]:
+    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor | float | None, bool]:
+        """One optimizer step; (the loss, still on the GPU; the gradient norm as Megatron's optimizer returns it, a
+        float or, where TE's multi-tensor kernels computed it, a 1-element CUDA tensor; whether the update ran)."""
         from megatron.core import parallel_state
 
         layout, m = self.env.layout, self.cfg.model
@@ -634,8 +649,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------- observability
     def log_iterations(self, pending: list[tuple[int, torch.Tensor]], seconds_per_iteration: float,
-                       grad_norm: float | None) -> None:
+                       grad_norm: torch.Tensor | float | None) -> None:
         """Megatron-style lines (last rank), metrics and progress (rank 0). Collective on the CPU group."""
+        # A host float from here on, for the line, TensorBoard and W&B: with Transformer Engine installed,
+        # Megatron-Core's clip_grads keeps the norm on the device (get_grad_norm_fp32 returns
+        # total_norm.pow(1 / norm_type), a CUDA tensor, where TE's multi_tensor_scale_tensor is importable),
+        # and formatting a tensor with ':.3f' raised TypeError (issue 59). Read here, once per log line, not
+        # per step: the step itself stays free of host syncs.
+        grad_norm = None if grad_norm is None else float(grad_norm)
         losses = [(it, float(v)) for it, v in zip([i for i, _ in pending],
                                                   torch.stack([x for _, x in pending]).tolist(), strict=True)] if pending else []
         for it, value in losses:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from . import attemptlog
 from .config import parse_args, resolve_cuda_graph, resolve_sequence_parallel, runtime_from_env
-from .exitcodes import ExitCode, Fatal, Lifecycle, classify, fatal_message, write_termination_message
+from .exitcodes import ExitCode, Fatal, Lifecycle, Refusal, classify, fatal_message, write_termination_message
 
 
 def setup_logging(rank: int, world_size: int) -> None:
@@ -109,7 +109,8 @@ def main(argv: Sequence[str]) -> int:
         if trainer is not None:
             trainer.close(abort=True)
         code = classify(exc, lifecycle.first_iteration_done)
-        traceback.print_exc()
+        if not isinstance(exc, Refusal):  # a refusal's one line says it all (exitcodes.Refusal)
+            traceback.print_exc()
         message = fatal_message(exc, code, rank, lifecycle.stage)
         print(f"megatron_trainer: {message.splitlines()[0]}", file=sys.stderr, flush=True)
         write_termination_message(message)

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import TrainerConfig, takes_te_path
-from .exitcodes import ExitCode, Fatal
+from .exitcodes import ExitCode, Refusal
 from .flops import padded_vocab_size
+from .te_path import TeKernels, TePlan
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,15 @@ class ModelPath:
     """Which implementation runs (said at start-up)."""
 
     transformer_impl: str  # "transformer_engine" | "local"
-    attention: str  # e.g. "TE flash", "SDPA (flash>cudnn>efficient)", "Megatron DotProductAttention (unfused)"
-    # weight-gradient accumulation fusion on the local path: "torch" (compat.TorchWgradAccumulation),
-    # "apex", or "off: <reason>"; set by the trainer before the model is built (the TE path has its own)
+    attention: str  # e.g. "TE's fused attention (cuDNN) ...", "SDPA (cudnn>flash>efficient)", "Megatron DotProductAttention"
+    # weight-gradient accumulation fusion of Megatron-Core's own linear layers (every layer on the local path, the
+    # output layer on the TE path): "torch" (compat.TorchWgradAccumulation), "apex", or "off: <reason>"; set by the
+    # trainer before the model is built. TE's layers follow it (they fuse in their own GEMMs), so that one
+    # TransformerConfig serves both.
     wgrad_fusion: str = "off: not checked"
+    # the Transformer Engine path as it runs here (te_path.plan: TE's attention kernel, fused RoPE); set by
+    # plan_te_path before the model is built, None on the local path
+    te: TePlan | None = None
     # pieces of a row-parallel layer's forward GEMM whose all-reduces overlap the next piece's GEMM
     # (tp_overlap.py); 1 = Megatron's forward. Set by the trainer before the model is built.
     tp_overlap_chunks: int = 1
@@ -41,10 +47,12 @@ class ModelPath:
     moe_experts_note: str = ""  # how the grouped experts run, for describe()
 
     def describe(self) -> str:
-        text = f"transformer_impl={self.transformer_impl}, attention={self.attention}"
+        text = f"transformer_impl={self.transformer_impl}, attention={self.attention}, " \
+               f"wgrad accumulation fusion={self.wgrad_fusion}"
         if self.transformer_impl != "local":
+            if self.te is not None and not self.te.rope_fusion:
+                text += ", RoPE unfused (no fused RoPE in this Transformer Engine)"
             return text
-        text += f", wgrad accumulation fusion={self.wgrad_fusion}"
         if self.moe_experts:
             text += f", MoE experts={self.moe_experts_note or self.moe_experts}"
         if self.tp_overlap_chunks > 1:
@@ -122,7 +130,7 @@ def te_available() -> bool:
 
 
 def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
-    """The implementation for this run; Fatal (exit 2) when the job needs TE and TE is missing."""
+    """The implementation for this run; a Refusal (exit 2, one line) when the job needs TE and TE is missing."""
     t, p = cfg.training, cfg.parallel
     needs_te = [why for cond, why in ((p.context > 1, "--context-parallel-size > 1"),
                                       (t.fp8_format is not None, "--fp8-format")) if cond]
@@ -135,8 +143,8 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
         log.warning("--sft-packing: packed samples are kept apart by an attention mask, which Transformer "
                     "Engine's attention ignores: running the local (Megatron-Core + SDPA) path instead")
     if needs_te:
-        raise Fatal(ExitCode.BAD_ARGUMENTS,
-                    f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
+        raise Refusal(ExitCode.BAD_ARGUMENTS,
+                      f"{', '.join(needs_te)} need(s) Transformer Engine, which is not importable here")
     if t.transformer_impl == "transformer_engine" and not (have_te and packed):
         log.warning("!!! --transformer-impl transformer_engine asked for, but Transformer Engine is not "
                     "importable: FALLING BACK to the local (Megatron-Core only) implementation !!!")
@@ -148,6 +156,69 @@ def choose_path(cfg: TrainerConfig, have_te: bool) -> ModelPath:
     return ModelPath("local", f"SDPA ({order[t.attention_backend]})")
 
 
+def plan_te_path(cfg: TrainerConfig, path: ModelPath, kernels: TeKernels, environ) -> list[str]:
+    """On the Transformer Engine path: TE's attention kernel and fused RoPE as they run on this machine
+    (te_path.plan; a Refusal, exit 2, where no kernel here serves the request) into `path`; returns the
+    start-up notes (defaults switched off here). Nothing on the local path."""
+    if path.transformer_impl != "transformer_engine":
+        return []
+    from .te_path import plan
+
+    path.te = plan(cfg, kernels, environ)
+    path.attention = path.te.attention
+    return list(path.te.notes)
+
+
+def fusion_flags(cfg: TrainerConfig, path: ModelPath) -> dict[str, bool]:
+    """The fusion fields of TransformerConfig, each on only where its kernel exists on this path (pure).
+
+    Torch-only fusions are on (Megatron-LM's defaults); TE's (masked softmax, RoPE) on the TE path only, RoPE where
+    this TE has it (path.te); weight-gradient accumulation where Megatron-Core's own linears can fuse it
+    (path.wgrad_fusion "torch" or "apex"): ColumnParallelLinear, the output layer on both paths, raises at
+    construction otherwise (tensor_parallel/layers.py, "gradient_accumulation_fusion set to True but the custom
+    CUDA extension fused_weight_gradient_mlp_cuda module is not found"). An expert's MLP fuses only SwiGLU without
+    bias (mlp.py: its weighted fusions take the router's per-token probabilities and no bias; GeLU has none)."""
+    m, t = cfg.model, cfg.training
+    local = path.transformer_impl == "local"
+    gelu_fusable = not m.swiglu and m.add_bias_linear
+    return dict(
+        bias_activation_fusion=not t.no_bias_activation_fusion and (
+            (m.swiglu and not m.add_bias_linear) if m.num_experts else (m.swiglu or gelu_fusable)),
+        bias_dropout_fusion=not t.no_bias_dropout_fusion,
+        masked_softmax_fusion=not local and not t.no_masked_softmax_fusion,
+        apply_rope_fusion=not local and m.position_embedding_type == "rope" and not t.no_rope_fusion
+        and path.te is not None and path.te.rope_fusion,
+        gradient_accumulation_fusion=not t.no_gradient_accumulation_fusion and path.wgrad_fusion in ("torch", "apex"),
+        persist_layer_norm=False,
+    )
+
+
+def missing_fusion_kernels(flags: dict[str, bool], wgrad_kernel: bool, fused_rope: bool) -> list[str]:
+    """The fusions in `flags` whose kernel Megatron-Core will not find, each with the flag that turns it off (pure):
+    `wgrad_kernel` is megatron.core.tensor_parallel.layers._grad_accum_fusion_available (apex's extension or the
+    trainer's stand-in), `fused_rope` rope_utils.fused_apply_rotary_pos_emb is not None. Megatron-Core raises on
+    each while the model is built, which would be a retried crash; the trainer refuses them at start-up instead."""
+    missing = []
+    if flags.get("gradient_accumulation_fusion") and not wgrad_kernel:
+        missing.append("weight-gradient accumulation fusion needs apex's fused_weight_gradient_mlp_cuda or the "
+                       "trainer's torch stand-in, neither of which is installed (--no-gradient-accumulation-fusion)")
+    if flags.get("apply_rope_fusion") and not fused_rope:
+        missing.append("RoPE fusion needs Transformer Engine's fused RoPE, which Megatron-Core does not find "
+                       "(--no-rope-fusion)")
+    return missing
+
+
+def refuse_missing_fusion_kernels(flags: dict[str, bool]) -> None:
+    """A Refusal (exit 2) when a fusion about to be asked of Megatron-Core has no kernel here (missing_fusion_kernels)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    missing = missing_fusion_kernels(flags, bool(getattr(layers, "_grad_accum_fusion_available", False)),
+                                     getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None)
+    if missing:
+        raise Refusal(ExitCode.BAD_ARGUMENTS, "; ".join(missing))
+
+
 def transformer_config(cfg: TrainerConfig, path: ModelPath):
     """Megatron-Core TransformerConfig from the trainer config."""
     from megatron.core.transformer.enums import AttnBackend
@@ -156,7 +227,8 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
     m, p, t = cfg.model, cfg.parallel, cfg.training
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t.precision]
     local = path.transformer_impl == "local"
-    gelu_fusable = not m.swiglu and m.add_bias_linear
+    if not local and path.te is None:
+        raise ValueError("the Transformer Engine path's kernels are not planned: call model.plan_te_path first")
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -186,27 +258,17 @@ def transformer_config(cfg: TrainerConfig, path: ModelPath):
         num_moe_experts=m.num_experts,
         moe_router_topk=m.moe_router_topk if m.num_experts else 2,
         **moe_kwargs(cfg),
-        # Fusions: torch-only ones are on (Megatron-LM defaults); TE/apex-only ones off on the local path.
-        # An expert's MLP fuses only SwiGLU without bias (mlp.py: its weighted fusions take the router's
-        # per-token probabilities and no bias; GeLU has none).
-        bias_activation_fusion=not t.no_bias_activation_fusion and (
-            (m.swiglu and not m.add_bias_linear) if m.num_experts else (m.swiglu or gelu_fusable)),
-        bias_dropout_fusion=not t.no_bias_dropout_fusion,
-        masked_softmax_fusion=not local and not t.no_masked_softmax_fusion,
-        apply_rope_fusion=not local and m.position_embedding_type == "rope" and not t.no_rope_fusion,
-        gradient_accumulation_fusion=not t.no_gradient_accumulation_fusion
-        and (not local or path.wgrad_fusion in ("torch", "apex")),
-        persist_layer_norm=False,
+        **fusion_flags(cfg, path),
         # Loss: sum over tokens, divided by the global token count (finalize_model_grads).
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
         transformer_impl=path.transformer_impl,
-        attention_backend=AttnBackend.local if local else AttnBackend[t.attention_backend],
+        attention_backend=AttnBackend.local if local else AttnBackend[path.te.attention_backend],
         deterministic_mode=t.deterministic_mode,
         use_cpu_initialization=t.device == "cpu",  # Megatron's GPU initialisation draws from the CUDA generator
     )
     if t.fp8_format:
-        kwargs.update(fp8=t.fp8_format)
+        kwargs.update(fp8=t.fp8_format, fp8_recipe=t.fp8_recipe)
     return TransformerConfig(**kwargs)
 
 
