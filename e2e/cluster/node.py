@@ -196,19 +196,30 @@ def save_image(image: str, archive: Path) -> None:
 
 
 def load_image(image: str) -> None:
-    """Copy an image from podman's storage into containerd's k8s.io namespace under the same name."""
-    archive = node_dir() / (image.replace("/", "_").replace(":", "_") + ".tar")
+    """Copy an image from podman's storage into containerd's k8s.io namespace under the same name: `podman save`
+    streamed into `ctr images import` (no archive on disk: the trainer image is 5 GB)."""
+    import_args = ["images", "import", "--base-name", image.rsplit(":", 1)[0], "--digests"]
     if image == PAUSE_IMAGE:
+        archive = node_dir() / "pause.tar"
         build_pause_image(archive)
+        ctr(*import_args, str(archive))
+        archive.unlink()
     else:
-        save_image(image, archive)
-    ctr("images", "import", "--base-name", image.rsplit(":", 1)[0], "--digests", str(archive))
+        save = subprocess.Popen(["podman", "save", "--quiet", "--format", "oci-archive", image],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        load = subprocess.run(["ctr", "--address", str(sock()), "--namespace", "k8s.io", *import_args, "-"],
+                              stdin=save.stdout, capture_output=True, timeout=900, check=False)
+        save.stdout.close()
+        saved = save.wait(timeout=60)
+        if saved != 0 or load.returncode != 0:
+            raise cluster.ClusterError(f"podman save {image} | ctr images import failed (rc {saved}, {load.returncode}): "
+                                       f"{save.stderr.read().decode(errors='replace')}"
+                                       f"{load.stderr.decode(errors='replace')}")
     # podman's OCI archive names the image by its tag alone; tag it with the full reference too
     names = ctr("images", "list", "--quiet").stdout.decode().split()
     if image not in names:
         candidates = [n for n in names if n.startswith(image.rsplit(":", 1)[0])]
         raise cluster.ClusterError(f"{image} not in containerd after import (have {candidates})")
-    archive.unlink()
 
 
 async def _forward(listen_host: str, port: int, target_port: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -272,3 +273,86 @@ def test_real_first_failure_exit_code_and_no_orphans(tmp_path):
     assert "worker rank 1 failed with exit code 7" in err
     for worker, helper, _ in pids:
         assert not _alive(int(worker)) and not _alive(int(helper))
+
+
+# --- the rendezvous host: resolved, bounded, before any worker starts -------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_rendezvous_timeout_is_the_trainers_distributed_timeout():
+    from megatron_trainer.launch import DEFAULT_RENDEZVOUS_TIMEOUT_S, rendezvous_timeout_s
+
+    assert rendezvous_timeout_s(["--num-layers", "2"]) == DEFAULT_RENDEZVOUS_TIMEOUT_S == 600
+    assert rendezvous_timeout_s(["--distributed-timeout-minutes", "2"]) == 120
+    assert rendezvous_timeout_s(["--distributed-timeout-minutes=3"]) == 180
+    assert rendezvous_timeout_s(["--distributed-timeout-minutes", "x"]) == 600  # the trainer refuses it (exit 2)
+
+
+def test_wait_for_host_returns_once_the_name_resolves():
+    from megatron_trainer.launch import wait_for_host
+
+    clock, tries = FakeClock(), []
+
+    def resolve(host):
+        tries.append(host)
+        if len(tries) < 4:
+            raise socket.gaierror(-2, "Name or service not known")
+
+    assert wait_for_host("job-w-0-0.job", 600, resolve, clock, clock.sleep) is None
+    assert tries == ["job-w-0-0.job"] * 4 and clock.t < 5
+
+
+def test_wait_for_host_gives_up_at_the_timeout_saying_why_and_logs_while_waiting():
+    from megatron_trainer.launch import wait_for_host
+
+    clock, lines = FakeClock(), []
+
+    def resolve(host):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    why = wait_for_host("job-w-0-0.job", 120, resolve, clock, clock.sleep, log=lines.append)
+    assert why.startswith("the rendezvous host job-w-0-0.job did not resolve within 120 s ([Errno -2] Name or "
+                          "service not known)") and "headless Service" in why
+    assert 120 <= clock.t < 125
+    assert 3 <= len(lines) <= 4 and all("waiting for the rendezvous host job-w-0-0.job" in x for x in lines)
+
+
+def test_wait_for_host_stops_on_sigterm():
+    from megatron_trainer.launch import wait_for_host
+
+    clock = FakeClock()
+
+    def resolve(host):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    assert wait_for_host("h", 600, resolve, clock, clock.sleep, stopped=lambda: clock.t > 10) is None
+    assert clock.t < 15
+
+
+def test_an_unresolvable_master_exits_1_with_the_reason_as_termination_message(tmp_path):
+    """The launcher's main(): a master in the reserved .invalid domain (RFC 6761: it never resolves) and a short
+    timeout: exit 1, the reason in the termination message, no worker started."""
+    code = textwrap.dedent("""
+        import functools, sys
+        import megatron_trainer.exitcodes as E
+        import megatron_trainer.launch as L
+        L.rendezvous_timeout_s = lambda args: 1.5
+        E.write_termination_message = functools.partial(E.write_termination_message, path=sys.argv[1])
+        sys.exit(L.main(["--master-addr=no-such-pod.invalid", "-m", "json.tool"]))
+    """)
+    term = tmp_path / "termination-log"
+    proc = subprocess.run([sys.executable, "-c", code, str(term)], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(TRAINER_IMAGE), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1, proc.stderr
+    assert "exit 1 (retried): the rendezvous host no-such-pod.invalid did not resolve within 1.5 s" in term.read_text()
+    assert "worker(s)" not in proc.stderr, proc.stderr  # no worker was started ("started N worker(s): ...")

@@ -18,7 +18,13 @@ checkpoint that takes longer never completes. This launcher:
   dead rank only hangs in NCCL) and exits with the first failed worker's code (128 + N for a
   worker killed by signal N);
 - leaves no orphans: each worker's whole process group is SIGKILLed before the launcher exits, and
-  each worker gets SIGKILL from the kernel should the launcher itself die (PR_SET_PDEATHSIG).
+  each worker gets SIGKILL from the kernel should the launcher itself die (PR_SET_PDEATHSIG);
+- waits, bounded, for the rendezvous host to resolve before it starts any worker: pod 0's name in the
+  JobSet's headless Service exists once that pod has an address, which can be minutes after this pod
+  started (an image pull, a slow node). It waits as long as torch.distributed would (the trainer's
+  --distributed-timeout-minutes, else 10 minutes), saying so every 30 s, and then exits 1 (retried: DNS
+  trouble can pass) with the reason as the pod's termination message, instead of each worker failing
+  with a generic rendezvous error at its own time.
 
 No torch import: it starts in well under a second and its logic is tested on CPUs
 (tests/trainer/test_launch.py).
@@ -30,6 +36,7 @@ import argparse
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +51,12 @@ GRACE_ENV = "MEGATRON_SHUTDOWN_GRACE_S"
 #: Exit code when workers had to be SIGKILLed at the end of the grace period (128 + SIGKILL).
 KILLED_AT_DEADLINE = 128 + signal.SIGKILL
 POLL_S = 0.1
+#: torch.distributed's default timeout for the world group (init_process_group), and so for the rendezvous.
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
+#: Seconds between "still waiting" lines while the rendezvous host does not resolve.
+RESOLVE_LOG_EVERY_S = 30.0
+#: Exit code when the rendezvous host never resolved (ERROR: retried, as a lost peer is).
+UNRESOLVED_EXIT = 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,51 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchConfig:
         raise LaunchError(f"--node-rank={ns.node_rank} must be < --nnodes={ns.nnodes}")
     return LaunchConfig(ns.nnodes, ns.nproc_per_node, ns.node_rank, ns.master_addr, ns.master_port,
                         ns.grace_period_s, argv[i + 1], argv[i + 2:])
+
+
+def rendezvous_timeout_s(worker_args: Sequence[str]) -> float:
+    """How long the workers' rendezvous may take: the trainer's --distributed-timeout-minutes, else torch's
+    default. A malformed value is the trainer's to refuse (exit 2 at its start): the default here."""
+    args = list(worker_args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--distributed-timeout-minutes=") else \
+            args[i + 1] if arg == "--distributed-timeout-minutes" and i + 1 < len(args) else None
+        if value is not None:
+            try:
+                minutes = float(value)
+            except ValueError:
+                return DEFAULT_RENDEZVOUS_TIMEOUT_S
+            return minutes * 60 if minutes > 0 else DEFAULT_RENDEZVOUS_TIMEOUT_S
+    return DEFAULT_RENDEZVOUS_TIMEOUT_S
+
+
+def wait_for_host(host: str, timeout_s: float, resolve: Callable[[str], object] | None = None,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                  log: Callable[[str], None] = lambda msg: None, stopped: Callable[[], bool] = lambda: False
+                  ) -> str | None:
+    """Wait until `host` resolves; None when it did (or the wait was stopped), else why it never did."""
+    resolve = resolve or (lambda h: socket.getaddrinfo(h, None))
+    start = clock()
+    last_log = start
+    delay = 0.2
+    while True:
+        try:
+            resolve(host)
+            return None
+        except OSError as e:
+            error = e
+        now = clock()
+        if stopped():
+            return None
+        if now - start >= timeout_s:
+            return (f"the rendezvous host {host} did not resolve within {timeout_s:g} s ({error}): the job's pod 0 "
+                    "has no address in the JobSet's headless Service yet (not started, or stuck), or the cluster's "
+                    "DNS does not answer for it")
+        if now - last_log >= RESOLVE_LOG_EVERY_S:
+            log(f"waiting for the rendezvous host {host} to resolve ({now - start:.0f} s of {timeout_s:g}): {error}")
+            last_log = now
+        sleep(min(delay, max(0.0, timeout_s - (now - start))))
+        delay = min(delay * 2, 2.0)
 
 
 def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str]) -> dict[str, str]:
@@ -282,6 +340,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher = Launcher(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: launcher.request_stop(signum))
+    log = launcher._log
+    unresolved = wait_for_host(cfg.master_addr, rendezvous_timeout_s(cfg.args), log=log,
+                               stopped=lambda: launcher.stop_requested_at is not None)
+    if launcher.stop_requested_at is not None:
+        log(f"exit {128 + signal.SIGTERM} (stopped before any worker started)")
+        return 128 + signal.SIGTERM
+    if unresolved:
+        from .exitcodes import write_termination_message
+
+        log(f"error: {unresolved}")
+        write_termination_message(f"{PROG}: exit {UNRESOLVED_EXIT} (retried): {unresolved}")
+        return UNRESOLVED_EXIT
     return launcher.run()
 
 
