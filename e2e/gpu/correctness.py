@@ -346,7 +346,7 @@ def scenario_sigterm(ctx) -> dict:
         stopped_at = int(stop.group(1)) if stop else None
         state = ckpt_state(save)
         check(stop is not None and stop.group(2) == "signal", "no 'stopping ... (signal)'", failures)
-        check("megatron_trainer: exit 0 (signal)" in text, "rank 0 did not exit 0", failures)
+        check("megatron_trainer: exit 143 (signal)" in text, "rank 0 did not exit 143 (stopped by SIGTERM)", failures)
         check(stopped_at is not None and state["tracker"] == stopped_at and state["checkpoints"].get(stopped_at),
               f"checkpoint {state}", failures)
         again = Run(f"sigterm_{name}_restart", ctx["gpus"], args)

@@ -573,8 +573,9 @@ def start_pods(jobset, attempt: int, gpus: int, tag: str, image: dict, ns_ok: bo
 
 
 def pods_job(ctx, job_file: Path) -> dict:
-    """Start 1: train, SIGTERM every pod past the checkpoint of 10 -> checkpoint, exit 0. Start 2 (a
-    JobSet restart): resume from it, train to the end, exit 0. Loss falls over the whole run."""
+    """Start 1: train, SIGTERM every pod past the checkpoint of 10 -> checkpoint, exit 143 (stopped before the end:
+    the pod fails, so the JobSet restarts the gang). Start 2: resume from it, train to the end, exit 0. Loss falls
+    over the whole run."""
     import pods as P
 
     image, ns_ok, _ = pod_setup(ctx)
@@ -605,7 +606,8 @@ def pods_job(ctx, job_file: Path) -> dict:
     stop = STOPPING_RE.search(text1)
     stopped_at = int(stop.group(1)) if stop else None
     state1 = ckpt_state(save)
-    check(rcs1 == [0] * len(first), f"start 1 exit codes {rcs1}", failures)
+    check(rcs1 == [143] * len(first), f"start 1 exit codes {rcs1} (143: stopped by SIGTERM after its checkpoint)",
+          failures)
     check(stop is not None and stop.group(2) == "signal", "start 1: no 'stopping ... (signal)'", failures)
     check(stopped_at is not None and state1["tracker"] == stopped_at and bool(state1["checkpoints"].get(stopped_at)),
           f"start 1 checkpoint {state1}", failures)

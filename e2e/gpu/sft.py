@@ -316,14 +316,14 @@ def scenario_sft_sigterm(ctx) -> dict:
         # which would SIGKILL the rank after 30 s)
         os.killpg(os.getpgid(worker.pid), signal.SIGTERM)
         t0 = time.monotonic()
-        stopped = run.wait_for(re.compile(r"megatron_trainer: exit 0 \(signal\)"), 90)
+        stopped = run.wait_for(re.compile(r"megatron_trainer: exit 143 \(signal\)"), 90)
         if stopped is None and worker.is_running():
             worker.send_signal(signal.SIGUSR1)  # the trainer's faulthandler: every thread's stack into the log
             time.sleep(3)
         run.kill_tree()
         res[name] = {"reached": bool(hit), "stopped": bool(stopped), "sigterm_to_exit_s": round(time.monotonic() - t0, 1),
                      "tail": run.text()[-12000:] if not stopped else run.text()[-600:]}
-        check(stopped is not None, f"{name}: SIGTERM -> no 'exit 0 (signal)' within 90 s", failures)
+        check(stopped is not None, f"{name}: SIGTERM -> no 'exit 143 (signal)' within 90 s", failures)
         run.close()
     return {"ok": not failures, "failures": failures, **res}
 

@@ -101,3 +101,17 @@ def test_first_writer_wins(tmp_path):
 
 def test_unwritable_termination_log_is_no_crash(tmp_path):
     assert write_termination_message("x", str(tmp_path / "missing-dir" / "log")) is False
+
+
+def test_a_stop_on_sigterm_before_the_end_fails_the_pod():
+    """exit 143 after the checkpoint on SIGTERM, unless that was the last iteration: exit 0 would make Kubernetes
+    count the pod Succeeded (a drained gang would end the JobSet Succeeded half-trained)."""
+    from megatron_trainer.exitcodes import NON_RETRIABLE
+    from megatron_trainer.main import STOPPED_BY_SIGTERM, stopped_exit_code
+
+    assert STOPPED_BY_SIGTERM == 143 and STOPPED_BY_SIGTERM not in NON_RETRIABLE  # retried: the gang restarts
+    assert stopped_exit_code("signal", 17, 40) == 143
+    assert stopped_exit_code("signal", 40, 40) == 0  # nothing left to train
+    assert stopped_exit_code("done", 40, 40) == 0
+    assert stopped_exit_code("exit-duration", 17, 40) == 0  # the command line asked for it
+    assert stopped_exit_code("export-only", 0, 40) == 0

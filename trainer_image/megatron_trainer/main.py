@@ -121,6 +121,20 @@ def main(argv: Sequence[str]) -> int:
         raise
     finally:
         reap_children()
+    code = stopped_exit_code(reason, trainer.state.iteration, cfg.training.train_iters)
     if rank == 0:
-        print(f"megatron_trainer: exit 0 ({reason})", flush=True)
-    return 0
+        print(f"megatron_trainer: exit {code} ({reason})", flush=True)
+    return code
+
+
+#: A stop on SIGTERM before the last iteration, after its checkpoint: 128 + SIGTERM, as a process the signal ended.
+STOPPED_BY_SIGTERM = 128 + signal.SIGTERM
+
+
+def stopped_exit_code(reason: str, iteration: int, train_iters: int) -> int:
+    """0 for a finished run (or a stop the command line asked for: --exit-interval, --exit-duration-in-mins);
+    143 for a run SIGTERM stopped before --train-iters, after its checkpoint. Exit 0 there would make Kubernetes
+    count the pod Succeeded: its Job completes, and a JobSet whose pods were all SIGTERMed (a drain, a deleted
+    pod's gang) ends Succeeded half-trained. 143 fails the pod instead, and the gang restarts from the checkpoint
+    just written (an eviction's DisruptionTarget does not count against maxRestarts)."""
+    return STOPPED_BY_SIGTERM if reason == "signal" and iteration < train_iters else 0
