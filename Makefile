@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 S3VENV ?= .venv-s3
 S3STAMP := $(S3VENV)/.installed
 
-.PHONY: help venv s3-venv s3-test versitygw constraints-objstore constraints-trainer torch-tests test unit e2e cluster-build helm promtool argocd cluster-up cluster-down demo run lint constraints clean images images-full bench bench-peer
+.PHONY: help venv s3-venv s3-test versitygw constraints-objstore constraints-trainer torch-tests test unit e2e cluster-build helm promtool argocd node-build cluster-up cluster-down demo run lint constraints clean images images-full trainer-wheelhouse bench bench-peer
 
 help:
 	@echo "make demo | make test | make unit | make e2e | make cluster-up | make cluster-down | make run | make images"
@@ -37,7 +37,7 @@ $(S3STAMP): constraints-objstore.txt scripts/find-python.sh
 
 s3-venv: $(S3STAMP)
 
-versitygw: $(STAMP)
+versitygw: $(STAMP) | promtool
 	$(PY) e2e/cluster/cluster.py build versitygw
 
 # Checkpoints in object storage against a real S3 server (versitygw on loopback), through
@@ -71,17 +71,24 @@ constraints-trainer:
 
 # The trainer's CPU tests that run torch and Megatron-Core (gloo): packed SFT losses, the HF converter
 # against transformers, the SDPA paths. Their own venv, pinned by constraints-torch.txt (torch's PyPI
-# wheel with its CUDA libraries: about 50 s cold from PyPI, 4.8 GB; docs/benchmarks/ci.md#2026-11-24-8b15b74).
+# wheel with its CUDA libraries, 4.8 GB; docs/benchmarks/ci.md#2026-11-24-8b15b74).
 # The project's sources come from pytest's pythonpath (pyproject.toml), so nothing is installed from the tree.
 TORCH_VENV ?= .venv-torch
 TORCH_STAMP := $(TORCH_VENV)/.installed
+# The trainer's packages (torch and its 2.9 GB of CUDA wheels among them) come from the trainer image's
+# wheelhouse, which is downloaded once for both (scripts/images.sh wheelhouse trainer: the same pins, as
+# constraints-trainer.txt is resolved under these two files); only the test tools come from the index.
 # multi-storage-client (object-storage checkpoints) comes with its own pins; the two files agree where
 # they overlap (filelock, PyYAML, pytest, tqdm, typing-extensions, ...).
-$(TORCH_STAMP): constraints-torch.txt constraints-objstore.txt scripts/find-python.sh
+TORCH_FROM_WHEELHOUSE := torch megatron-core tokenizers jinja2 numpy pyyaml 'multi-storage-client[boto3]' wandb tensorboard
+$(TORCH_STAMP): constraints-torch.txt constraints-objstore.txt constraints-trainer.txt scripts/find-python.sh \
+	  | trainer-wheelhouse
 	@py=$$(scripts/find-python.sh) && echo "using $$py" && "$$py" -m venv $(TORCH_VENV)
-	$(TORCH_VENV)/bin/python -m pip install -q -c constraints-torch.txt -c constraints-objstore.txt torch \
-	  megatron-core transformers safetensors tokenizers jinja2 numpy pyyaml pytest pytest-timeout \
-	  'multi-storage-client[boto3]' wandb tensorboard
+	wheels=$$(scripts/images.sh wheelhouse trainer) && \
+	  $(TORCH_VENV)/bin/python -m pip install -q --no-index --find-links "$$wheels" \
+	    -c constraints-torch.txt -c constraints-objstore.txt $(TORCH_FROM_WHEELHOUSE)
+	$(TORCH_VENV)/bin/python -m pip install -q -c constraints-torch.txt -c constraints-objstore.txt \
+	  $(TORCH_FROM_WHEELHOUSE) transformers safetensors pytest pytest-timeout
 	@touch $(TORCH_STAMP)
 
 torch-tests: $(TORCH_STAMP) versitygw
@@ -94,24 +101,37 @@ unit: helm promtool s3-venv versitygw  # helm, promtool: chart and alert tests; 
 	$(PY) -m pytest tests -q
 	PYTHONPATH=trainer_image:contract $(S3VENV)/bin/python -m pytest tests/trainer/test_object_store.py -q -p no:cacheprovider
 
-cluster-build: $(STAMP)
+# The Go builds run one at a time (each uses every core; two at once only contend), in the order the test lanes
+# need them: helm, promtool and versitygw for the unit tests first. Order-only prerequisites (|): `make unit` alone
+# still builds only what it needs.
+cluster-build: $(STAMP) | versitygw
 	$(PY) e2e/cluster/cluster.py build
 
 helm: $(STAMP)
 	$(PY) e2e/cluster/cluster.py build helm
 
-promtool: $(STAMP)
+promtool: $(STAMP) | helm
 	$(PY) e2e/cluster/cluster.py build promtool
 
+# The real node's kubelet and cluster DNS (e2e/test_node.py, e2e/test_real_training.py).
+node-build: $(STAMP) | cluster-build
+	$(PY) e2e/cluster/cluster.py build kubelet coredns
+
 # Argo CD (controller, repo server, CLI) for e2e/test_argocd.py; docs/gitops.md.
-argocd: $(STAMP)
+argocd: $(STAMP) | node-build
 	$(PY) e2e/cluster/cluster.py build argocd
 
-e2e: cluster-build argocd
+# e2e needs the images too: the operator's (e2e/test_image.py, the real node) and the trainer's
+# (e2e/test_real_training.py, whose oracle runs in the torch venv).
+e2e: cluster-build node-build argocd images-full $(TORCH_STAMP)
 	$(PY) -m pytest e2e -q -m e2e
 
-# What CI runs (.ci/run calls exactly this).
-test: unit torch-tests e2e
+# What CI runs (.ci/run calls exactly this): the unit, torch and e2e lanes at once, so the CPU-bound Go builds
+# overlap the network- and disk-bound downloads and image builds, and the unit and torch tests run while the
+# control plane is built (docs/benchmarks/ci.md has the measured lanes). Each lane's output is printed whole
+# when it ends (--output-sync=target); the first lane that fails fails the run.
+test:
+	$(MAKE) --no-print-directory -j3 --output-sync=target unit torch-tests e2e
 
 cluster-up: cluster-build
 	$(PY) e2e/cluster/cluster.py up
@@ -119,7 +139,7 @@ cluster-up: cluster-build
 cluster-down:
 	$(PY) e2e/cluster/cluster.py down
 
-demo: cluster-build
+demo: cluster-build node-build images-full $(TORCH_STAMP)
 	$(PY) e2e/demo.py
 
 # The operator against the cluster of the current kubeconfig.
@@ -131,10 +151,14 @@ run: $(STAMP)
 images:
 	scripts/images.sh operator
 
-# The trainer image too (torch from the wheelhouse: several GB, not in CI;
-# docs/benchmarks/images.md#2026-11-23-images-and-real-node).
-images-full: images
+# The trainer image too (torch from the wheelhouse: 5.4 GB; e2e/test_real_training.py runs it on the real node;
+# docs/benchmarks/images.md).
+images-full: images | trainer-wheelhouse
 	scripts/images.sh trainer
+
+# The trainer's wheels, downloaded once for the trainer image and the torch test venv (cached by its inputs).
+trainer-wheelhouse:
+	scripts/images.sh wheelhouse trainer
 
 # Benchmarks (never in CI; docs/benchmarks.md#operator). The peer, Kubeflow Trainer's controller manager, is
 # built from the Go module proxy by exact version into the shared cache (about 9 minutes, once).

@@ -10,7 +10,7 @@ The node is a kubelet built from the same Kubernetes modules on containerd and r
 - a killed operator pod is recreated by its ReplicaSet, and the new pod carries on reconciling.
 
 Needs root (containerd, runc, mounts, a bridge). node.py installs the Debian packages when they
-are missing, and the kubelet is built on first use (`e2e/cluster/build.sh kubelet`).
+are missing, and the kubelet and CoreDNS are built on first use (`e2e/cluster/build.sh kubelet coredns`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+import realnode
 import yaml
 from k8s import Cluster
 from mjob import Jobs, run_for, small_job
@@ -43,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "e2e" / "cluster"))
 import node as real_node  # noqa: E402
 
-KUBELET_BUILD_TIMEOUT_S = 1800
 ROLLOUT_TIMEOUT_S = 120
 PROBE_TIMEOUT_S = 90   # liveness: initialDelaySeconds 15 + one period of 20 s, with room
 JOB_TIMEOUT_S = 180
@@ -51,19 +51,8 @@ JOB_TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster, image: str) -> dict[str, Any]:
-    if os.geteuid() != 0:
-        pytest.fail("the real node needs root (containerd, runc, mounts, a bridge)", pytrace=False)
-    proc = subprocess.run(["bash", str(ROOT / "e2e" / "cluster" / "build.sh"), "kubelet"], capture_output=True,
-                          text=True, timeout=KUBELET_BUILD_TIMEOUT_S, check=False)
-    assert proc.returncode == 0, f"build.sh kubelet failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-    real_node.down()  # a node left by an interrupted run
-    try:
-        state = real_node.up()
-    except real_node.cluster.ClusterError as e:
-        real_node.down()
-        pytest.fail(f"the real node did not come up:\n{e}", pytrace=False)
-    yield state
-    real_node.down()
+    with realnode.node_up() as state:  # builds the kubelet and CoreDNS on first use; down afterwards
+        yield state
 
 
 def values(state: dict[str, Any], namespace: str, image_ref: str) -> dict[str, Any]:

@@ -1147,11 +1147,31 @@ def stop_stale_node(p: RunPaths) -> None:
         state = json.loads((node_dir / "node.json").read_text())
     except (OSError, ValueError):
         return
-    for key, expect in (("kubelet_pid", "kubelet"), ("forwarder_pid", "node.py"), ("containerd_pid", "containerd")):
+    for key, expect in (("kubelet_pid", "kubelet"), ("forwarder_pid", "node.py"), ("coredns_pid", "coredns"),
+                        ("containerd_pid", "containerd")):
         pid = state.get(key)
         if isinstance(pid, int) and pid > 0 and pid_alive(pid) and expect in cmdline(pid):
             log(f"stopping a stale real node's {expect} (pid {pid})")
             stop_pid(pid, expect)
+    address = state.get("dns_address")  # cluster DNS's ClusterIP on the loopback device (node.py start_dns)
+    if isinstance(address, str) and re.fullmatch(r"[0-9.]+/32", address):
+        subprocess.run(["ip", "addr", "del", address, "dev", "lo"], capture_output=True, check=False)
+
+
+def down_real_node(p: RunPaths) -> None:
+    """A real node that is up (`make demo` leaves one): node.py's own down, while the API server still answers,
+    so the kubelet tears its pods down properly (network namespaces, NAT rules, mounts)."""
+    node_json = p.root / "node" / "node.json"
+    if not node_json.exists():
+        return
+    try:
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
+        import node as real_node  # e2e/cluster/node.py (it imports this module; loaded here only when needed)
+
+        real_node.down()
+    except Exception as e:  # the stale-node clean-up below still runs
+        log(f"node.py down failed ({e}); stopping the real node's processes by pid")
 
 
 def down(p: RunPaths | None = None) -> None:
@@ -1163,6 +1183,7 @@ def down(p: RunPaths | None = None) -> None:
 def _down(p: RunPaths) -> None:
     t0 = time.monotonic()
     b = binaries()
+    down_real_node(p)
     for pid_file in (p.kueue_dir / "kueue.pid", p.jobset_dir / "jobset.pid"):
         if pid_file.exists():
             stop_pid(int(pid_file.read_text()), str(p.root))
