@@ -122,7 +122,7 @@ def te_site() -> str:
 
 def te_problem() -> str | None:
     """Why Transformer Engine cannot be imported by the runs of this call (None: it can), in one line."""
-    probe = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch as te; print(te.__version__)"],
+    probe = subprocess.run([sys.executable, "-c", "import transformer_engine as t, transformer_engine.pytorch; print(getattr(t, \"__version__\", \"?\"))"],
                            capture_output=True, text=True, timeout=bounded(180))
     if probe.returncode == 0:
         return None
