@@ -294,6 +294,8 @@ def test_each_scenario_runs_through_with_stand_ins_for_the_gpu(monkeypatch, an_h
     assert [c[-2:] for c in hf_calls] == [(None, None), (None, "0"), ("on", None)]
     assert all(c[1:5] == (("fp32", "bf16"), "cuda", "te", True) for c in hf_calls)
     assert "NVIDIA_TF32_OVERRIDE" not in os.environ  # restored
-    assert not hf["ok"] and hf["failures"] == [f"{a} tp1pp1 fp32: fp32 max |diff| 3.00e-04 > 0.0001" for a in T.HF_ARCHS]
-    assert hf["tf32override0"]["failures"] == [] and hf["asis"]["fp32_max_abs_diff"]["tiny-llama3"] == 3e-4
+    # the verdict is TF32-off's (TE's fp32 GEMMs are TF32 by design); "asis" keeps its failures as information
+    assert hf["ok"] and hf["failures"] == [] and hf["tf32override0"]["failures"] == []
+    assert hf["asis"]["failures"] == [f"{a} tp1pp1 fp32: fp32 max |diff| 3.00e-04 > 0.0001" for a in T.HF_ARCHS]
+    assert hf["asis"]["fp32_max_abs_diff"]["tiny-llama3"] == 3e-4
     assert hf["asis"]["results"][0]["first_module_over_1e-6"] == "layer0.attention"
