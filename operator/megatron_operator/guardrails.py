@@ -19,33 +19,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from .names import VOLUME_TYPES
-from .rules import Problem
 from .settings import Settings
 from .spec import MegatronJob, PodContainer
-
-
-@dataclass(frozen=True)
-class Guardrail:
-    """One admission rule. In ``allowed`` and ``item`` (CEL), ``LIMIT`` stands for the Helm value
-    (a list of strings, or a number) and ``spec`` for ``object.spec``."""
-
-    rule: str  #: Problem.rule is ``guardrail-<rule>``
-    field: str  #: the field the message names
-    value: str  #: the Helm value under ``guardrails`` (and, in snake case, the Settings field)
-    message: str  #: after "<field>: "; {item}: the offending entry, {limit}: the value (a list joined by ", ")
-    allowed: str  #: CEL, true when the job keeps the guardrail
-    item: str = ""  #: CEL, the offending entry the message names (the first one, where there are several)
-    #: Enforced whatever the value, an empty list included (it then allows nothing; the message shows "none"):
-    #: for the allow-lists of what is refused by default (volume types, privileged images).
-    always: bool = False
-
-
-def _lower_ascii(text: str) -> str:
-    """CEL's lowerAscii(): only A-Z change, so Python and the API server compare keys alike."""
-    return re.sub("[A-Z]", lambda m: m.group().lower(), text)
+from .vocab.guardrail import Guardrail, Violation, listed, lower_ascii, registry_ok
+from .vocab.rule import Problem
 
 
 def _metadata(where: str) -> Guardrail:
@@ -196,25 +175,21 @@ GUARDRAILS += (
 _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
 
-def _listed(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _violations(job: MegatronJob, settings: Settings) -> Iterator[tuple[Guardrail, str, str]]:
+def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
     """(guardrail, item, limit) for every entry of the job that breaks one."""
     spec = job.spec
     g = _BY_FIELD
-    if spec.image and (registries := _listed(settings.allowed_image_registries)):
-        if not any(spec.image.startswith(r if r.endswith("/") else r + "/") for r in registries):
+    if spec.image and (registries := listed(settings.allowed_image_registries)):
+        if not registry_ok(spec.image, registries):
             yield g["spec.image"], "", ", ".join(registries)
-    if spec.priority_class_name and (classes := _listed(settings.allowed_priority_classes)):
+    if spec.priority_class_name and (classes := listed(settings.allowed_priority_classes)):
         if spec.priority_class_name not in classes:
             yield g["spec.priorityClassName"], spec.priority_class_name, ", ".join(classes)
-    if keys := _listed(settings.allowed_toleration_keys):
+    if keys := listed(settings.allowed_toleration_keys):
         for t in spec.resources.tolerations:
             if (t.key or "") not in keys:
                 yield g["spec.resources.tolerations"], t.key or "(empty: every taint)", ", ".join(keys)
-    if keys := _listed(settings.allowed_node_selector_keys):
+    if keys := listed(settings.allowed_node_selector_keys):
         for k in spec.resources.node_selector:
             if k not in keys:
                 yield g["spec.resources.nodeSelector"], k, ", ".join(keys)
@@ -232,20 +207,16 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[tuple[Guardrai
         yield g["spec.logging.wandb.apiKeySecret"], "", ""
     if settings.deny_image_pull_secrets and spec.image_pull_secrets:
         yield g["spec.imagePullSecrets"], "", ""
-    denied = _listed(settings.denied_metadata_keys)
+    denied = listed(settings.denied_metadata_keys)
     for where, keys in (("labels", spec.pod_metadata.labels), ("annotations", spec.pod_metadata.annotations)):
         for k in keys:
-            if any(_lower_ascii(k).startswith(_lower_ascii(d)) for d in denied):
+            if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
                 yield g[f"spec.podMetadata.{where}"], k, ", ".join(denied)
     for k in store.service_account_annotations if store is not None else ():
-        if any(_lower_ascii(k).startswith(_lower_ascii(d)) for d in denied):
+        if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
             yield g["spec.checkpoint.objectStore.serviceAccountAnnotations"], k, ", ".join(denied)
     if spec.pod is not None:
         yield from _pod_violations(spec, settings)
-
-
-def _registry_ok(image: str, registries: list[str]) -> bool:
-    return any(image.startswith(r if r.endswith("/") else r + "/") for r in registries)
 
 
 def _image_ok(image: str, images: list[str]) -> bool:
@@ -261,9 +232,9 @@ def _adds_capabilities(c: PodContainer) -> bool:
     return bool(c.security_context and c.security_context.capabilities and c.security_context.capabilities.add)
 
 
-def _pod_violations(spec, settings: Settings) -> Iterator[tuple[Guardrail, str, str]]:
+def _pod_violations(spec, settings: Settings) -> Iterator[Violation]:
     pod, g = spec.pod, _BY_FIELD
-    types = _listed(settings.allowed_volume_types)
+    types = listed(settings.allowed_volume_types)
     for v in pod.volumes:
         if v.volume_type() not in types:
             yield g["spec.pod.volumes"], f"{v.name} ({v.volume_type()})", ", ".join(types) or "none"
@@ -274,21 +245,21 @@ def _pod_violations(spec, settings: Settings) -> Iterator[tuple[Guardrail, str, 
         for c in pod.init_containers:
             if any(e.value_from and e.value_from.secret_key_ref for e in c.env):
                 yield g["spec.pod.initContainers[].env"], c.name, ""
-    if registries := _listed(settings.allowed_image_registries):
+    if registries := listed(settings.allowed_image_registries):
         for c in pod.init_containers:
-            if not _registry_ok(c.image, registries):
+            if not registry_ok(c.image, registries):
                 yield g["spec.pod.initContainers[].image"], c.image, ", ".join(registries)
         for v in pod.volumes:
-            if v.image is not None and not _registry_ok(v.image.reference, registries):
+            if v.image is not None and not registry_ok(v.image.reference, registries):
                 yield g["spec.pod.volumes[].image"], v.image.reference, ", ".join(registries)
-    privileged_images = _listed(settings.allowed_privileged_images)
+    privileged_images = listed(settings.allowed_privileged_images)
     for test, where in ((_privileged, "privileged"), (_adds_capabilities, "capabilities")):
         for c in pod.init_containers:
             if test(c) and not _image_ok(c.image, privileged_images):
                 yield (g[f"spec.pod.initContainers[].securityContext.{where}"], c.name,
                        ", ".join(privileged_images) or "none")
     affinity = pod.affinity.node_affinity if pod.affinity else None
-    if affinity is not None and (keys := _listed(settings.allowed_node_selector_keys)):
+    if affinity is not None and (keys := listed(settings.allowed_node_selector_keys)):
         required = affinity.required_during_scheduling_ignored_during_execution
         terms = [*(required.node_selector_terms if required else []),
                  *(p.preference for p in affinity.preferred_during_scheduling_ignored_during_execution)]

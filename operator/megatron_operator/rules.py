@@ -11,7 +11,6 @@ fix. Upstream references are to megatron-core 0.19.2 (``megatron/core/...``) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from .expr import (
@@ -32,14 +31,9 @@ from .expr import (
     Size,
     StartsWith,
     Var,
-    bind_field,
-    bind_shared,
     cond,
     fmt,
     lit,
-    lookup,
-    optionals,
-    rebase,
 )
 from .names import (
     CHECKPOINT_MOUNT,
@@ -56,131 +50,70 @@ from .names import (
     VOLUME_TYPES,
     WORKLOAD_IDENTITY_ANNOTATIONS,
 )
-from .presets import MODEL_PRESETS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
+from .vocab.patterns import CREDENTIAL_ENV_RE, QUALIFIED_NAME_RE, URL_USERINFO_RE
+from .vocab.rule import (
+    Problem,
+    Rule,
+    all_of,
+    any_of,
+    count_present,
+    first_attr,
+    multiple_hint,
+    no_literal_env,
+    unique_by,
+)
+from .vocab.values import (
+    MODEL_VALUES,
+    activation,
+    add_bias_linear,
+    cp,
+    dp,
+    ep,
+    etp,
+    experts,
+    f,
+    gbs,
+    gpn,
+    groups,
+    has,
+    heads,
+    hidden,
+    layers,
+    layout_ok,
+    max_positions,
+    mbs,
+    microbatches,
+    model_complete,
+    model_parallel,
+    moe_balancing,
+    moe_expert_bias,
+    moe_ffn,
+    moe_pad_to_capacity,
+    moe_pre_softmax,
+    moe_score_function,
+    moe_shared_ffn,
+    moe_shared_gate,
+    nodes,
+    normalization,
+    opt,
+    position_embedding,
+    pp,
+    precision,
+    seq,
+    sequence_parallel,
+    topk,
+    tp,
+    uses_te,
+    vocab,
+    world,
+)
 
-# --------------------------------------------------------------------------------------------
-# Values every rule shares (each is an expression: CEL and Python at once)
-# --------------------------------------------------------------------------------------------
-
-
-def f(path: str) -> Field:
-    return Field(path)
-
-
-def has(path: str) -> Expr:
-    return Has(Field(path))
-
-
-def opt(path: str, default: Any) -> Expr:
-    """The field's value, or ``default`` when it is absent."""
-    return cond(has(path), f(path), default)
-
-
-tp = f("parallelism.tensor")
-pp = f("parallelism.pipeline")
-cp = f("parallelism.context")
-ep = f("parallelism.expert")
-etp = opt("parallelism.expertTensor", tp)  # Megatron: expert_tensor_parallel_size defaults to TP
-nodes = f("numNodes")
-gpn = f("gpusPerNode")
-world = nodes * gpn
-model_parallel = tp * pp * cp
-dp = world // model_parallel
-uses_te = f("training.transformerImpl").eq("transformer_engine")
-# Default: on with TP > 1 and Transformer Engine. Unset, it renders --sequence-parallel-auto and the
-# trainer, which knows whether its image has TE, keeps it on the TE path only: the local path supports
-# it (its own torch norm; Megatron's WrappedTorchNorm refuses it) but measured slower there (Llama-3-8B
-# TP=2, docs/benchmarks/megatron-lm.md#2026-11-26-second-session-sp-rope), so it stays opt-in on the local path.
-sequence_parallel = opt("parallelism.sequenceParallel", (tp > 1) & uses_te)
-mbs = f("training.microBatchSize")
-precision = f("training.precision")
-
-
-def model_value(name: str, derived: Any) -> Expr:
-    """An effective model field: explicit value, else the preset's, else the derived default."""
-    explicit = f"model.{name}"
-    by_preset = {p: v[name] for p, v in MODEL_PRESETS.items() if name in v}
-    fallback = lit(derived)
-    if by_preset:
-        preset = f("model.preset")
-        in_table = has("model.preset")
-        if len(by_preset) < len(MODEL_PRESETS):
-            in_table = in_table & _in(preset, list(by_preset))
-        fallback = cond(in_table, lookup(by_preset, preset), fallback)
-    return cond(has(explicit), f(explicit), fallback)
-
-
-def _in(e: Expr, values: list[str]) -> Expr:
-    out: Expr = Lit(False)
-    for v in values:
-        out = out | e.eq(v)
-    return out
-
-
-# 0 marks "neither given nor in the preset"; the model-complete rule reports it.
-layers = model_value("numLayers", 0)
-hidden = model_value("hiddenSize", 0)
-heads = model_value("numAttentionHeads", 0)
-seq = model_value("seqLength", 0)
-vocab = model_value("vocabSize", 0)
-groups = model_value("numQueryGroups", heads)
-activation = model_value("activation", "gelu")
-# Megatron-LM's default FFN size: 4h, or int(8h/3 / 64) * 64 = (h / 24) * 64 with SwiGLU.
-ffn = model_value("ffnHiddenSize", cond(activation.eq("swiglu"), (hidden // 24) * 64, hidden * 4))
-max_positions = model_value("maxPositionEmbeddings", seq)
-experts = model_value("numExperts", 0)
-topk = model_value("moeRouterTopk", 2)
-# The rest of the MoE block, with megatron-core's defaults (TransformerConfig): each expert's MLP as wide as the
-# dense one, top-k of the logits then softmax, the per-micro-batch aux loss, the all-gather dispatcher.
-moe_ffn = model_value("moeFfnHiddenSize", ffn)
-moe_pre_softmax = model_value("moeRouterPreSoftmax", False)
-moe_balancing = model_value("moeRouterLoadBalancingType", "aux_loss")
-moe_dispatcher = model_value("moeTokenDispatcherType", "allgather")
-# no shared experts (0), softmax scores, no expert bias, no capacity (0: none dropped; memory.py), no padding
-moe_shared_ffn = model_value("moeSharedExpertIntermediateSize", 0)
-moe_shared_gate = model_value("moeSharedExpertGate", False)
-moe_score_function = model_value("moeRouterScoreFunction", "softmax")
-moe_expert_bias = model_value("moeRouterEnableExpertBias", False)
-moe_capacity_factor = model_value("moeExpertCapacityFactor", 0)
-moe_pad_to_capacity = model_value("moePadExpertInputToCapacity", False)
 #: spec.model's MoE fields besides numExperts and moeRouterTopk (which has its own rule, topk-within-experts).
 MOE_FIELDS = ("moeFfnHiddenSize", "moeRouterPreSoftmax", "moeRouterLoadBalancingType", "moeAuxLossCoeff",
               "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType", "moeSharedExpertIntermediateSize",
               "moeSharedExpertGate", "moeRouterScoreFunction", "moeRouterEnableExpertBias", "moeRouterBiasUpdateRate",
               "moeExpertCapacityFactor", "moeTokenDropPolicy", "moePadExpertInputToCapacity")
-normalization = model_value("normalization", "LayerNorm")
-position_embedding = model_value("positionEmbedding", "learned_absolute")
-rotary_base = model_value("rotaryBase", 10000)
-untie_embeddings = model_value("untieEmbeddings", False)
-add_bias_linear = model_value("addBiasLinear", True)
-# Megatron's defaults (TransformerConfig): layernorm_epsilon 1e-5, kv_channels hidden / heads (0 marks an
-# incomplete model), no QK norm, no QKV bias; 0 marks "no RoPE scaling".
-norm_epsilon = model_value("normEpsilon", 1e-5)
-kv_channels = model_value("kvChannels", cond(heads > 0, hidden // heads, 0))
-qk_layernorm = model_value("qkLayernorm", False)
-add_qkv_bias = model_value("addQkvBias", False)
-rope_scaling_factor = model_value("ropeScalingFactor", 0)
-
-MODEL_VALUES: dict[str, Expr] = {
-    "numLayers": layers, "hiddenSize": hidden, "numAttentionHeads": heads, "numQueryGroups": groups,
-    "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
-    "numExperts": experts, "moeRouterTopk": topk, "moeFfnHiddenSize": moe_ffn, "moeRouterPreSoftmax": moe_pre_softmax,
-    "moeRouterLoadBalancingType": moe_balancing, "moeTokenDispatcherType": moe_dispatcher,
-    "moeSharedExpertIntermediateSize": moe_shared_ffn, "moeSharedExpertGate": moe_shared_gate,
-    "moeRouterScoreFunction": moe_score_function,
-    "moeRouterEnableExpertBias": moe_expert_bias, "moeExpertCapacityFactor": moe_capacity_factor,
-    "moePadExpertInputToCapacity": moe_pad_to_capacity,
-    "activation": activation, "normalization": normalization,
-    "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
-    "addBiasLinear": add_bias_linear, "normEpsilon": norm_epsilon, "kvChannels": kv_channels,
-    "qkLayernorm": qk_layernorm, "addQkvBias": add_qkv_bias, "ropeScalingFactor": rope_scaling_factor,
-}
-
-model_complete = (layers > 0) & (hidden > 0) & (heads > 0) & (seq > 0) & (vocab > 0)
-layout_ok = (world % model_parallel).eq(0)
-gbs = opt("training.globalBatchSize", mbs * dp)
-microbatches = gbs // (mbs * dp)
 
 # Flags the operator renders from the spec (tests/test_contract.py checks this list against the
 # rendering of every example and contract case); extraArgs must not contradict them.
@@ -292,20 +225,9 @@ RESERVED_RESOURCE_RE = (r"^([^/]*|([^/]*\.)?kubernetes\.io/.*|nvidia\.com/(gpu|m
 # selector) and Kueue's; case variants too (the API server compares keys exactly, people do not).
 RESERVED_LABEL_RE = (r"(?i)^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kubernetes\.io/|"
                      r"batch\.kubernetes\.io/|kueue\.x-k8s\.io/|job-name$|controller-uid$)")
-# Label, annotation, nodeSelector and taint keys: [DNS subdomain prefix/]name, the name at most 63
-# characters, alphanumeric at both ends (Kubernetes' IsQualifiedName).
-QUALIFIED_NAME_RE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 # One replicated job per tensor-parallel group when a group spans pods (render.replicated_job_plan):
 # each costs about 4.3 kB of the JobSet, and etcd stores at most 1.5 MiB per object.
 MAX_TP_GROUP_JOBS = 256
-
-
-def multiple_hint(value: Expr, m: Expr) -> Expr:
-    """' such as 96 or 128': the multiples of m around value (or m and 2m below it)."""
-    lower = (value // m) * m
-    return cond(lower > 0, fmt(" such as ", lower.str(), " or ", (lower + m).str()),
-                fmt(" such as ", m.str(), " or ", (m * 2).str()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,70 +235,7 @@ def multiple_hint(value: Expr, m: Expr) -> Expr:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Rule:
-    """``check`` must hold whenever ``when`` holds; else ``message`` (a string expression)."""
-
-    name: str
-    field: str  # the field the error is reported on, relative to spec (CEL fieldPath)
-    check: Expr
-    message: Expr
-    when: Expr | None = None
-
-    def condition(self) -> Expr:
-        return self.check if self.when is None else (~self.when) | self.check
-
-    def cel_condition(self) -> Expr:
-        """``condition()`` as the API server evaluates it: each shared model value a rule reads more than once
-        computed once, and ``self.model``, ``self.parallelism``, ``self.training``, ``self.data`` and
-        ``self.resources`` (required or defaulted objects) resolved once (``expr.bind_shared``, ``expr.rebase``);
-        ``has(x) ? x : d`` as ``x.?f.orValue(d)`` and the preset read once (``expr.optionals``,
-        ``expr.bind_field``). The same verdicts for less CEL work:
-        the API server's cost per field read grows with the number of sibling properties."""
-        out = bind_shared(self.condition(), {**{f"v_{name}": e for name, e in MODEL_VALUES.items()},
-                                             "v_world": world, "v_modelParallel": model_parallel})
-        for prefix, var in (("model", "v_model"), ("parallelism", "v_parallelism"), ("training", "v_training"),
-                            ("data", "v_data"), ("resources", "v_resources")):
-            out = rebase(out, prefix, var)
-        # the preset is a schema enum: "" can never be one
-        return optionals(bind_field(out, "v_model", "preset", "v_preset", ""))
-
-    def to_cel(self) -> dict[str, str]:
-        out = {"rule": self.cel_condition().cel()}
-        if isinstance(self.message, Lit):
-            out["message"] = self.message.value
-        else:
-            out["messageExpression"] = self.message.cel()
-        return {**out, "fieldPath": "." + self.field, "reason": "FieldValueInvalid"}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One violated rule, as the CLI and the operator report it."""
-
-    field: str  # full path, e.g. spec.training.globalBatchSize
-    message: str
-    rule: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"field": self.field, "message": self.message, "rule": self.rule}
-
-
 extra_args = f("training.extraArgs")
-
-
-def _all(exprs) -> Expr:
-    out: Expr = Lit(True)
-    for e in exprs:
-        out = out & e
-    return out
-
-
-def _any(exprs) -> Expr:
-    first, *rest = exprs
-    for e in rest:
-        first = first | e
-    return first
 
 
 def _given(flag: str) -> Expr:
@@ -513,7 +372,7 @@ SPEC_RULES: list[Rule] = [
                       topk.str(), " experts (numExperts is ", experts.str(), ")")),
     # ours: the router's flags are rendered only for a MoE model (the trainer would only note them as ignored)
     Rule("moe-fields-need-experts", "model",
-         experts > 0, when=_any(has(f"model.{name}") for name in MOE_FIELDS),
+         experts > 0, when=any_of(has(f"model.{name}") for name in MOE_FIELDS),
          message=fmt("spec.model:", *[cond(has(f"model.{name}"), f" {name}", "") for name in MOE_FIELDS],
                      " apply to a mixture-of-experts model only; set numExperts or omit them")),
     # transformer_config.py (TransformerConfig.__post_init__: a softmax over one logit has a zero gradient)
@@ -645,7 +504,7 @@ SPEC_RULES: list[Rule] = [
     # and the TensorBoard writer refuse the out-of-bounds ones, VALUE_BOUNDS).
     Rule("extra-args-values", "training.extraArgs",
          All(extra_args, "x", ~Matches(Var("x"), EXTRA_VALUE_EQ_RE) | Matches(Var("x"), EXTRA_VALUE_EQ_OK_RE))
-         & _all(_separate_value_ok(fl) for fl in EXTRA_VALUE_FLAGS),
+         & all_of(_separate_value_ok(fl) for fl in EXTRA_VALUE_FLAGS),
          message=lit("spec.training.extraArgs: a value flag is given twice, without its value, or with a value the "
                      "trainer does not take (" + _describe_extra_values() + ")")),
     # config.validate: --overlap-param-gather needs --overlap-grad-reduce and the distributed optimizer, and the
@@ -832,15 +691,6 @@ SPEC_RULES: list[Rule] = [
 # --------------------------------------------------------------------------------------------
 
 
-def _no_literal_env(name: str, names_re: str, what: str, secret_field: str) -> Rule:
-    """spec.env may not give a variable whose name matches `names_re` a literal value: it is `what`, a secret."""
-    literal = lambda e: Matches(Field("name", e), names_re) & Has(Field("value", e))  # noqa: E731
-    return Rule(name, "env", All(f("env"), "e", ~literal("e")),
-                message=fmt("spec.env: ", Attr(Index(Filter(f("env"), "e", literal("e")), 0), "name"),
-                            f" holds {what} as a literal value, which shows in the pods and in `kubectl get -o "
-                            f"yaml`; put it in a Secret: {secret_field}"))
-
-
 def llama_family_rule(name: str, where: str, what: str) -> Rule:
     """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE
     and Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
@@ -890,16 +740,8 @@ export_to_store = has("export") & f("export.huggingFace.objectStore")
 ckpt_prefix = f("checkpoint.objectStore.prefix")
 sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
 WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
-# Environment variables that hold an object-store credential: never as a literal value in the spec
-# (it would show in the JobSet, the pods and `kubectl get -o yaml`). AWS_CONTAINER_AUTHORIZATION_TOKEN is the
-# token botocore sends to AWS_CONTAINER_CREDENTIALS_FULL_URI, AWS_BEARER_TOKEN_<SERVICE> a service's bearer
-# token (botocore.utils.get_token_from_environment). docs/object-storage.md lists every variable boto3 and
-# multi-storage-client read, and what is refused.
-CREDENTIAL_ENV_RE = (r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN|"
-                     r"AWS_CONTAINER_AUTHORIZATION_TOKEN|AWS_BEARER_TOKEN_[A-Z0-9_]+)$")
-# A URL with user info (scheme://user[:password]@host): a credential in the URL, in any variable. Proxy
-# variables (read by botocore, urllib and requests) also take the URL without its scheme (user:pass@host:3128).
-URL_USERINFO_RE = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
+# Proxy variables (read by botocore, urllib and requests) also take a URL with user info (URL_USERINFO_RE)
+# without its scheme (user:pass@host:3128).
 PROXY_ENV_RE = r"(?i)^(http|https|all|ftp)_proxy$"
 PROXY_USERINFO_RE = r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@"
 # botocore's endpoint variables: AWS_ENDPOINT_URL, and AWS_ENDPOINT_URL_<SERVICE> (S3, STS, ...). A literal
@@ -973,7 +815,7 @@ SPEC_RULES += [
                                        & ~Matches(Field("value", "e"), URL_USERINFO_RE)), 0), "name"),
                      " must be http(s)://HOST[:PORT] (a port 1-65535; no path, no user info), as "
                      "spec.checkpoint.objectStore.endpoint, which sets the same thing")),
-    _no_literal_env("env-no-literal-credentials", CREDENTIAL_ENV_RE, "an object-store credential",
+    no_literal_env("env-no-literal-credentials", CREDENTIAL_ENV_RE, "an object-store credential",
                     "spec.checkpoint.objectStore.credentialsSecret (or valueFrom.secretKeyRef)"),
 ]
 
@@ -1005,21 +847,6 @@ has_pod = has("pod")
 pod_volumes = f("pod.volumes")
 pod_mounts = f("pod.volumeMounts")
 pod_inits = f("pod.initContainers")
-
-
-def _count(var: str, names) -> Expr:
-    out: Expr = Lit(0)
-    for n in names:
-        out = out + cond(Has(Field(n, var)), 1, 0)
-    return out
-
-
-def _first(items: Expr, var: str, bad: Expr, attr: str = "name") -> Expr:
-    return Attr(Index(Filter(items, var, bad), 0), attr)
-
-
-def _unique(items: Expr, var: str, attr: str) -> Expr:
-    return Size(Filter(items, "x", Field(attr, "x").eq(Field(attr, var)))).eq(1)
 
 
 def _known_volume(mount: str) -> Expr:
@@ -1073,48 +900,48 @@ _init_env_ok = (~(Has(Field("value", "e")) & Has(Field("valueFrom", "e")))
 
 SPEC_RULES += [
     Rule("pod-volume-one-source", "pod.volumes",
-         All(pod_volumes, "v", _count("v", VOLUME_TYPES).eq(1)), when=has_pod,
-         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", _count("v", VOLUME_TYPES).ne(1)),
+         All(pod_volumes, "v", count_present("v", VOLUME_TYPES).eq(1)), when=has_pod,
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", count_present("v", VOLUME_TYPES).ne(1)),
                      " needs exactly one source: " + ", ".join(VOLUME_TYPES))),
     Rule("pod-volume-names-unique", "pod.volumes",
-         All(pod_volumes, "v", _unique(pod_volumes, "v", "name")), when=has_pod,
-         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", ~_unique(pod_volumes, "v", "name")),
+         All(pod_volumes, "v", unique_by(pod_volumes, "v", "name")), when=has_pod,
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", ~unique_by(pod_volumes, "v", "name")),
                      " is given more than once; give each volume its own name")),
     Rule("pod-volume-names-not-reserved", "pod.volumes",
          All(pod_volumes, "v", ~Matches(Field("name", "v"), RESERVED_VOLUME_RE)), when=has_pod,
-         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", Matches(Field("name", "v"), RESERVED_VOLUME_RE)),
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", Matches(Field("name", "v"), RESERVED_VOLUME_RE)),
                      " is the name of one of the operator's own volumes (" + ", ".join(OPERATOR_VOLUMES)
                      + "); use another name")),
     Rule("pod-mounts-known-volume", "pod.volumeMounts",
          All(pod_mounts, "m", _known_volume("m")), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", ~_known_volume("m")),
+         message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", ~_known_volume("m")),
                      " is not a volume of spec.pod.volumes; the trainer mounts only the volumes listed there")),
     Rule("pod-mounts-not-reserved", "pod.volumeMounts",
          All(pod_mounts, "m", ~Matches(Field("mountPath", "m"), RESERVED_MOUNT_RE)), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", Matches(Field("mountPath", "m"),
+         message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", Matches(Field("mountPath", "m"),
                                                                                RESERVED_MOUNT_RE), "mountPath"),
                      " is on, inside or around one of the operator's own mounts (" + ", ".join(OPERATOR_MOUNTS)
                      + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + "; mount it elsewhere, e.g. "
                      "under /mnt")),
     Rule("pod-mount-paths-unique", "pod.volumeMounts",
-         All(pod_mounts, "m", _unique(pod_mounts, "m", "mountPath")), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", ~_unique(pod_mounts, "m", "mountPath"),
+         All(pod_mounts, "m", unique_by(pod_mounts, "m", "mountPath")), when=has_pod,
+         message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", ~unique_by(pod_mounts, "m", "mountPath"),
                                                       "mountPath"), " is mounted more than once")),
     Rule("pod-init-container-names", "pod.initContainers",
-         All(pod_inits, "c", _unique(pod_inits, "c", "name") & Field("name", "c").ne(TRAINER_CONTAINER)),
+         All(pod_inits, "c", unique_by(pod_inits, "c", "name") & Field("name", "c").ne(TRAINER_CONTAINER)),
          when=has_pod,
-         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~_unique(pod_inits, "c", "name")
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~unique_by(pod_inits, "c", "name")
                                                         | Field("name", "c").eq(TRAINER_CONTAINER)),
                      " is given more than once or is the trainer's own name; give each container its own name")),
     Rule("pod-init-container-mounts-known-volume", "pod.initContainers",
          All(pod_inits, "c", All(Field("volumeMounts", "c"), "m", _known_volume("m"))), when=has_pod,
-         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~All(Field("volumeMounts", "c"), "m",
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(Field("volumeMounts", "c"), "m",
                                                                               _known_volume("m"))),
                      " mounts a volume that is not in spec.pod.volumes (init containers and sidecars mount only "
                      "those)")),
     Rule("pod-init-container-env", "pod.initContainers",
          All(pod_inits, "c", All(Field("env", "c"), "e", _init_env_ok)), when=has_pod,
-         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~All(Field("env", "c"), "e", _init_env_ok)),
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(Field("env", "c"), "e", _init_env_ok)),
                      " has an env entry with both value and valueFrom, a valueFrom without exactly one of "
                      "secretKeyRef and configMapKeyRef, or a credential as a literal value (an AWS key, a URL with "
                      "user info); put credentials in a Secret (valueFrom.secretKeyRef or a secret volume)")),
@@ -1160,7 +987,7 @@ SPEC_RULES += [
          message=fmt("spec.logging.wandb.saveDir: ", wandb_dir, " is not on a volume that outlives the pod; use a "
                      "directory under " + CHECKPOINT_MOUNT + "/ (with spec.checkpoint.pvc) or under a writable "
                      "spec.pod.volumeMounts path")),
-    _no_literal_env("env-no-literal-wandb-key", WANDB_KEY_ENV_RE, "a Weights & Biases key",
+    no_literal_env("env-no-literal-wandb-key", WANDB_KEY_ENV_RE, "a Weights & Biases key",
                     "spec.logging.wandb.apiKeySecret"),
 ]
 

@@ -4,22 +4,16 @@ The same models generate the CRD schema (``crd.py``); the cross-field rules in `
 enforced here (``MegatronJobSpec`` validator) and emitted as CEL into the CRD, so a layout that
 Megatron would refuse at start-up is refused at ``kubectl apply`` with the same message.
 
-Conventions:
-- Python attributes are snake_case; the wire names (aliases) are the Kubernetes camelCase names.
-- An optional field without a default is *omitted* when unset. ``null`` is refused everywhere
-  (omit the field instead): CEL's ``has()`` is true for an explicit null, so accepting nulls would
-  make every rule need a second guard, and the API server would otherwise treat them differently.
-- Unknown fields are errors (``extra="forbid"``): a typo must never be silently dropped.
+The conventions every model follows (camelCase wire names, no nulls, unknown fields refused) are
+``vocab/api.py``'s ``ApiModel``.
 """
 
 from __future__ import annotations
 
-import typing
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from . import rules
@@ -36,72 +30,17 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
     WORKLOAD_IDENTITY_ANNOTATIONS,
 )
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
-
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-# A relative path inside a volume: no leading slash, no empty components, and no component that is
-# only dots: "../tmp/ckpt" would leave the volume for the pod's ephemeral /tmp (resume silently
-# lost), "." would put a job's checkpoints beside every other job's (retention deletes them).
-REL_PATH = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*)*$"
-# An absolute path: components as in REL_PATH (none empty, none made only of dots), no trailing slash.
-ABS_PATH = r"^(/[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*)+$"
-# A quantity the API server can store and a pod can use: at most 15 digits, suffixes up to P/Pi.
-QUANTITY = r"^[0-9]{1,15}(\.[0-9]{1,9})?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
-# Label values: at most 63 characters, alphanumeric at both ends (Kubernetes' IsValidLabelValue).
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-# ConfigMap and Secret keys (Kubernetes' IsConfigMapKey).
-CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"
-# The largest integer a CRD schema bound can state exactly (the API server reads bounds as float64).
-MAX_SAFE_INT = 2**53 - 1
-ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-# Extended resource names: a domain-prefixed name, e.g. rdma/hca_shared_devices_a.
-RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-
-Quantity = Annotated[
-    Annotated[int, Field(ge=0, le=2**50)] | Annotated[str, Field(pattern=QUANTITY, max_length=32)],
-    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
-]
-
-
-def model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation (``X | None``, ``list[X]``, ...), or None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-class ApiModel(BaseModel):
-    """Base: camelCase wire names, unknown fields and nulls refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_default=False,
-        frozen=False,
-        # Types as the API server applies them: numNodes: "1" or suspend: "yes" are errors, not coerced.
-        strict=True,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            nulls = sorted(k for k, v in data.items() if v is None)
-            if nulls:
-                raise PydanticCustomError(
-                    "null_field", "{fields}: null is not allowed; omit the field instead",
-                    {"fields": ", ".join(str(k) for k in nulls)},
-                )
-        return data
-
-    def wire(self) -> dict[str, Any]:
-        """The object as the API server stores it: camelCase, unset optional fields omitted."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
+from .vocab.api import ApiModel, EnvVar, Quantity
+from .vocab.patterns import (
+    ABS_PATH,
+    CONFIG_KEY,
+    DNS_LABEL,
+    LABEL_VALUE,
+    MAX_SAFE_INT,
+    QUALIFIED_NAME_RE,
+    REL_PATH,
+    RESOURCE_NAME,
+)
 
 # --------------------------------------------------------------------------------------------
 # spec.parallelism
@@ -564,25 +503,6 @@ class RestartSpec(ApiModel):
                            "Counted in status.stallRestarts, not against maxRestarts.")
 
 
-class SecretKeyRef(ApiModel):
-    name: str = Field(..., max_length=253, pattern=DNS_LABEL)
-    key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
-    optional: bool | None = None
-
-
-class EnvValueFrom(ApiModel):
-    """Only Secret and ConfigMap keys; the pod reads them, the operator never does."""
-
-    secret_key_ref: SecretKeyRef | None = None
-    config_map_key_ref: SecretKeyRef | None = None
-
-
-class EnvVar(ApiModel):
-    name: str = Field(..., max_length=256, pattern=ENV_NAME)
-    value: str | None = Field(None, max_length=4096)
-    value_from: EnvValueFrom | None = None
-
-
 class PodMetadata(ApiModel):
     """Extra labels and annotations for the trainer pods (e.g. for sidecars or monitoring)."""
 
@@ -736,7 +656,7 @@ class PodContainer(ApiModel):
     security_context: ContainerSecurityContext | None = None
 
 
-LabelKey = Annotated[str, Field(max_length=316, pattern=rules.QUALIFIED_NAME_RE)]
+LabelKey = Annotated[str, Field(max_length=316, pattern=QUALIFIED_NAME_RE)]
 LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
 
 
