@@ -61,6 +61,7 @@ from .vocab.rule import (
     first_attr,
     multiple_hint,
     no_literal_env,
+    qualified_keys_rule,
     unique_by,
 )
 from .vocab.values import (
@@ -562,27 +563,9 @@ SPEC_RULES: list[Rule] = [
          has("checkpoint"), when=f("logging.tensorboard"),
          message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC; set "
                      "spec.checkpoint, or tensorboard: false")),
-    Rule("pod-label-keys", "podMetadata.labels",
-         All(f("podMetadata.labels"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
-         message=fmt("spec.podMetadata.labels: ",
-                     Index(Filter(f("podMetadata.labels"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
-                     " is not a valid label key; use [prefix/]name: name at most 63 characters of letters, "
-                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
-                     "subdomain (lower case)")),
-    Rule("pod-annotation-keys", "podMetadata.annotations",
-         All(f("podMetadata.annotations"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
-         message=fmt("spec.podMetadata.annotations: ",
-                     Index(Filter(f("podMetadata.annotations"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
-                     " is not a valid annotation key; use [prefix/]name: name at most 63 characters of letters, "
-                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
-                     "subdomain (lower case)")),
-    Rule("node-selector-keys", "resources.nodeSelector",
-         All(f("resources.nodeSelector"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
-         message=fmt("spec.resources.nodeSelector: ",
-                     Index(Filter(f("resources.nodeSelector"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
-                     " is not a valid node label key; use [prefix/]name: name at most 63 characters of letters, "
-                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
-                     "subdomain (lower case)")),
+    qualified_keys_rule("pod-label-keys", "podMetadata.labels", "label key"),
+    qualified_keys_rule("pod-annotation-keys", "podMetadata.annotations", "annotation key"),
+    qualified_keys_rule("node-selector-keys", "resources.nodeSelector", "node label key"),
     Rule("toleration-combination", "resources.tolerations",
          All(f("resources.tolerations"), "t",
              cond(Has(Field("operator", "t")), Field("operator", "t").eq("Exists"), False).eq(False)

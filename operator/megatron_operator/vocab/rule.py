@@ -22,6 +22,7 @@ from ..expr import (
     Lit,
     Matches,
     Size,
+    Var,
     bind_field,
     bind_shared,
     cond,
@@ -29,6 +30,7 @@ from ..expr import (
     optionals,
     rebase,
 )
+from .patterns import QUALIFIED_NAME_RE
 from .values import MODEL_VALUES, f, model_parallel, world
 
 
@@ -132,3 +134,13 @@ def no_literal_env(name: str, names_re: str, what: str, secret_field: str) -> Ru
                 message=fmt("spec.env: ", Attr(Index(Filter(f("env"), "e", literal("e")), 0), "name"),
                             f" holds {what} as a literal value, which shows in the pods and in `kubectl get -o "
                             f"yaml`; put it in a Secret: {secret_field}"))
+
+
+def qualified_keys_rule(name: str, field: str, what: str) -> Rule:
+    """Every key of the map at ``field`` is a Kubernetes qualified name (labels, annotations, node selectors)."""
+    keys = f(field)
+    return Rule(name, field, All(keys, "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
+                message=fmt(f"spec.{field}: ", Index(Filter(keys, "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
+                            f" is not a valid {what}; use [prefix/]name: name at most 63 characters of letters, "
+                            "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
+                            "subdomain (lower case)"))
