@@ -18,12 +18,16 @@ from .names import (
     ANNOTATION_PARALLELISM,
     API_VERSION,
     CHECKPOINT_MOUNT,
+    CHECKPOINT_VOLUME,
     DATA_MOUNT,
+    DATA_VOLUME,
     EFA_RESOURCE,
     GPU_RESOURCE,
     GROUP,
     HF_EXPORT_MOUNT,
+    HF_EXPORT_VOLUME,
     HF_INIT_MOUNT,
+    HF_INIT_VOLUME,
     JOBSET_API_VERSION,
     JOBSET_GLOBAL_INDEX_LABEL,
     JOBSET_RESTART_ATTEMPT_LABEL,
@@ -39,11 +43,18 @@ from .names import (
     LABEL_TP_GROUP,
     MANAGED_BY,
     OBJECT_STORE_CREDENTIALS_MOUNT,
+    OBJECT_STORE_CREDENTIALS_VOLUME,
     PLURAL,
     SERVICE_ACCOUNT_MOUNT,
+    SHM_MOUNT,
+    SHM_VOLUME,
+    TMP_MOUNT,
+    TMP_VOLUME,
     TRAINER_APP_NAME,
     TRAINER_CONTAINER,
+    TRAINER_TOKEN_VOLUME,
     WANDB_API_KEY_MOUNT,
+    WANDB_API_KEY_VOLUME,
     WANDB_SCRATCH_DIR,
 )
 from .rules import derived_layout, resolved_model
@@ -435,44 +446,44 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
     name = job.metadata.name
     volumes: list[dict[str, Any]] = [
         # NCCL, data-loader workers and async checkpoints need far more than the 64 MiB default.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
+        {"name": TMP_VOLUME, "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": SHM_VOLUME, "mountPath": SHM_MOUNT},
+        {"name": TMP_VOLUME, "mountPath": TMP_MOUNT},
     ]
     if spec.checkpoint is not None and spec.checkpoint.pvc is not None:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
-        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+        volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_MOUNT})
     store = spec.checkpoint.object_store if spec.checkpoint else None
     if store is not None and store.credentials_secret:
         # The user's own Secret in the job's namespace (the kubelet reads it with the pod's rights there;
         # the operator never reads or copies it), one key as the file `credentials`, readable by the
         # trainer's group only (fsGroup).
-        volumes.append({"name": "object-store-credentials", "secret": {
+        volumes.append({"name": OBJECT_STORE_CREDENTIALS_VOLUME, "secret": {
             "secretName": store.credentials_secret, "defaultMode": 0o440,
             "items": [{"key": store.credentials_key, "path": "credentials"}]}})
-        mounts.append({"name": "object-store-credentials", "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT,
+        mounts.append({"name": OBJECT_STORE_CREDENTIALS_VOLUME, "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT,
                        "readOnly": True})
     wandb = spec.logging.wandb
     if wandb is not None and wandb.api_key_secret is not None:
         # As the object-store credentials: the user's own Secret in the job's namespace, read by the kubelet with
         # the pod's rights; one key as the file `key`, readable by the trainer's group only (fsGroup).
-        volumes.append({"name": "wandb-api-key", "secret": {
+        volumes.append({"name": WANDB_API_KEY_VOLUME, "secret": {
             "secretName": wandb.api_key_secret.name, "defaultMode": 0o440,
             "items": [{"key": wandb.api_key_secret.key, "path": "key"}]}})
-        mounts.append({"name": "wandb-api-key", "mountPath": WANDB_API_KEY_MOUNT, "readOnly": True})
+        mounts.append({"name": WANDB_API_KEY_VOLUME, "mountPath": WANDB_API_KEY_MOUNT, "readOnly": True})
     if spec.data.pvc is not None:
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
-        mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
+        volumes.append({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
+        mounts.append({"name": DATA_VOLUME, "mountPath": DATA_MOUNT, "readOnly": True})
     if spec.init is not None:
-        volumes.append({"name": "hf-init", "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
+        volumes.append({"name": HF_INIT_VOLUME, "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
                                                                      "readOnly": True}})
-        mounts.append({"name": "hf-init", "mountPath": HF_INIT_MOUNT, "readOnly": True})
+        mounts.append({"name": HF_INIT_VOLUME, "mountPath": HF_INIT_MOUNT, "readOnly": True})
     if spec.export is not None and spec.export.hugging_face.pvc is not None:
-        volumes.append({"name": "hf-export", "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}})
-        mounts.append({"name": "hf-export", "mountPath": HF_EXPORT_MOUNT})
+        volumes.append({"name": HF_EXPORT_VOLUME, "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}})
+        mounts.append({"name": HF_EXPORT_VOLUME, "mountPath": HF_EXPORT_MOUNT})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image or settings.default_image,
@@ -558,7 +569,7 @@ TOKEN_EXPIRATION_S = 3607
 
 
 def _trainer_token_volume() -> dict[str, Any]:
-    return {"name": "trainer-token", "projected": {"defaultMode": 0o444, "sources": [
+    return {"name": TRAINER_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
         {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_S}},
         {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
         {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1",
@@ -593,7 +604,7 @@ def _add_pod_spec(pod: dict[str, Any], trainer: dict[str, Any], extra: Any, affi
         # Only the trainer gets the job's token: another image in the pod (a log shipper, say) has no use for it.
         pod["automountServiceAccountToken"] = False
         pod["volumes"].append(_trainer_token_volume())
-        trainer["volumeMounts"].append({"name": "trainer-token", "mountPath": SERVICE_ACCOUNT_MOUNT, "readOnly": True})
+        trainer["volumeMounts"].append({"name": TRAINER_TOKEN_VOLUME, "mountPath": SERVICE_ACCOUNT_MOUNT, "readOnly": True})
     if extra.topology_spread_constraints:
         pod["topologySpreadConstraints"] = [t.model_dump(by_alias=True, exclude_none=True, mode="json")
                                             for t in extra.topology_spread_constraints]
