@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from .names import VOLUME_TYPES
+from . import blocks
 from .settings import Settings
-from .spec import MegatronJob, PodContainer
+from .spec import MegatronJob
 from .vocab.guardrail import Guardrail, Violation, listed, lower_ascii, registry_ok
 from .vocab.rule import Problem
 
@@ -99,78 +99,8 @@ GUARDRAILS: tuple[Guardrail, ...] = (
 )
 
 
-# --- spec.pod: extra volumes, init containers and sidecars, node affinity ---------------------------------------
-_POD = "!has(spec.pod) || "
-_INITS = "spec.pod.initContainers"
-_VOLS = "spec.pod.volumes"
-
-
-def _volume_type(v: str) -> str:
-    """CEL: the type (the source's field name) of the volume ``v``; '' for none."""
-    out = "''"
-    for t in reversed(VOLUME_TYPES):
-        out = f"(has({v}.{t}) ? '{t}' : {out})"
-    return out
-
-
-def _image_allowed(image: str) -> str:
-    """CEL: ``image`` is one of LIMIT's images, or under one of its path prefixes (an entry ending in '/' as is)."""
-    return (f"LIMIT.exists(r, {image} == r || {image}.startsWith(r.endsWith('/') ? r : r + '/') || "
-            f"{image}.startsWith(r + ':') || {image}.startsWith(r + '@'))")
-
-
-def _registry_allowed(image: str) -> str:
-    return f"LIMIT.exists(r, {image}.startsWith(r.endsWith('/') ? r : r + '/'))"
-
-
-_PRIVILEGED = "has(c.securityContext) && has(c.securityContext.privileged) && c.securityContext.privileged"
-_CAPS_ADDED = ("has(c.securityContext) && has(c.securityContext.capabilities) && "
-               "size(c.securityContext.capabilities.add) > 0")
-_NODE_AFFINITY = "spec.pod.affinity.nodeAffinity"
-_REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
-# The node label keys of spec.pod's node affinity, as a list of lists (required terms', then preferred terms').
-_AFFINITY_KEYS = (f"(has({_NODE_AFFINITY}.{_REQ}) ? {_NODE_AFFINITY}.{_REQ}.nodeSelectorTerms.map(t, "
-                  f"t.matchExpressions.map(r, r.key)) : []) + {_NODE_AFFINITY}.{_PREF}.map(p, "
-                  f"p.preference.matchExpressions.map(r, r.key))")
-_HAS_NODE_AFFINITY = "!has(spec.pod) || !has(spec.pod.affinity) || !has(spec.pod.affinity.nodeAffinity) || "
-
-GUARDRAILS += (
-    Guardrail("volume-type", "spec.pod.volumes", "allowedVolumeTypes",
-              "volume {item} is of a type this cluster does not allow; allowed types: {limit}",
-              f"{_POD}{_VOLS}.all(v, {_volume_type('v')} in LIMIT)",
-              f"{_VOLS}.filter(v, !({_volume_type('v')} in LIMIT)).map(v, v.name + ' (' + {_volume_type('v')} + ')')[0]",
-              always=True),
-    # denySecretEnv covers every way a job's pods read a Secret (env, the object-store credentials, volumes).
-    Guardrail("secret-volume", "spec.pod.volumes[].secret", "denySecretEnv",
-              "volume {item} reads a Secret, which is not allowed here",
-              f"{_POD}!{_VOLS}.exists(v, has(v.secret))", f"{_VOLS}.filter(v, has(v.secret))[0].name"),
-    Guardrail("init-container-secret-env", "spec.pod.initContainers[].env", "denySecretEnv",
-              "container {item} takes a Secret (valueFrom.secretKeyRef), which is not allowed here",
-              f"{_POD}!{_INITS}.exists(c, c.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef)))",
-              f"{_INITS}.filter(c, c.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef)))[0].name"),
-    Guardrail("init-container-image", "spec.pod.initContainers[].image", "allowedImageRegistries",
-              "{item} is not from this cluster's registries; this cluster runs images only from {limit}",
-              f"{_POD}{_INITS}.all(c, {_registry_allowed('c.image')})",
-              f"{_INITS}.filter(c, !{_registry_allowed('c.image')})[0].image"),
-    Guardrail("image-volume", "spec.pod.volumes[].image", "allowedImageRegistries",
-              "{item} is not from this cluster's registries; this cluster runs images only from {limit}",
-              f"{_POD}{_VOLS}.all(v, !has(v.image) || {_registry_allowed('v.image.reference')})",
-              f"{_VOLS}.filter(v, has(v.image) && !{_registry_allowed('v.image.reference')})[0].image.reference"),
-    Guardrail("privileged", "spec.pod.initContainers[].securityContext.privileged", "allowedPrivilegedImages",
-              "container {item} runs privileged, which this cluster allows only for the images {limit}",
-              f"{_POD}{_INITS}.all(c, !({_PRIVILEGED}) || {_image_allowed('c.image')})",
-              f"{_INITS}.filter(c, ({_PRIVILEGED}) && !{_image_allowed('c.image')})[0].name", always=True),
-    Guardrail("capabilities", "spec.pod.initContainers[].securityContext.capabilities", "allowedPrivilegedImages",
-              "container {item} adds capabilities, which this cluster allows only for the images {limit}",
-              f"{_POD}{_INITS}.all(c, !({_CAPS_ADDED}) || {_image_allowed('c.image')})",
-              f"{_INITS}.filter(c, ({_CAPS_ADDED}) && !{_image_allowed('c.image')})[0].name", always=True),
-    # Node affinity selects nodes as nodeSelector does: the same allowed keys.
-    Guardrail("node-affinity-key", "spec.pod.affinity.nodeAffinity", "allowedNodeSelectorKeys",
-              "{item} is not allowed here; allowed keys: {limit}",
-              f"{_HAS_NODE_AFFINITY}({_AFFINITY_KEYS}).all(l, l.all(k, k in LIMIT))",
-              f"({_AFFINITY_KEYS}).map(l, l.filter(k, !(k in LIMIT))).filter(l, size(l) > 0)[0][0]"),
-)
-
+# spec.pod's guardrails are the block's (blocks/pod.py)
+GUARDRAILS += blocks.pod.GUARDRAILS
 
 _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
@@ -216,57 +146,7 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
         if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
             yield g["spec.checkpoint.objectStore.serviceAccountAnnotations"], k, ", ".join(denied)
     if spec.pod is not None:
-        yield from _pod_violations(spec, settings)
-
-
-def _image_ok(image: str, images: list[str]) -> bool:
-    return any(image == r or image.startswith(r if r.endswith("/") else r + "/") or image.startswith(r + ":")
-               or image.startswith(r + "@") for r in images)
-
-
-def _privileged(c: PodContainer) -> bool:
-    return bool(c.security_context and c.security_context.privileged)
-
-
-def _adds_capabilities(c: PodContainer) -> bool:
-    return bool(c.security_context and c.security_context.capabilities and c.security_context.capabilities.add)
-
-
-def _pod_violations(spec, settings: Settings) -> Iterator[Violation]:
-    pod, g = spec.pod, _BY_FIELD
-    types = listed(settings.allowed_volume_types)
-    for v in pod.volumes:
-        if v.volume_type() not in types:
-            yield g["spec.pod.volumes"], f"{v.name} ({v.volume_type()})", ", ".join(types) or "none"
-    if settings.deny_secret_env:
-        for v in pod.volumes:
-            if v.secret is not None:
-                yield g["spec.pod.volumes[].secret"], v.name, ""
-        for c in pod.init_containers:
-            if any(e.value_from and e.value_from.secret_key_ref for e in c.env):
-                yield g["spec.pod.initContainers[].env"], c.name, ""
-    if registries := listed(settings.allowed_image_registries):
-        for c in pod.init_containers:
-            if not registry_ok(c.image, registries):
-                yield g["spec.pod.initContainers[].image"], c.image, ", ".join(registries)
-        for v in pod.volumes:
-            if v.image is not None and not registry_ok(v.image.reference, registries):
-                yield g["spec.pod.volumes[].image"], v.image.reference, ", ".join(registries)
-    privileged_images = listed(settings.allowed_privileged_images)
-    for test, where in ((_privileged, "privileged"), (_adds_capabilities, "capabilities")):
-        for c in pod.init_containers:
-            if test(c) and not _image_ok(c.image, privileged_images):
-                yield (g[f"spec.pod.initContainers[].securityContext.{where}"], c.name,
-                       ", ".join(privileged_images) or "none")
-    affinity = pod.affinity.node_affinity if pod.affinity else None
-    if affinity is not None and (keys := listed(settings.allowed_node_selector_keys)):
-        required = affinity.required_during_scheduling_ignored_during_execution
-        terms = [*(required.node_selector_terms if required else []),
-                 *(p.preference for p in affinity.preferred_during_scheduling_ignored_during_execution)]
-        for term in terms:
-            for r in term.match_expressions:
-                if r.key not in keys:
-                    yield g["spec.pod.affinity.nodeAffinity"], r.key, ", ".join(keys)
+        yield from blocks.pod.guardrail_violations(spec.pod, settings)
 
 
 def guardrail_problems(job: MegatronJob, settings: Settings) -> list[Problem]:

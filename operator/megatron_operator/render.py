@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import blocks
 from .failures import FAIL_MESSAGE_PATTERN, FAIL_RULE_NAME, NON_RETRIABLE_EXIT_CODES
 from .names import (
     ANNOTATION_PARALLELISM,
@@ -45,14 +46,12 @@ from .names import (
     OBJECT_STORE_CREDENTIALS_MOUNT,
     OBJECT_STORE_CREDENTIALS_VOLUME,
     PLURAL,
-    SERVICE_ACCOUNT_MOUNT,
     SHM_MOUNT,
     SHM_VOLUME,
     TMP_MOUNT,
     TMP_VOLUME,
     TRAINER_APP_NAME,
     TRAINER_CONTAINER,
-    TRAINER_TOKEN_VOLUME,
     WANDB_API_KEY_MOUNT,
     WANDB_API_KEY_VOLUME,
     WANDB_SCRATCH_DIR,
@@ -557,84 +556,10 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
             "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(set(avoid_nodes))}],
         }]}}
     if spec.pod is not None:
-        _add_pod_spec(pod, container, spec.pod, affinity)
+        blocks.pod.add_to_pod(pod, container, spec.pod, affinity)
     if affinity:
         pod["affinity"] = affinity
     return pod
-
-
-#: The trainer's token (the trainer writes status.progress with it) when the pod has containers of the user's:
-#: the same files as the kubelet's automount (kube-api-access), in the trainer container only.
-TOKEN_EXPIRATION_S = 3607
-
-
-def _trainer_token_volume() -> dict[str, Any]:
-    return {"name": TRAINER_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_S}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1",
-                                                                      "fieldPath": "metadata.namespace"}}]}}]}}
-
-
-def _user_container(c: Any) -> dict[str, Any]:
-    """An init container or sidecar of spec.pod, with the trainer's hardening unless it asks otherwise: no
-    privilege escalation and every capability dropped (the pod's non-root uid and seccomp profile apply)."""
-    out = c.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"security_context"})
-    for key in ("command", "args", "env", "volumeMounts"):
-        if not out.get(key):
-            out.pop(key, None)
-    sc = c.security_context.model_dump(by_alias=True, exclude_none=True, mode="json") if c.security_context else {}
-    added = sc.pop("capabilities", {}).get("add", [])
-    sc["capabilities"] = {"drop": ["ALL"], **({"add": added} if added else {})}
-    # The API server refuses allowPrivilegeEscalation: false beside privileged or CAP_SYS_ADMIN.
-    if not sc.get("privileged") and not {"SYS_ADMIN", "CAP_SYS_ADMIN"} & set(added):
-        sc["allowPrivilegeEscalation"] = False
-    out["securityContext"] = sc
-    return out
-
-
-def _add_pod_spec(pod: dict[str, Any], trainer: dict[str, Any], extra: Any, affinity: dict[str, Any]) -> None:
-    """spec.pod added to the rendered pod: volumes and the trainer's mounts after the operator's, the init
-    containers and sidecars, and affinity merged into the operator's own (``affinity``, changed in place)."""
-    pod["volumes"] += [v.model_dump(by_alias=True, exclude_none=True, mode="json") for v in extra.volumes]
-    trainer["volumeMounts"] += [m.model_dump(by_alias=True, exclude_none=True, mode="json")
-                                for m in extra.volume_mounts]
-    if extra.init_containers:
-        pod["initContainers"] = [_user_container(c) for c in extra.init_containers]
-        # Only the trainer gets the job's token: another image in the pod (a log shipper, say) has no use for it.
-        pod["automountServiceAccountToken"] = False
-        pod["volumes"].append(_trainer_token_volume())
-        trainer["volumeMounts"].append({"name": TRAINER_TOKEN_VOLUME, "mountPath": SERVICE_ACCOUNT_MOUNT, "readOnly": True})
-    if extra.topology_spread_constraints:
-        pod["topologySpreadConstraints"] = [t.model_dump(by_alias=True, exclude_none=True, mode="json")
-                                            for t in extra.topology_spread_constraints]
-    if extra.affinity is not None:
-        _merge_affinity(affinity, extra.affinity.model_dump(by_alias=True, exclude_none=True, mode="json"))
-
-
-_REQUIRED, _PREFERRED = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
-
-
-def _merge_affinity(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """The user's affinity added to the operator's: every term of both must hold. Required node selector terms
-    are ORed by the scheduler, so each of the user's terms gets the operator's requirements (the avoided nodes);
-    the pod (anti-)affinity terms of both are ANDed already; preferences add up."""
-    for kind in ("podAffinity", "podAntiAffinity"):
-        if kind in theirs:
-            merged = ours.setdefault(kind, {})
-            for when in (_REQUIRED, _PREFERRED):
-                if theirs[kind].get(when):
-                    merged[when] = [*merged.get(when, []), *theirs[kind][when]]
-            if not merged:
-                del ours[kind]
-    node = theirs.get("nodeAffinity") or {}
-    if node.get(_PREFERRED):
-        ours.setdefault("nodeAffinity", {})[_PREFERRED] = node[_PREFERRED]
-    if node.get(_REQUIRED):
-        mine = (ours.get("nodeAffinity") or {}).get(_REQUIRED, {"nodeSelectorTerms": [{}]})["nodeSelectorTerms"]
-        terms = [{k: [*a.get(k, []), *b.get(k, [])] for k in ("matchExpressions", "matchFields") if a.get(k) or b.get(k)}
-                 for b in node[_REQUIRED]["nodeSelectorTerms"] for a in mine]
-        ours.setdefault("nodeAffinity", {})[_REQUIRED] = {"nodeSelectorTerms": terms}
 
 
 def replicated_job_plan(spec: MegatronJobSpec) -> list[tuple[str, int, int | None]]:

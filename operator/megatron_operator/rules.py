@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import blocks
 from .expr import (
     All,
     At,
@@ -20,9 +21,7 @@ from .expr import (
     Expr,
     Field,
     Filter,
-    Get,
     Has,
-    In,
     Index,
     LastIndexOf,
     Lit,
@@ -37,17 +36,9 @@ from .expr import (
 )
 from .names import (
     CHECKPOINT_MOUNT,
-    FIXED_JOB_LABELS,
-    JOB_NAME_VALUED_LABELS,
-    LABEL_JOB_NAME,
     MAX_NAME_LENGTH,
-    OPERATOR_MOUNTS,
-    OPERATOR_VOLUMES,
     RFC1035_LABEL,
     S3_ENDPOINT,
-    SYSTEM_MOUNTS,
-    TRAINER_CONTAINER,
-    VOLUME_TYPES,
     WORKLOAD_IDENTITY_ANNOTATIONS,
 )
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
@@ -57,12 +48,9 @@ from .vocab.rule import (
     Rule,
     all_of,
     any_of,
-    count_present,
-    first_attr,
     multiple_hint,
     no_literal_env,
     qualified_keys_rule,
-    unique_by,
 )
 from .vocab.values import (
     MODEL_VALUES,
@@ -803,136 +791,8 @@ SPEC_RULES += [
 ]
 
 
-
-# --------------------------------------------------------------------------------------------
-# spec.pod: extra volumes, mounts, init containers and sidecars, placement (docs/pod-customization.md)
-# --------------------------------------------------------------------------------------------
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.strip("/").split("/")
-    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def _alt(paths) -> str:
-    return "|".join(p.replace(".", r"\.") for p in dict.fromkeys(paths))
-
-
-# A mount path on, inside or around one of the operator's own mounts (the paths are schema-normalised: absolute,
-# no trailing slash, no '.' or '..' parts, so a prefix test is exact). /var/run is /run in most images.
-_RESERVED = [*OPERATOR_MOUNTS, *(p.replace("/var/run/", "/run/", 1) for p in OPERATOR_MOUNTS if p.startswith("/var/run/"))]
-RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS])})(/.*)?$|"
-                     f"^({_alt(a for p in _RESERVED for a in _ancestors(p))})$")
-RESERVED_VOLUME_RE = f"^({_alt(OPERATOR_VOLUMES)})$"
-INTEGER_RE = r"^-?[0-9]{1,18}$"
-
-has_pod = has("pod")
-pod_volumes = f("pod.volumes")
-pod_mounts = f("pod.volumeMounts")
-pod_inits = f("pod.initContainers")
-
-
-def _known_volume(mount: str) -> Expr:
-    return Size(Filter(pod_volumes, "v", Field("name", "v").eq(Field("name", mount)))) > 0
-
-
-def _requirement_ok(r: str) -> Expr:
-    """A label or node selector requirement as the API server validates it: In/NotIn take values, Exists and
-    DoesNotExist none, Gt and Lt one integer."""
-    op, values = Field("operator", r), Field("values", r)
-    return cond(op.eq("In") | op.eq("NotIn"), Size(values) > 0,
-                cond(op.eq("Exists") | op.eq("DoesNotExist"), Size(values).eq(0),
-                     Size(values).eq(1) & Matches(Index(values, 0), INTEGER_RE)))
-
-
-def _requirements_ok(items: Expr, var: str, path: str) -> Expr:
-    """Every requirement of the selector at ``path`` (under each of ``items``) is well formed."""
-    return All(items, var, All(Field(path, var), "r", _requirement_ok("r")))
-
-
-def _label_selectors_ok(terms: Expr, var: str, prefix: str = "") -> Expr:
-    return _requirements_ok(terms, var, f"{prefix}labelSelector.matchExpressions")
-
-
-_affinity = "pod.affinity"
-_node_affinity = f"{_affinity}.nodeAffinity"
-_REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
-
-
-def _pod_affinity_ok(kind: str) -> Expr:
-    base = f"{_affinity}.{kind}"
-    return ~has(base) | (_label_selectors_ok(f(f"{base}.{_REQ}"), "t")
-                         & _label_selectors_ok(f(f"{base}.{_PREF}"), "t", "podAffinityTerm."))
-
-
-selectors_ok = (
-    (~has(_affinity) | (
-        (~has(_node_affinity) | (
-            (~has(f"{_node_affinity}.{_REQ}")
-             | _requirements_ok(f(f"{_node_affinity}.{_REQ}.nodeSelectorTerms"), "t", "matchExpressions"))
-            & _requirements_ok(f(f"{_node_affinity}.{_PREF}"), "t", "preference.matchExpressions")))
-        & _pod_affinity_ok("podAffinity") & _pod_affinity_ok("podAntiAffinity")))
-    & All(f("pod.topologySpreadConstraints"), "t", ~Has(Field("labelSelector", "t"))
-          | All(Field("labelSelector.matchExpressions", "t"), "r", _requirement_ok("r"))))
-
-_init_env_ok = (~(Has(Field("value", "e")) & Has(Field("valueFrom", "e")))
-                & (~Has(Field("valueFrom", "e"))
-                   | Has(Field("valueFrom.secretKeyRef", "e")).ne(Has(Field("valueFrom.configMapKeyRef", "e"))))
-                & ~(Has(Field("value", "e")) & (Matches(Field("name", "e"), CREDENTIAL_ENV_RE)
-                                                  | Matches(Field("value", "e"), URL_USERINFO_RE))))
-
-SPEC_RULES += [
-    Rule("pod-volume-one-source", "pod.volumes",
-         All(pod_volumes, "v", count_present("v", VOLUME_TYPES).eq(1)), when=has_pod,
-         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", count_present("v", VOLUME_TYPES).ne(1)),
-                     " needs exactly one source: " + ", ".join(VOLUME_TYPES))),
-    Rule("pod-volume-names-unique", "pod.volumes",
-         All(pod_volumes, "v", unique_by(pod_volumes, "v", "name")), when=has_pod,
-         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", ~unique_by(pod_volumes, "v", "name")),
-                     " is given more than once; give each volume its own name")),
-    Rule("pod-volume-names-not-reserved", "pod.volumes",
-         All(pod_volumes, "v", ~Matches(Field("name", "v"), RESERVED_VOLUME_RE)), when=has_pod,
-         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", Matches(Field("name", "v"), RESERVED_VOLUME_RE)),
-                     " is the name of one of the operator's own volumes (" + ", ".join(OPERATOR_VOLUMES)
-                     + "); use another name")),
-    Rule("pod-mounts-known-volume", "pod.volumeMounts",
-         All(pod_mounts, "m", _known_volume("m")), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", ~_known_volume("m")),
-                     " is not a volume of spec.pod.volumes; the trainer mounts only the volumes listed there")),
-    Rule("pod-mounts-not-reserved", "pod.volumeMounts",
-         All(pod_mounts, "m", ~Matches(Field("mountPath", "m"), RESERVED_MOUNT_RE)), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", Matches(Field("mountPath", "m"),
-                                                                               RESERVED_MOUNT_RE), "mountPath"),
-                     " is on, inside or around one of the operator's own mounts (" + ", ".join(OPERATOR_MOUNTS)
-                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + "; mount it elsewhere, e.g. "
-                     "under /mnt")),
-    Rule("pod-mount-paths-unique", "pod.volumeMounts",
-         All(pod_mounts, "m", unique_by(pod_mounts, "m", "mountPath")), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", ~unique_by(pod_mounts, "m", "mountPath"),
-                                                      "mountPath"), " is mounted more than once")),
-    Rule("pod-init-container-names", "pod.initContainers",
-         All(pod_inits, "c", unique_by(pod_inits, "c", "name") & Field("name", "c").ne(TRAINER_CONTAINER)),
-         when=has_pod,
-         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~unique_by(pod_inits, "c", "name")
-                                                        | Field("name", "c").eq(TRAINER_CONTAINER)),
-                     " is given more than once or is the trainer's own name; give each container its own name")),
-    Rule("pod-init-container-mounts-known-volume", "pod.initContainers",
-         All(pod_inits, "c", All(Field("volumeMounts", "c"), "m", _known_volume("m"))), when=has_pod,
-         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(Field("volumeMounts", "c"), "m",
-                                                                              _known_volume("m"))),
-                     " mounts a volume that is not in spec.pod.volumes (init containers and sidecars mount only "
-                     "those)")),
-    Rule("pod-init-container-env", "pod.initContainers",
-         All(pod_inits, "c", All(Field("env", "c"), "e", _init_env_ok)), when=has_pod,
-         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(Field("env", "c"), "e", _init_env_ok)),
-                     " has an env entry with both value and valueFrom, a valueFrom without exactly one of "
-                     "secretKeyRef and configMapKeyRef, or a credential as a literal value (an AWS key, a URL with "
-                     "user info); put credentials in a Secret (valueFrom.secretKeyRef or a secret volume)")),
-    Rule("pod-selector-requirements", "pod",
-         selectors_ok, when=has_pod,
-         message=lit("spec.pod: a label or node selector requirement is malformed: operator In and NotIn need "
-                     "values, Exists and DoesNotExist take none, Gt and Lt take one integer")),
-]
+# spec.pod (docs/pod-customization.md): its rules are the block's (blocks/pod.py)
+SPEC_RULES += blocks.pod.RULES
 
 
 # --------------------------------------------------------------------------------------------
@@ -941,6 +801,8 @@ SPEC_RULES += [
 # --------------------------------------------------------------------------------------------
 
 has_wandb = has("logging.wandb")
+has_pod = has("pod")
+pod_mounts = f("pod.volumeMounts")
 wandb_offline = has_wandb & f("logging.wandb.mode").eq("offline")
 wandb_dir = f("logging.wandb.saveDir")
 has_ckpt_pvc = has("checkpoint") & has("checkpoint.pvc")
@@ -992,66 +854,7 @@ OBJECT_RULES: list[Rule] = [
                      "checkpoints, e.g. exports/<name>")),
 ]
 
-# A user's required pod-affinity term on a job whose tensor-parallel groups span pods. Each such pod already has
-# the operator's required term "next to the pods of my group" (render: the group's pods on one host), and
-# kube-scheduler's InterPodAffinity filter counts only existing pods that match *all* of a pod's required terms
-# (the first pod of a series passes only if it matches all its terms itself). A term of the user's that does
-# not select the job's own pods therefore can never be met together with the group's: no worker is ever
-# placed, without an error anywhere. It can be met when it selects the job's own pods (e.g. "every worker of
-# this job in one zone"): check it against the labels every pod of the job carries (render.labels_for and
-# spec.podMetadata.labels; the tensor-parallel group and JobSet's labels differ between pods and are not used).
-_pod_labels = f("spec.podMetadata.labels")
-_has_pod_labels = has("spec.podMetadata") & has("spec.podMetadata.labels")
-
-
-def _own_has(key: Expr) -> Expr:
-    known: Expr | None = None
-    for k in (*FIXED_JOB_LABELS, *JOB_NAME_VALUED_LABELS):
-        known = key.eq(k) if known is None else known | key.eq(k)
-    return known | (_has_pod_labels & In(key, _pod_labels))
-
-
-def _own_value(key: Expr) -> Expr:
-    """The value of label ``key`` on every pod of the job (guard with ``_own_has``)."""
-    value: Expr = Get(_pod_labels, key)
-    for k, v in FIXED_JOB_LABELS.items():
-        value = cond(key.eq(k), v, value)
-    for k in JOB_NAME_VALUED_LABELS:
-        value = cond(key.eq(k), job_name, value)
-    return value
-
-
-def _own_pods_meet(r: str) -> Expr:
-    """Label selector requirement ``r`` holds for the job's own pods."""
-    op, key, values = Field("operator", r), Field("key", r), Field("values", r)
-    present = _own_has(key)
-    return cond(op.eq("In"), present & In(_own_value(key), values),
-                cond(op.eq("NotIn"), ~present | ~In(_own_value(key), values),
-                     cond(op.eq("Exists"), present, ~present)))
-
-
-_match_labels = Field("labelSelector.matchLabels", "t")
-_selects_own_pods = ((~Has(_match_labels) | All(_match_labels, "k", _own_has(Var("k"))
-                                                 & _own_value(Var("k")).eq(Get(_match_labels, Var("k")))))
-                     & All(Field("labelSelector.matchExpressions", "t"), "r", _own_pods_meet("r")))
-_user_required_pod_affinity = f(f"spec.pod.affinity.podAffinity.{_REQ}")
-
-OBJECT_RULES += [
-    Rule("pod-affinity-selects-own-pods", f"spec.pod.affinity.podAffinity.{_REQ}",
-         All(_user_required_pod_affinity, "t", _selects_own_pods),
-         when=has("spec.pod") & has("spec.pod.affinity") & has("spec.pod.affinity.podAffinity")
-         & has(f"spec.pod.affinity.podAffinity.{_REQ}")
-         & (f("spec.parallelism.tensor") > f("spec.gpusPerNode")),
-         message=fmt("spec.pod.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution: with "
-                     "spec.parallelism.tensor ", f("spec.parallelism.tensor").str(), " larger than spec.gpusPerNode ",
-                     f("spec.gpusPerNode").str(), " every worker already has a required pod affinity that keeps "
-                     "its tensor-parallel group on one host, and kube-scheduler places a pod only next to an "
-                     "existing pod that matches all of its required terms at once; a term that does not select "
-                     "this job's own pods would leave every worker Pending. Select the job's pods (matchLabels "
-                     + LABEL_JOB_NAME + ": ", job_name, ", or labels of spec.podMetadata.labels) with the "
-                     "topologyKey you need, or make the term preferredDuringSchedulingIgnoredDuringExecution, or "
-                     "use nodeAffinity")),
-]
+OBJECT_RULES += blocks.pod.OBJECT_RULES
 
 NAME_RULE = {
     "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches({RFC1035_LABEL!r})",

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from . import rules
+from . import blocks, rules
 from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: re-exported, the API's identity)
     API_VERSION,
     GROUP,
@@ -26,7 +26,6 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
     RFC1035_LABEL,
     S3_ENDPOINT,
     VERSION,
-    VOLUME_TYPES,
     WORKLOAD_IDENTITY_ANNOTATIONS,
 )
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
@@ -37,7 +36,6 @@ from .vocab.patterns import (
     DNS_LABEL,
     LABEL_VALUE,
     MAX_SAFE_INT,
-    QUALIFIED_NAME_RE,
     REL_PATH,
     RESOURCE_NAME,
 )
@@ -513,244 +511,6 @@ class PodMetadata(ApiModel):
         default_factory=dict, max_length=32, description="Pod annotations.")
 
 
-# --------------------------------------------------------------------------------------------
-# spec.pod: what a platform team adds to every trainer pod (volumes, init containers, sidecars,
-# placement), in the shape of core/v1 and of Kubeflow Trainer's PodSpecPatch, restricted to what a
-# training job needs. hostPath, privilege and added capabilities exist here only so that the cluster's
-# guardrails (guardrails.py) can refuse them by default and an admin can allow them by name; host
-# namespaces, the pod's ServiceAccount and projected tokens are not fields at all.
-# --------------------------------------------------------------------------------------------
-
-# A container image reference: no whitespace or control characters (the registry guardrail compares prefixes).
-IMAGE_REF = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
-# Linux capability names as the container runtime takes them (CAP_ prefix optional).
-CAPABILITY = r"^[A-Z][A-Z0-9_]*$"
-
-
-class KeyToPath(ApiModel):
-    """One key of a ConfigMap or Secret as a file."""
-
-    key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
-    path: str = Field(..., min_length=1, max_length=253, pattern=REL_PATH, description="File path inside the "
-                      "volume (relative, no '..').")
-
-
-class ConfigMapVolume(ApiModel):
-    name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="ConfigMap in the job's namespace.")
-    items: list[KeyToPath] = Field(default_factory=list, max_length=32, description="Keys to project (default: all).")
-    default_mode: int | None = Field(None, ge=0, le=0o777, description="File mode bits (decimal in JSON).")
-    optional: bool | None = None
-
-
-class SecretVolume(ApiModel):
-    secret_name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace.")
-    items: list[KeyToPath] = Field(default_factory=list, max_length=32, description="Keys to project (default: all).")
-    default_mode: int | None = Field(None, ge=0, le=0o777, description="File mode bits (decimal in JSON).")
-    optional: bool | None = None
-
-
-class PvcVolume(ApiModel):
-    claim_name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim in the "
-                            "job's namespace (e.g. a dataset on NFS or a CSI share).")
-    read_only: bool | None = None
-
-
-class EmptyDirVolume(ApiModel):
-    medium: Literal["", "Memory"] | None = None
-    size_limit: Quantity | None = None
-
-
-class CsiVolume(ApiModel):
-    """A CSI ephemeral inline volume (the driver must support the Ephemeral lifecycle mode)."""
-
-    driver: str = Field(..., max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
-    read_only: bool | None = None
-    fs_type: str | None = Field(None, max_length=32, pattern=r"^[a-z0-9]+$")
-    volume_attributes: dict[Annotated[str, Field(max_length=253)], Annotated[str, Field(max_length=1024)]] = Field(
-        default_factory=dict, max_length=16)
-
-
-class ImageVolume(ApiModel):
-    """An OCI image or artifact mounted read-only (Kubernetes' ImageVolume feature, where the cluster has it)."""
-
-    reference: str = Field(..., max_length=512, pattern=IMAGE_REF)
-    pull_policy: Literal["Always", "Never", "IfNotPresent"] | None = None
-
-
-class HostPathVolume(ApiModel):
-    """A directory of the node. Refused unless the cluster admin allows the type (guardrails.allowedVolumeTypes)."""
-
-    path: str = Field(..., max_length=512, pattern=ABS_PATH)
-    type: Literal["", "Directory", "DirectoryOrCreate", "File", "FileOrCreate"] | None = None
-
-
-class Volume(ApiModel):
-    """A volume of the trainer pods: a name and exactly one source."""
-
-    name: str = Field(..., max_length=63, pattern=DNS_LABEL)
-    persistent_volume_claim: PvcVolume | None = None
-    config_map: ConfigMapVolume | None = None
-    secret: SecretVolume | None = None
-    empty_dir: EmptyDirVolume | None = None
-    csi: CsiVolume | None = None
-    image: ImageVolume | None = None
-    host_path: HostPathVolume | None = None
-
-    def volume_type(self) -> str:
-        return next((t for t in VOLUME_TYPES if self.wire().get(t) is not None), "")
-
-
-class VolumeMount(ApiModel):
-    name: str = Field(..., max_length=63, pattern=DNS_LABEL, description="A volume of spec.pod.volumes.")
-    mount_path: str = Field(..., max_length=256, pattern=ABS_PATH, description="Absolute path in the container; "
-                            "never on or around the operator's own mounts (/dev/shm, /tmp, /checkpoints, /data, "
-                            "/hf-init, /hf-export, /var/run/secrets/...).")
-    read_only: bool | None = None
-    sub_path: str | None = Field(None, max_length=256, pattern=REL_PATH)
-
-
-class ResourceAmounts(ApiModel):
-    cpu: Quantity | None = None
-    memory: Quantity | None = None
-    ephemeral_storage: Quantity | None = Field(None, alias="ephemeral-storage")
-
-
-class ContainerResources(ApiModel):
-    requests: ResourceAmounts | None = None
-    limits: ResourceAmounts | None = None
-
-
-class Capabilities(ApiModel):
-    add: list[Annotated[str, Field(max_length=64, pattern=CAPABILITY)]] = Field(
-        default_factory=list, max_length=16, description="Refused unless the container's image is in "
-        "guardrails.allowedPrivilegedImages. Every other capability is dropped.")
-
-
-class ContainerSecurityContext(ApiModel):
-    """The container runs as the pod does (non-root, uid 1000, seccomp RuntimeDefault, all capabilities
-    dropped, no privilege escalation) unless it says otherwise here."""
-
-    run_as_user: int | None = Field(None, ge=1, le=2147483647, description="A non-root uid.")
-    run_as_group: int | None = Field(None, ge=1, le=2147483647, description="A non-root gid.")
-    read_only_root_filesystem: bool | None = None
-    privileged: bool | None = Field(None, description="Refused unless the container's image is in "
-                                    "guardrails.allowedPrivilegedImages.")
-    capabilities: Capabilities | None = None
-
-
-class PodContainer(ApiModel):
-    """An init container of the trainer pods; with restartPolicy Always, a native sidecar that runs beside the
-    trainer for the pod's life and never holds the job back (the pod completes when the trainer does)."""
-
-    name: str = Field(..., max_length=63, pattern=DNS_LABEL)
-    image: str = Field(..., max_length=512, pattern=IMAGE_REF)
-    restart_policy: Literal["Always"] | None = Field(None, description="Always: a sidecar (starts before the "
-                                                     "trainer, stopped after it).")
-    command: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=64)
-    args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=64)
-    working_dir: str | None = Field(None, max_length=256, pattern=ABS_PATH)
-    env: list[EnvVar] = Field(default_factory=list, max_length=32)
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=16, description="Mounts of "
-                                             "spec.pod.volumes.")
-    resources: ContainerResources | None = None
-    security_context: ContainerSecurityContext | None = None
-
-
-LabelKey = Annotated[str, Field(max_length=316, pattern=QUALIFIED_NAME_RE)]
-LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
-
-
-class LabelSelectorRequirement(ApiModel):
-    key: LabelKey
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[LabelValue] = Field(default_factory=list, max_length=32)
-
-
-class LabelSelector(ApiModel):
-    match_labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=16)
-    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=16)
-
-
-class NodeSelectorRequirement(ApiModel):
-    key: LabelKey
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
-    values: list[LabelValue] = Field(default_factory=list, max_length=32)
-
-
-class NodeSelectorTerm(ApiModel):
-    match_expressions: list[NodeSelectorRequirement] = Field(default_factory=list, max_length=16)
-
-
-class NodeSelector(ApiModel):
-    node_selector_terms: list[NodeSelectorTerm] = Field(..., min_length=1, max_length=8)
-
-
-class PreferredSchedulingTerm(ApiModel):
-    weight: int = Field(..., ge=1, le=100)
-    preference: NodeSelectorTerm
-
-
-class NodeAffinity(ApiModel):
-    required_during_scheduling_ignored_during_execution: NodeSelector | None = None
-    preferred_during_scheduling_ignored_during_execution: list[PreferredSchedulingTerm] = Field(
-        default_factory=list, max_length=8)
-
-
-class PodAffinityTerm(ApiModel):
-    """Pods of the job's own namespace only (no namespaces or namespaceSelector)."""
-
-    label_selector: LabelSelector
-    topology_key: LabelKey
-
-
-class WeightedPodAffinityTerm(ApiModel):
-    weight: int = Field(..., ge=1, le=100)
-    pod_affinity_term: PodAffinityTerm
-
-
-class PodAffinity(ApiModel):
-    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(default_factory=list,
-                                                                                      max_length=8)
-    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
-        default_factory=list, max_length=8)
-
-
-class Affinity(ApiModel):
-    """Merged with the operator's own rules (a tensor-parallel group's pods on one host, nodes avoided after
-    a failure): added to them, never replacing them."""
-
-    node_affinity: NodeAffinity | None = None
-    pod_affinity: PodAffinity | None = None
-    pod_anti_affinity: PodAffinity | None = None
-
-
-class TopologySpreadConstraint(ApiModel):
-    max_skew: int = Field(..., ge=1, le=1000)
-    topology_key: LabelKey
-    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
-    label_selector: LabelSelector | None = None
-    min_domains: int | None = Field(None, ge=1, le=1000)
-    match_label_keys: list[LabelKey] = Field(default_factory=list, max_length=8)
-    node_affinity_policy: Literal["Honor", "Ignore"] | None = None
-    node_taints_policy: Literal["Honor", "Ignore"] | None = None
-
-
-class PodSpecAdditions(ApiModel):
-    """Added to every trainer pod (docs/pod-customization.md); the operator's own volumes, mounts, affinity
-    and security settings stay as they are."""
-
-    volumes: list[Volume] = Field(default_factory=list, max_length=16, description="Extra volumes: "
-                                  "persistentVolumeClaim, configMap, secret, emptyDir, csi (ephemeral), image; "
-                                  "hostPath only where the cluster allows it (guardrails.allowedVolumeTypes).")
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=16, description="Mounts of these "
-                                             "volumes in the trainer container.")
-    init_containers: list[PodContainer] = Field(default_factory=list, max_length=8, description="Init "
-                                                "containers (run to completion, in order, before the trainer "
-                                                "starts) and native sidecars (restartPolicy: Always).")
-    affinity: Affinity | None = Field(None, description="Extra affinity, merged with the operator's own.")
-    topology_spread_constraints: list[TopologySpreadConstraint] = Field(default_factory=list, max_length=8)
-
-
 class MegatronJobSpec(ApiModel):
     """Desired state of a MegatronJob: one Megatron-Core pretraining run."""
 
@@ -787,7 +547,7 @@ class MegatronJobSpec(ApiModel):
                               "trainer container.")
     pod_metadata: PodMetadata = Field(default_factory=PodMetadata, description="Extra pod labels and "
                                       "annotations.")
-    pod: PodSpecAdditions | None = Field(None, description="Extra volumes and their mounts in the trainer, init "
+    pod: blocks.pod.PodSpecAdditions | None = Field(None, description="Extra volumes and their mounts in the trainer, init "
                                          "containers and sidecars, affinity and topology spread for every "
                                          "trainer pod, within the cluster's guardrails.")
     termination_grace_period_seconds: int | None = Field(
