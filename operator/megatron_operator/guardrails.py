@@ -75,11 +75,6 @@ GUARDRAILS: tuple[Guardrail, ...] = (
               "(spec.checkpoint.objectStore.serviceAccountAnnotations) if the cluster allows it",
               "!has(spec.checkpoint) || !has(spec.checkpoint.objectStore) || "
               "!has(spec.checkpoint.objectStore.credentialsSecret)"),
-    # And the Weights & Biases API key Secret, mounted the same way.
-    Guardrail("wandb-secret", "spec.logging.wandb.apiKeySecret", "denySecretEnv",
-              "Secret references are not allowed here; use spec.logging.wandb.mode offline (no key) and "
-              "`wandb sync` the run from outside the cluster",
-              "!has(spec.logging) || !has(spec.logging.wandb) || !has(spec.logging.wandb.apiKeySecret)"),
     Guardrail("image-pull-secrets", "spec.imagePullSecrets", "denyImagePullSecrets",
               "not allowed here; the cluster provides image pull credentials",
               "!has(spec.imagePullSecrets) || size(spec.imagePullSecrets) == 0"),
@@ -101,6 +96,8 @@ GUARDRAILS: tuple[Guardrail, ...] = (
 
 # spec.pod's guardrails are the block's (blocks/pod.py)
 GUARDRAILS += blocks.pod.GUARDRAILS
+# spec.logging.wandb's (blocks/wandb.py)
+GUARDRAILS += blocks.wandb.GUARDRAILS
 
 _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
@@ -133,8 +130,6 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
     store = spec.checkpoint.object_store if spec.checkpoint else None
     if settings.deny_secret_env and store is not None and store.credentials_secret:
         yield g["spec.checkpoint.objectStore.credentialsSecret"], "", ""
-    if settings.deny_secret_env and spec.logging.wandb is not None and spec.logging.wandb.api_key_secret is not None:
-        yield g["spec.logging.wandb.apiKeySecret"], "", ""
     if settings.deny_image_pull_secrets and spec.image_pull_secrets:
         yield g["spec.imagePullSecrets"], "", ""
     denied = listed(settings.denied_metadata_keys)
@@ -147,6 +142,7 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
             yield g["spec.checkpoint.objectStore.serviceAccountAnnotations"], k, ", ".join(denied)
     if spec.pod is not None:
         yield from blocks.pod.guardrail_violations(spec.pod, settings)
+    yield from blocks.wandb.guardrail_violations(spec.logging.wandb, settings)
 
 
 def guardrail_problems(job: MegatronJob, settings: Settings) -> list[Problem]:

@@ -86,7 +86,7 @@ OBJECT_STORE_CREDENTIALS_MOUNT = "/var/run/secrets/megatron-operator/object-stor
 #: Where the Weights & Biases API key Secret is mounted (read-only): the trainer reads the file `key` there.
 WANDB_API_KEY_MOUNT = "/var/run/secrets/megatron-operator/wandb"
 #: Where the Weights & Biases run's files go without spec.logging.wandb.saveDir: beside the checkpoints, on a PVC
-#: (render.wandb_save_dir), else this scratch directory (online mode only).
+#: (blocks/wandb.py, save_dir), else this scratch directory (online mode only).
 WANDB_SCRATCH_DIR = "/tmp/wandb"
 #: Where the job's ServiceAccount token is (the kubelet's automount, or render's trainer-token volume).
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -52,9 +52,6 @@ from .names import (
     TMP_VOLUME,
     TRAINER_APP_NAME,
     TRAINER_CONTAINER,
-    WANDB_API_KEY_MOUNT,
-    WANDB_API_KEY_VOLUME,
-    WANDB_SCRATCH_DIR,
 )
 from .rules import derived_layout, resolved_model
 from .settings import Settings
@@ -101,16 +98,6 @@ def hf_export_location(job: MegatronJob) -> str:
     if store is not None:
         return f"s3://{store.bucket}/{export.path}"
     return f"{HF_EXPORT_MOUNT}/{export.path}"
-
-
-
-
-def wandb_save_dir(job: MegatronJob) -> str:
-    """--wandb-save-dir: spec.logging.wandb.saveDir, else <checkpoint dir>/wandb on the checkpoint PVC, else the
-    pod's scratch (online mode only: rules' wandb-offline-needs-volume)."""
-    wandb = job.spec.logging.wandb
-    ckpt_dir = checkpoint_dir(job)
-    return wandb.save_dir or (f"{ckpt_dir}/wandb" if ckpt_dir else WANDB_SCRATCH_DIR)
 
 
 def checkpoint_location(job: MegatronJob) -> str | None:
@@ -315,16 +302,9 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("exit-signal-handler")
         if spec.logging.tensorboard:
             flag("tensorboard-dir", f"{ckpt_dir}/tensorboard")
-    # Weights & Biases: names and where the files go; the key only as a path (the Secret volume, _pod_spec)
-    if (wandb := spec.logging.wandb) is not None:
-        flag("wandb-project", wandb.project)
-        if wandb.entity:
-            flag("wandb-entity", wandb.entity)
-        flag("wandb-exp-name", wandb.name or job.metadata.name)
-        flag("wandb-mode", wandb.mode)
-        flag("wandb-save-dir", wandb_save_dir(job))
-        if wandb.api_key_secret is not None:
-            flag("wandb-api-key-file", f"{WANDB_API_KEY_MOUNT}/key")
+    # Weights & Biases: names and where the files go; the key only as a path (the block's Secret volume)
+    if spec.logging.wandb is not None:
+        a += blocks.wandb.flags(spec.logging.wandb, job.metadata.name, ckpt_dir)
     # Hugging Face import/export
     if spec.init is not None:
         flag("hf-init", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
@@ -439,50 +419,47 @@ def _resources(spec: MegatronJobSpec) -> dict[str, Any]:
     return out
 
 
-def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], first_rjob: str,
-              tp_group: int | None, avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
-    spec = job.spec
-    name = job.metadata.name
-    volumes: list[dict[str, Any]] = [
+def _volumes(spec: MegatronJobSpec, settings: Settings) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The trainer pod's own volumes (names.OPERATOR_VOLUME_MOUNTS), each with the trainer container's mount of it,
+    in the order the pod lists them; spec.pod's come after them (blocks/pod.py)."""
+    out = [
         # NCCL, data-loader workers and async checkpoints need far more than the 64 MiB default.
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
-        {"name": TMP_VOLUME, "emptyDir": {}},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": SHM_VOLUME, "mountPath": SHM_MOUNT},
-        {"name": TMP_VOLUME, "mountPath": TMP_MOUNT},
+        ({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
+         {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}),
+        ({"name": TMP_VOLUME, "emptyDir": {}}, {"name": TMP_VOLUME, "mountPath": TMP_MOUNT}),
     ]
     if spec.checkpoint is not None and spec.checkpoint.pvc is not None:
-        volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
-        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_MOUNT})
+        out.append(({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}},
+                    {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_MOUNT}))
     store = spec.checkpoint.object_store if spec.checkpoint else None
     if store is not None and store.credentials_secret:
         # The user's own Secret in the job's namespace (the kubelet reads it with the pod's rights there;
         # the operator never reads or copies it), one key as the file `credentials`, readable by the
         # trainer's group only (fsGroup).
-        volumes.append({"name": OBJECT_STORE_CREDENTIALS_VOLUME, "secret": {
+        out.append(({"name": OBJECT_STORE_CREDENTIALS_VOLUME, "secret": {
             "secretName": store.credentials_secret, "defaultMode": 0o440,
-            "items": [{"key": store.credentials_key, "path": "credentials"}]}})
-        mounts.append({"name": OBJECT_STORE_CREDENTIALS_VOLUME, "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT,
-                       "readOnly": True})
-    wandb = spec.logging.wandb
-    if wandb is not None and wandb.api_key_secret is not None:
-        # As the object-store credentials: the user's own Secret in the job's namespace, read by the kubelet with
-        # the pod's rights; one key as the file `key`, readable by the trainer's group only (fsGroup).
-        volumes.append({"name": WANDB_API_KEY_VOLUME, "secret": {
-            "secretName": wandb.api_key_secret.name, "defaultMode": 0o440,
-            "items": [{"key": wandb.api_key_secret.key, "path": "key"}]}})
-        mounts.append({"name": WANDB_API_KEY_VOLUME, "mountPath": WANDB_API_KEY_MOUNT, "readOnly": True})
+            "items": [{"key": store.credentials_key, "path": "credentials"}]}},
+            {"name": OBJECT_STORE_CREDENTIALS_VOLUME, "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT, "readOnly": True}))
+    out += blocks.wandb.volumes(spec.logging.wandb)
     if spec.data.pvc is not None:
-        volumes.append({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
-        mounts.append({"name": DATA_VOLUME, "mountPath": DATA_MOUNT, "readOnly": True})
+        out.append(({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}},
+                    {"name": DATA_VOLUME, "mountPath": DATA_MOUNT, "readOnly": True}))
     if spec.init is not None:
-        volumes.append({"name": HF_INIT_VOLUME, "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
-                                                                     "readOnly": True}})
-        mounts.append({"name": HF_INIT_VOLUME, "mountPath": HF_INIT_MOUNT, "readOnly": True})
+        out.append(({"name": HF_INIT_VOLUME, "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
+                                                                        "readOnly": True}},
+                    {"name": HF_INIT_VOLUME, "mountPath": HF_INIT_MOUNT, "readOnly": True}))
     if spec.export is not None and spec.export.hugging_face.pvc is not None:
-        volumes.append({"name": HF_EXPORT_VOLUME, "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}})
-        mounts.append({"name": HF_EXPORT_VOLUME, "mountPath": HF_EXPORT_MOUNT})
+        out.append(({"name": HF_EXPORT_VOLUME, "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}},
+                    {"name": HF_EXPORT_VOLUME, "mountPath": HF_EXPORT_MOUNT}))
+    return out
+
+
+def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], first_rjob: str,
+              tp_group: int | None, avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
+    spec = job.spec
+    name = job.metadata.name
+    own = _volumes(spec, settings)
+    volumes, mounts = [v for v, _ in own], [m for _, m in own]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image or settings.default_image,

@@ -35,7 +35,6 @@ from .expr import (
     lit,
 )
 from .names import (
-    CHECKPOINT_MOUNT,
     MAX_NAME_LENGTH,
     RFC1035_LABEL,
     S3_ENDPOINT,
@@ -795,46 +794,8 @@ SPEC_RULES += [
 SPEC_RULES += blocks.pod.RULES
 
 
-# --------------------------------------------------------------------------------------------
-# spec.logging.wandb: Weights & Biases (docs/experiment-tracking.md). The key is a Secret's file; the run's
-# files go to a volume that outlives the pod.
-# --------------------------------------------------------------------------------------------
-
-has_wandb = has("logging.wandb")
-has_pod = has("pod")
-pod_mounts = f("pod.volumeMounts")
-wandb_offline = has_wandb & f("logging.wandb.mode").eq("offline")
-wandb_dir = f("logging.wandb.saveDir")
-has_ckpt_pvc = has("checkpoint") & has("checkpoint.pvc")
-# A writable spec.pod mount at or above the directory (mount paths are schema-normalised, so a prefix test is exact).
-_writable_mount_above = Size(Filter(pod_mounts, "m", (wandb_dir.eq(Field("mountPath", "m"))
-                                                      | StartsWith(wandb_dir, Field("mountPath", "m") + "/"))
-                                    & ~(Has(Field("readOnly", "m")) & Field("readOnly", "m")))) > 0
-# Variables that hold the W&B API key itself (wandb's env settings); WANDB_*_FILE-style paths are no key.
-WANDB_KEY_ENV_RE = r"^(WANDB_API_KEY|WANDB_IDENTITY_TOKEN)$"
-
-SPEC_RULES += [
-    Rule("wandb-online-needs-key", "logging.wandb.apiKeySecret",
-         has("logging.wandb.apiKeySecret"), when=has_wandb & f("logging.wandb.mode").eq("online"),
-         message=lit("spec.logging.wandb.apiKeySecret: mode online sends the run to Weights & Biases and needs an API "
-                     "key from a Secret of the job's namespace; set apiKeySecret: {name: ..., key: api-key}, or "
-                     "mode: offline")),
-    Rule("wandb-offline-needs-volume", "logging.wandb.saveDir",
-         cond(wandb_offline, has("logging.wandb.saveDir") | has_ckpt_pvc, True),
-         message=lit("spec.logging.wandb: an offline run lives only in its files, and the pod's /tmp is lost with the "
-                     "pod; set spec.checkpoint.pvc (the run goes to <checkpoint dir>/wandb) or saveDir on a writable "
-                     "spec.pod.volumeMounts path")),
-    Rule("wandb-save-dir-on-volume", "logging.wandb.saveDir",
-         # (a conditional, not `when`: the API server then never evaluates saveDir's reads without a saveDir)
-         cond(has_wandb & has("logging.wandb.saveDir"),
-              (has_ckpt_pvc & StartsWith(wandb_dir, lit(CHECKPOINT_MOUNT + "/"))) | (has_pod & _writable_mount_above),
-              True),
-         message=fmt("spec.logging.wandb.saveDir: ", wandb_dir, " is not on a volume that outlives the pod; use a "
-                     "directory under " + CHECKPOINT_MOUNT + "/ (with spec.checkpoint.pvc) or under a writable "
-                     "spec.pod.volumeMounts path")),
-    no_literal_env("env-no-literal-wandb-key", WANDB_KEY_ENV_RE, "a Weights & Biases key",
-                    "spec.logging.wandb.apiKeySecret"),
-]
+# spec.logging.wandb (docs/experiment-tracking.md): its rules are the block's (blocks/wandb.py)
+SPEC_RULES += blocks.wandb.RULES
 
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
 # they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules

@@ -31,7 +31,6 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
 from .vocab.api import ApiModel, EnvVar, Quantity
 from .vocab.patterns import (
-    ABS_PATH,
     CONFIG_KEY,
     DNS_LABEL,
     LABEL_VALUE,
@@ -394,52 +393,13 @@ class ExportSpec(ApiModel):
         "overwrites: a target that already holds files is refused.")
 
 
-# Weights & Biases names (wandb's own limits: a project name has none of / \\ # ? % : and at most 128
-# characters; entities are user or team names). The trainer checks the project the same way (config.py).
-WANDB_PROJECT = r"^[^/\\#?%:\x00-\x1f\x7f]{1,128}$"
-WANDB_ENTITY = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-WANDB_RUN_NAME = r"^[^\x00-\x1f\x7f]{1,128}$"
-
-
-class SecretKeySelector(ApiModel):
-    """One key of a Secret in the job's namespace."""
-
-    name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace.")
-    key: str = Field("api-key", max_length=253, pattern=CONFIG_KEY, description="The key that holds the value.")
-
-
-class WandbSpec(ApiModel):
-    """Weights & Biases experiment tracking (docs/experiment-tracking.md): the trainer's last rank logs the
-    log line's scalars to a W&B run (Megatron-LM's --wandb-* flags). The API key is read from a file of a
-    Secret volume, never from args or environment values."""
-
-    project: str = Field(..., max_length=128, pattern=WANDB_PROJECT, description="W&B project "
-                         "(--wandb-project): at most 128 characters, none of / \\ # ? % :.")
-    entity: str | None = Field(None, max_length=64, pattern=WANDB_ENTITY, description="W&B user or team "
-                               "(--wandb-entity). Default: the API key's default entity.")
-    name: str | None = Field(None, max_length=128, pattern=WANDB_RUN_NAME, description="Run name "
-                             "(--wandb-exp-name). Default: the MegatronJob's name.")
-    mode: Literal["online", "offline"] = Field("online", description="online: sent to W&B as it trains (needs "
-                                               "apiKeySecret); offline: written to saveDir only, for `wandb sync` "
-                                               "later (no key, no network).")
-    api_key_secret: SecretKeySelector | None = Field(
-        None, description="Secret in the job's namespace holding the API key (kubectl create secret generic "
-        "NAME --from-literal=api-key=...). Mounted read-only into the trainer and named by path only "
-        "(--wandb-api-key-file); never copied, never in args or env values. Required with mode online.")
-    save_dir: str | None = Field(None, max_length=512, pattern=ABS_PATH, description="Directory for the run's "
-                                 "files (--wandb-save-dir): on a volume that outlives the pod, the checkpoint "
-                                 "PVC (under /checkpoints) or a writable spec.pod.volumeMounts path. Default: "
-                                 "<checkpoint dir>/wandb on the checkpoint PVC; without one, /tmp/wandb (online "
-                                 "only: the pod's scratch space is lost with the pod).")
-
-
 class LoggingSpec(ApiModel):
     """What the trainer writes besides its log lines."""
 
     tensorboard: bool = Field(False, description="Write TensorBoard event files (Megatron-LM's scalar names: "
                               "lm loss, learning-rate, grad-norm, throughput, ...) to <checkpoint dir>/tensorboard "
                               "on the checkpoint PVC (--tensorboard-dir); needs spec.checkpoint.")
-    wandb: WandbSpec | None = Field(None, description="Log the training scalars to Weights & Biases "
+    wandb: blocks.wandb.WandbSpec | None = Field(None, description="Log the training scalars to Weights & Biases "
                                     "(docs/experiment-tracking.md).")
 
 
