@@ -68,33 +68,16 @@ GUARDRAILS: tuple[Guardrail, ...] = (
     Guardrail("secret-env", "spec.env", "denySecretEnv",
               "Secret references (valueFrom.secretKeyRef) are not allowed here",
               "!has(spec.env) || !spec.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef))"),
-    # The same switch covers the object-store credentials Secret: a Secret volume is as much a read of
-    # the Secret by the job's pods as a secretKeyRef.
-    Guardrail("object-store-secret", "spec.checkpoint.objectStore.credentialsSecret", "denySecretEnv",
-              "Secret references are not allowed here; use workload identity "
-              "(spec.checkpoint.objectStore.serviceAccountAnnotations) if the cluster allows it",
-              "!has(spec.checkpoint) || !has(spec.checkpoint.objectStore) || "
-              "!has(spec.checkpoint.objectStore.credentialsSecret)"),
     Guardrail("image-pull-secrets", "spec.imagePullSecrets", "denyImagePullSecrets",
               "not allowed here; the cluster provides image pull credentials",
               "!has(spec.imagePullSecrets) || size(spec.imagePullSecrets) == 0"),
     _metadata("labels"),
     _metadata("annotations"),
-    # Workload identity goes on the job's ServiceAccount, not on the pods, but it is the same power
-    # (iam.amazonaws.com/, azure.workload.identity/ are denied by default): the same denied prefixes.
-    Guardrail(
-        "service-account-annotation", "spec.checkpoint.objectStore.serviceAccountAnnotations", "deniedMetadataKeys",
-        "{item} is denied on this cluster (denied key prefixes: {limit})",
-        "!has(spec.checkpoint) || !has(spec.checkpoint.objectStore) || "
-        "!has(spec.checkpoint.objectStore.serviceAccountAnnotations) || "
-        "spec.checkpoint.objectStore.serviceAccountAnnotations.all(k, "
-        "!LIMIT.exists(d, k.lowerAscii().startsWith(d.lowerAscii())))",
-        "spec.checkpoint.objectStore.serviceAccountAnnotations.filter(k, "
-        "LIMIT.exists(d, k.lowerAscii().startsWith(d.lowerAscii())))[0]"),
 )
 
 
-# spec.pod's guardrails are the block's (blocks/pod.py)
+# spec.checkpoint.objectStore's, spec.pod's (blocks/object_store.py, blocks/pod.py)
+GUARDRAILS += blocks.object_store.GUARDRAILS
 GUARDRAILS += blocks.pod.GUARDRAILS
 # spec.logging.wandb's (blocks/wandb.py)
 GUARDRAILS += blocks.wandb.GUARDRAILS
@@ -127,9 +110,6 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
         yield g["spec.queueName"], "", ""
     if settings.deny_secret_env and any(e.value_from and e.value_from.secret_key_ref for e in spec.env):
         yield g["spec.env"], "", ""
-    store = spec.checkpoint.object_store if spec.checkpoint else None
-    if settings.deny_secret_env and store is not None and store.credentials_secret:
-        yield g["spec.checkpoint.objectStore.credentialsSecret"], "", ""
     if settings.deny_image_pull_secrets and spec.image_pull_secrets:
         yield g["spec.imagePullSecrets"], "", ""
     denied = listed(settings.denied_metadata_keys)
@@ -137,9 +117,8 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
         for k in keys:
             if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
                 yield g[f"spec.podMetadata.{where}"], k, ", ".join(denied)
-    for k in store.service_account_annotations if store is not None else ():
-        if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
-            yield g["spec.checkpoint.objectStore.serviceAccountAnnotations"], k, ", ".join(denied)
+    yield from blocks.object_store.guardrail_violations(spec.checkpoint.object_store if spec.checkpoint else None,
+                                                        settings)
     if spec.pod is not None:
         yield from blocks.pod.guardrail_violations(spec.pod, settings)
     yield from blocks.wandb.guardrail_violations(spec.logging.wandb, settings)

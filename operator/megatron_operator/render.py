@@ -43,8 +43,6 @@ from .names import (
     LABEL_MANAGED_BY,
     LABEL_TP_GROUP,
     MANAGED_BY,
-    OBJECT_STORE_CREDENTIALS_MOUNT,
-    OBJECT_STORE_CREDENTIALS_VOLUME,
     PLURAL,
     SHM_MOUNT,
     SHM_VOLUME,
@@ -96,7 +94,7 @@ def hf_export_location(job: MegatronJob) -> str:
     export = job.spec.export.hugging_face
     store = job.spec.checkpoint.object_store if export.object_store and job.spec.checkpoint else None
     if store is not None:
-        return f"s3://{store.bucket}/{export.path}"
+        return blocks.object_store.url(store, export.path)
     return f"{HF_EXPORT_MOUNT}/{export.path}"
 
 
@@ -106,7 +104,7 @@ def checkpoint_location(job: MegatronJob) -> str | None:
     if ckpt is None:
         return None
     if ckpt.object_store is not None:
-        return f"s3://{ckpt.object_store.bucket}/{ckpt.object_store.prefix or job.metadata.name}"
+        return blocks.object_store.checkpoint_url(ckpt.object_store, job.metadata.name)
     return checkpoint_dir(job)
 
 
@@ -288,11 +286,8 @@ def megatron_args(job: MegatronJob) -> list[str]:
         location = checkpoint_location(job)
         flag("save", location)
         flag("load", location)
-        if (store := spec.checkpoint.object_store) is not None:
-            if store.endpoint:
-                flag("object-store-endpoint", store.endpoint)
-            if store.region:
-                flag("object-store-region", store.region)
+        if spec.checkpoint.object_store is not None:
+            a += blocks.object_store.flags(spec.checkpoint.object_store)
         flag("save-interval", spec.checkpoint.interval)
         flag("ckpt-format", "torch_dist")
         if spec.checkpoint.async_:
@@ -395,10 +390,7 @@ def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[d
         env.append({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"})
     if spec.resources.efa_per_node > 0:
         env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
-    store = spec.checkpoint.object_store if spec.checkpoint else None
-    if store is not None and store.credentials_secret:
-        # A path, never the secret: boto3 reads the file from the Secret volume (_pod_spec).
-        env.append({"name": "AWS_SHARED_CREDENTIALS_FILE", "value": f"{OBJECT_STORE_CREDENTIALS_MOUNT}/credentials"})
+    env += blocks.object_store.env(spec.checkpoint.object_store if spec.checkpoint else None)
     env += [e.model_dump(by_alias=True, exclude_none=True, mode="json") for e in spec.env]
     return env
 
@@ -431,15 +423,7 @@ def _volumes(spec: MegatronJobSpec, settings: Settings) -> list[tuple[dict[str, 
     if spec.checkpoint is not None and spec.checkpoint.pvc is not None:
         out.append(({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}},
                     {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_MOUNT}))
-    store = spec.checkpoint.object_store if spec.checkpoint else None
-    if store is not None and store.credentials_secret:
-        # The user's own Secret in the job's namespace (the kubelet reads it with the pod's rights there;
-        # the operator never reads or copies it), one key as the file `credentials`, readable by the
-        # trainer's group only (fsGroup).
-        out.append(({"name": OBJECT_STORE_CREDENTIALS_VOLUME, "secret": {
-            "secretName": store.credentials_secret, "defaultMode": 0o440,
-            "items": [{"key": store.credentials_key, "path": "credentials"}]}},
-            {"name": OBJECT_STORE_CREDENTIALS_VOLUME, "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT, "readOnly": True}))
+    out += blocks.object_store.volumes(spec.checkpoint.object_store if spec.checkpoint else None)
     out += blocks.wandb.volumes(spec.logging.wandb)
     if spec.data.pvc is not None:
         out.append(({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}},
@@ -670,8 +654,8 @@ def _sa_meta(job: MegatronJob, sa: str, owner_uid: str | None) -> dict[str, Any]
     """The ServiceAccount's metadata, with spec.checkpoint.objectStore's workload-identity annotations."""
     meta = _meta(job, sa, owner_uid)
     store = job.spec.checkpoint.object_store if job.spec.checkpoint else None
-    if store is not None and store.service_account_annotations:
-        meta["annotations"] = {**meta.get("annotations", {}), **store.service_account_annotations}
+    if annotations := blocks.object_store.service_account_annotations(store):
+        meta["annotations"] = {**meta.get("annotations", {}), **annotations}
     return meta
 
 

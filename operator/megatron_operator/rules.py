@@ -37,18 +37,15 @@ from .expr import (
 from .names import (
     MAX_NAME_LENGTH,
     RFC1035_LABEL,
-    S3_ENDPOINT,
-    WORKLOAD_IDENTITY_ANNOTATIONS,
 )
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
-from .vocab.patterns import CREDENTIAL_ENV_RE, QUALIFIED_NAME_RE, URL_USERINFO_RE
+from .vocab.patterns import QUALIFIED_NAME_RE
 from .vocab.rule import (
     Problem,
     Rule,
     all_of,
     any_of,
     multiple_hint,
-    no_literal_env,
     qualified_keys_rule,
 )
 from .vocab.values import (
@@ -704,91 +701,8 @@ SPEC_RULES += [
 ]
 
 
-# Checkpoints in object storage (spec.checkpoint.objectStore, docs/object-storage.md).
-ckpt_store = has("checkpoint") & has("checkpoint.objectStore")
-export_to_store = has("export") & f("export.huggingFace.objectStore")
-ckpt_prefix = f("checkpoint.objectStore.prefix")
-sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
-WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
-# Proxy variables (read by botocore, urllib and requests) also take a URL with user info (URL_USERINFO_RE)
-# without its scheme (user:pass@host:3128).
-PROXY_ENV_RE = r"(?i)^(http|https|all|ftp)_proxy$"
-PROXY_USERINFO_RE = r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@"
-# botocore's endpoint variables: AWS_ENDPOINT_URL, and AWS_ENDPOINT_URL_<SERVICE> (S3, STS, ...). A literal
-# value takes the shape of spec.checkpoint.objectStore.endpoint (the field's pattern): the variable is
-# another way to set the same thing, and must not go around the field's rules.
-ENDPOINT_ENV_RE = r"^AWS_ENDPOINT_URL(_[A-Z0-9_]+)?$"
-
-SPEC_RULES += [
-    Rule("checkpoint-one-location", "checkpoint",
-         has("checkpoint.pvc").ne(has("checkpoint.objectStore")), when=has("checkpoint"),
-         message=lit("spec.checkpoint: give exactly one of pvc and objectStore")),
-    Rule("checkpoint-path-with-pvc", "checkpoint.path",
-         ~has("checkpoint.path"), when=ckpt_store,
-         message=lit("spec.checkpoint.path: is a directory inside the PVC; with objectStore, set "
-                     "objectStore.prefix instead")),
-    Rule("tensorboard-needs-checkpoint-pvc", "logging.tensorboard",
-         ~ckpt_store, when=f("logging.tensorboard"),
-         message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC, and "
-                     "spec.checkpoint.objectStore has none; set tensorboard: false")),
-    Rule("object-store-identity-annotations", "checkpoint.objectStore.serviceAccountAnnotations",
-         All(sa_annotations, "k", Matches(Var("k"), WORKLOAD_IDENTITY_RE)),
-         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
-         message=fmt("spec.checkpoint.objectStore.serviceAccountAnnotations: ",
-                     Index(Filter(sa_annotations, "k", ~Matches(Var("k"), WORKLOAD_IDENTITY_RE)), 0),
-                     " is not a workload-identity annotation; allowed: " + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS))),
-    Rule("object-store-one-identity", "checkpoint.objectStore",
-         ~(has("checkpoint.objectStore.credentialsSecret") & (Size(sa_annotations) > 0)),
-         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
-         message=lit("spec.checkpoint.objectStore: give credentialsSecret or serviceAccountAnnotations "
-                     "(workload identity), not both")),
-    Rule("hf-export-one-location", "export.huggingFace",
-         has("export.huggingFace.pvc").ne(f("export.huggingFace.objectStore")), when=has("export"),
-         message=lit("spec.export.huggingFace: give exactly one of pvc and objectStore: true")),
-    Rule("hf-export-object-store-needs-checkpoint-store", "export.huggingFace.objectStore",
-         ckpt_store, when=export_to_store,
-         message=lit("spec.export.huggingFace.objectStore: the export goes to the bucket of "
-                     "spec.checkpoint.objectStore, and this job has none; set spec.checkpoint.objectStore, or "
-                     "export to a pvc")),
-    # An export among the checkpoints' keys would mix the two (and its never-overwrite check would refuse
-    # the prefix the checkpoints fill). The default prefix is the job's name, which a spec rule cannot see:
-    # OBJECT_RULES' hf-export-outside-default-prefix checks it.
-    Rule("hf-export-outside-checkpoint-prefix", "export.huggingFace.path",
-         ~(export_path.eq(ckpt_prefix) | StartsWith(export_path, ckpt_prefix + "/")
-           | StartsWith(ckpt_prefix, export_path + "/")),
-         when=export_to_store & ckpt_store & has("checkpoint.objectStore.prefix"),
-         message=fmt("spec.export.huggingFace.path: ", export_path,
-                     cond(export_path.eq(ckpt_prefix), " is the same prefix as",
-                          cond(StartsWith(export_path, ckpt_prefix + "/"), " is inside", " contains")),
-                     " spec.checkpoint.objectStore.prefix ", ckpt_prefix,
-                     "; export to a prefix apart from the checkpoints, e.g. exports/<name>")),
-    Rule("env-no-url-credentials", "env",
-         All(f("env"), "e", ~(Has(Field("value", "e")) & (
-             Matches(Field("value", "e"), URL_USERINFO_RE)
-             | (Matches(Field("name", "e"), PROXY_ENV_RE) & Matches(Field("value", "e"), PROXY_USERINFO_RE))))),
-         message=fmt("spec.env: ",
-                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e")) & (
-                         Matches(Field("value", "e"), URL_USERINFO_RE)
-                         | (Matches(Field("name", "e"), PROXY_ENV_RE)
-                            & Matches(Field("value", "e"), PROXY_USERINFO_RE)))), 0), "name"),
-                     " holds a URL with user info (user:password@host), a credential in plain sight of the pods and "
-                     "`kubectl get -o yaml`; drop it from the URL and use spec.checkpoint.objectStore."
-                     "credentialsSecret, or take the whole value from a Secret (valueFrom.secretKeyRef)")),
-    Rule("env-endpoint-url", "env",
-         All(f("env"), "e", ~(Has(Field("value", "e")) & Matches(Field("name", "e"), ENDPOINT_ENV_RE))
-             | Matches(Field("value", "e"), S3_ENDPOINT)
-             | Matches(Field("value", "e"), URL_USERINFO_RE)),  # env-no-url-credentials says it
-         message=fmt("spec.env: ",
-                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e"))
-                                       & Matches(Field("name", "e"), ENDPOINT_ENV_RE)
-                                       & ~Matches(Field("value", "e"), S3_ENDPOINT)
-                                       & ~Matches(Field("value", "e"), URL_USERINFO_RE)), 0), "name"),
-                     " must be http(s)://HOST[:PORT] (a port 1-65535; no path, no user info), as "
-                     "spec.checkpoint.objectStore.endpoint, which sets the same thing")),
-    no_literal_env("env-no-literal-credentials", CREDENTIAL_ENV_RE, "an object-store credential",
-                    "spec.checkpoint.objectStore.credentialsSecret (or valueFrom.secretKeyRef)"),
-]
-
+# spec.checkpoint.objectStore (docs/object-storage.md): its rules are the block's (blocks/object_store.py)
+SPEC_RULES += blocks.object_store.RULES
 
 # spec.pod (docs/pod-customization.md): its rules are the block's (blocks/pod.py)
 SPEC_RULES += blocks.pod.RULES
@@ -800,22 +714,7 @@ SPEC_RULES += blocks.wandb.RULES
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
 # they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules
 # (crd.create_only), as the spec rules are.
-job_name = f("metadata.name")
-export_store_path = f("spec.export.huggingFace.path")
-OBJECT_RULES: list[Rule] = [
-    # hf-export-outside-checkpoint-prefix for the default prefix, the job's name (render: checkpoint_url)
-    Rule("hf-export-outside-default-prefix", "spec.export.huggingFace.path",
-         ~(export_store_path.eq(job_name) | StartsWith(export_store_path, job_name + "/")),
-         when=has("spec.export") & f("spec.export.huggingFace.objectStore") & has("spec.checkpoint")
-         & has("spec.checkpoint.objectStore") & ~has("spec.checkpoint.objectStore.prefix"),
-         message=fmt("spec.export.huggingFace.path: ", export_store_path,
-                     cond(export_store_path.eq(job_name), " is", " is inside"),
-                     " the checkpoints' prefix, which is the job's name ", job_name,
-                     " (spec.checkpoint.objectStore.prefix is not set); export to a prefix apart from the "
-                     "checkpoints, e.g. exports/<name>")),
-]
-
-OBJECT_RULES += blocks.pod.OBJECT_RULES
+OBJECT_RULES: list[Rule] = [*blocks.object_store.OBJECT_RULES, *blocks.pod.OBJECT_RULES]
 
 NAME_RULE = {
     "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches({RFC1035_LABEL!r})",

@@ -31,7 +31,6 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
 from .vocab.api import ApiModel, EnvVar, Quantity
 from .vocab.patterns import (
-    CONFIG_KEY,
     DNS_LABEL,
     LABEL_VALUE,
     MAX_SAFE_INT,
@@ -303,43 +302,13 @@ class DataSpec(ApiModel):
     sft: SFTData | None = Field(None, description="The fine-tuning files (format chat or promptCompletion).")
 
 
-# S3 bucket names (3-63 of a-z 0-9 . -, alphanumeric at both ends), endpoints (names.S3_ENDPOINT) and region
-# names.
-S3_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
-S3_REGION = r"^[a-z0-9-]{1,32}$"
-
-
-class ObjectStoreSpec(ApiModel):
-    """An S3-compatible bucket for the checkpoints (through NVIDIA's multi-storage-client). Nothing is
-    mounted for the data; credentials come from a Secret in the job's namespace (a read-only volume
-    with an AWS shared-credentials file) or from workload identity (service-account annotations)."""
-
-    bucket: str = Field(..., min_length=3, max_length=63, pattern=S3_BUCKET, description="Bucket name.")
-    prefix: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Key prefix inside the bucket "
-                               "(no leading '/', no '.' or '..' parts). Default: the MegatronJob's name.")
-    endpoint: str | None = Field(None, max_length=256, pattern=S3_ENDPOINT, description="Endpoint URL of an "
-                                 "S3-compatible service, http(s)://HOST[:PORT] (default: AWS S3 for the region).")
-    region: str | None = Field(None, max_length=32, pattern=S3_REGION, description="Region, e.g. us-east-1.")
-    credentials_secret: str | None = Field(
-        None, max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace holding an AWS "
-        "shared-credentials file ([default] aws_access_key_id, aws_secret_access_key; kubectl create secret "
-        "generic NAME --from-file=credentials=$HOME/.aws/credentials). Mounted read-only into the trainer, "
-        "named by path only (AWS_SHARED_CREDENTIALS_FILE); never copied, never in args or env values.")
-    credentials_key: str = Field("credentials", max_length=253, pattern=CONFIG_KEY, description="The key of "
-                                 "credentialsSecret that holds the file.")
-    service_account_annotations: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] = Field(
-        default_factory=dict, max_length=4, description="Workload identity instead of a Secret: annotations for "
-        "the job's own ServiceAccount, e.g. eks.amazonaws.com/role-arn (IRSA). Only "
-        + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS) + "; the cluster's guardrails (deniedMetadataKeys) apply.")
-
-
 class CheckpointSpec(ApiModel):
     """Distributed (torch_dist) checkpoints on a PVC or in object storage; resume after any restart is automatic."""
 
     pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim for "
                             "checkpoints (ReadWriteMany: every pod writes its shards), mounted at /checkpoints. "
                             "Exactly one of pvc and objectStore.")
-    object_store: ObjectStoreSpec | None = Field(None, description="An S3-compatible bucket instead of a PVC "
+    object_store: blocks.object_store.ObjectStoreSpec | None = Field(None, description="An S3-compatible bucket instead of a PVC "
                                                  "(docs/object-storage.md). Exactly one of pvc and objectStore.")
     path: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Directory inside the PVC. "
                              "Default: the MegatronJob's name. (With objectStore: objectStore.prefix.)")
