@@ -4,7 +4,8 @@
 patch only its own MegatronJob's status, the RoleBinding, and the JobSet that runs the trainer's
 launcher (`python -m megatron_trainer.launch`, one worker per GPU) in one pod per node. The
 command line uses Megatron-LM flag names (docs/trainer-contract.md), so a Megatron-LM image could
-run the same job.
+run the same job. A spec block with a room of its own (``blocks/``) builds its part (its flags, env, volumes,
+what it adds to the pod); this module places each part where it goes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from .names import (
     EFA_RESOURCE,
     GPU_RESOURCE,
     GROUP,
-    HF_EXPORT_MOUNT,
-    HF_EXPORT_VOLUME,
-    HF_INIT_MOUNT,
-    HF_INIT_VOLUME,
     JOBSET_API_VERSION,
     JOBSET_GLOBAL_INDEX_LABEL,
     JOBSET_RESTART_ATTEMPT_LABEL,
@@ -95,7 +92,7 @@ def hf_export_location(job: MegatronJob) -> str:
     store = job.spec.checkpoint.object_store if export.object_store and job.spec.checkpoint else None
     if store is not None:
         return blocks.object_store.url(store, export.path)
-    return f"{HF_EXPORT_MOUNT}/{export.path}"
+    return blocks.hf.export_dir(job.spec.export)
 
 
 def checkpoint_location(job: MegatronJob) -> str | None:
@@ -264,7 +261,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
             flag("tokenizer-model", f"{DATA_MOUNT}/{data.tokenizer.path}")
         else:
             assert spec.init is not None  # rules: data-sft-tokenizer
-            flag("tokenizer-model", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
+            flag("tokenizer-model", blocks.hf.init_dir(spec.init))
         flag("data-cache-path", f"{ckpt_dir}/data-cache" if ckpt_dir else "/tmp/data-cache")
     elif data.mock:
         flag("mock-data")
@@ -301,10 +298,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
     if spec.logging.wandb is not None:
         a += blocks.wandb.flags(spec.logging.wandb, job.metadata.name, ckpt_dir)
     # Hugging Face import/export
-    if spec.init is not None:
-        flag("hf-init", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
-    if spec.export is not None:
-        flag("hf-export", hf_export_location(job))
+    a += blocks.hf.flags(spec.init, hf_export_location(job) if spec.export is not None else None)
     return a + list(tr.extra_args)
 
 
@@ -428,13 +422,7 @@ def _volumes(spec: MegatronJobSpec, settings: Settings) -> list[tuple[dict[str, 
     if spec.data.pvc is not None:
         out.append(({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}},
                     {"name": DATA_VOLUME, "mountPath": DATA_MOUNT, "readOnly": True}))
-    if spec.init is not None:
-        out.append(({"name": HF_INIT_VOLUME, "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
-                                                                        "readOnly": True}},
-                    {"name": HF_INIT_VOLUME, "mountPath": HF_INIT_MOUNT, "readOnly": True}))
-    if spec.export is not None and spec.export.hugging_face.pvc is not None:
-        out.append(({"name": HF_EXPORT_VOLUME, "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}},
-                    {"name": HF_EXPORT_VOLUME, "mountPath": HF_EXPORT_MOUNT}))
+    out += blocks.hf.volumes(spec.init, spec.export)
     return out
 
 

@@ -7,6 +7,10 @@ fix. Upstream references are to megatron-core 0.19.2 (``megatron/core/...``) and
 ``megatron/training/arguments.py`` (ARGS).
 
 ``self`` is ``spec`` after API-server defaulting (every field with a default is present).
+
+Here: the core's rules (parallelism, model, training, data, env, resources, pod metadata), written in the shared
+values of ``vocab/values.py``. A spec block with a room of its own (``blocks/``) brings its rules; they are
+collected after the core's, in the CRD's order.
 """
 
 from __future__ import annotations
@@ -24,11 +28,9 @@ from .expr import (
     Has,
     Index,
     LastIndexOf,
-    Lit,
     Matches,
     Missing,
     Size,
-    StartsWith,
     Var,
     cond,
     fmt,
@@ -50,7 +52,6 @@ from .vocab.rule import (
 )
 from .vocab.values import (
     MODEL_VALUES,
-    activation,
     add_bias_linear,
     cp,
     dp,
@@ -80,7 +81,6 @@ from .vocab.values import (
     moe_shared_ffn,
     moe_shared_gate,
     nodes,
-    normalization,
     opt,
     position_embedding,
     pp,
@@ -654,62 +654,11 @@ SPEC_RULES: list[Rule] = [
 
 
 # --------------------------------------------------------------------------------------------
-# Hugging Face import/export (spec.init.huggingFace, spec.export.huggingFace)
+# The blocks' rules (blocks/: spec.init and spec.export, spec.checkpoint.objectStore, spec.pod, spec.logging.wandb)
+# after the core's; the order of the list is the order of the CRD's rules
 # --------------------------------------------------------------------------------------------
 
-
-def llama_family_rule(name: str, where: str, what: str) -> Rule:
-    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE
-    and Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
-    read or write."""
-    off = [(activation.ne("swiglu"), fmt(" activation is ", activation, " (set swiglu);")),
-           (normalization.ne("RMSNorm"), fmt(" normalization is ", normalization, " (set RMSNorm);")),
-           (position_embedding.ne("rope"), fmt(" positionEmbedding is ", position_embedding, " (set rope);")),
-           (add_bias_linear, lit(" addBiasLinear is true (set false);")),
-           # shared experts only as Qwen2-MoE's, gated; no family has sigmoid routing (nor, with it, an expert bias)
-           ((experts > 0) & (moe_shared_ffn > 0) & ~moe_shared_gate,
-            lit(" moeSharedExpertIntermediateSize is set without moeSharedExpertGate (Qwen2-MoE's shared expert is "
-                "gated: set moeSharedExpertGate true, or omit both);")),
-           ((experts > 0) & moe_score_function.eq("sigmoid"), lit(" moeRouterScoreFunction is sigmoid (set "
-                                                                   "softmax);"))]
-    ok: Expr = Lit(True)
-    for bad, _ in off:
-        ok = ok & ~bad
-    return Rule(name, where, ok, when=has(where.split(".")[0]),
-                message=fmt(f"spec.{where}: {what} needs a Llama-family spec.model (Llama, Mistral, Qwen2, Qwen3, "
-                            "or Qwen3-MoE, Qwen2-MoE and Mixtral), but in spec.model", *[cond(bad, part, "") for bad, part in off],
-                            " `megatron-operator hf-config config.json` prints the matching spec.model"))
-
-
-init_pvc, init_path = f("init.huggingFace.pvc"), f("init.huggingFace.path")
-export_pvc, export_path = f("export.huggingFace.pvc"), f("export.huggingFace.path")
-
-SPEC_RULES += [
-    llama_family_rule("hf-init-llama-family", "init.huggingFace", "a Hugging Face import"),
-    llama_family_rule("hf-export-llama-family", "export.huggingFace", "a Hugging Face export"),
-    # The trainer never overwrites its source; an export inside the source (or around it) would
-    # mix the two checkpoints' files.
-    Rule("hf-export-outside-init", "export.huggingFace.path",
-         ~(export_path.eq(init_path) | StartsWith(export_path, init_path + "/")
-           | StartsWith(init_path, export_path + "/")),
-         when=has("init") & has("export") & has("export.huggingFace.pvc") & export_pvc.eq(init_pvc),
-         message=fmt("spec.export.huggingFace.path: ", export_path,
-                     cond(export_path.eq(init_path), " is the same directory as",
-                          cond(StartsWith(export_path, init_path + "/"), " is inside", " contains")),
-                     " spec.init.huggingFace.path ", init_path, " on PVC ", init_pvc,
-                     "; export to a directory apart from the source, e.g. exports/<name>")),
-]
-
-
-# spec.checkpoint.objectStore (docs/object-storage.md): its rules are the block's (blocks/object_store.py)
-SPEC_RULES += blocks.object_store.RULES
-
-# spec.pod (docs/pod-customization.md): its rules are the block's (blocks/pod.py)
-SPEC_RULES += blocks.pod.RULES
-
-
-# spec.logging.wandb (docs/experiment-tracking.md): its rules are the block's (blocks/wandb.py)
-SPEC_RULES += blocks.wandb.RULES
+SPEC_RULES += [*blocks.hf.RULES, *blocks.object_store.RULES, *blocks.pod.RULES, *blocks.wandb.RULES]
 
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
 # they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules

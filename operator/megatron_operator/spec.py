@@ -4,6 +4,9 @@ The same models generate the CRD schema (``crd.py``); the cross-field rules in `
 enforced here (``MegatronJobSpec`` validator) and emitted as CEL into the CRD, so a layout that
 Megatron would refuse at start-up is refused at ``kubectl apply`` with the same message.
 
+A block of the spec that reaches several stages (spec.pod, spec.logging.wandb, spec.checkpoint.objectStore,
+spec.init and spec.export) has its models in its own module under ``blocks/``; the fields here take them.
+
 The conventions every model follows (camelCase wire names, no nulls, unknown fields refused) are
 ``vocab/api.py``'s ``ApiModel``.
 """
@@ -320,48 +323,6 @@ class CheckpointSpec(ApiModel):
                       "deleted (the newest is never deleted). 0 keeps all.")
 
 
-class HuggingFaceDir(ApiModel):
-    """A Hugging Face model directory (config.json, *.safetensors, tokenizer files) on a PVC."""
-
-    pvc: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim that holds the "
-                     "directory.")
-    path: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Directory inside the PVC "
-                      "(relative: no leading '/', no '..' or '.' components).")
-
-
-class InitSpec(ApiModel):
-    """Where the weights come from when the job has no checkpoint yet (a fine-tune)."""
-
-    hugging_face: HuggingFaceDir = Field(..., description="A Hugging Face checkpoint of a Llama-family model, "
-                                         "mounted read-only at /hf-init (--hf-init): its weights start the job at "
-                                         "iteration 0 with a fresh optimizer; a resume from spec.checkpoint never "
-                                         "reads it. spec.model must match its config.json (megatron-operator "
-                                         "hf-config prints the block).")
-
-
-class HuggingFaceExportDir(ApiModel):
-    """Where a Hugging Face export goes: a directory on a PVC, or a prefix in the job's checkpoint bucket."""
-
-    pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim that "
-                            "holds the directory, mounted read-write at /hf-export. Exactly one of pvc and "
-                            "objectStore.")
-    object_store: bool = Field(False, description="Write to the bucket of spec.checkpoint.objectStore instead "
-                               "(same endpoint, region and credentials), under the key prefix `path` "
-                               "(docs/object-storage.md). Exactly one of pvc and objectStore.")
-    path: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Directory inside the PVC, "
-                      "or key prefix inside the bucket (relative: no leading '/', no '..' or '.' components).")
-
-
-class ExportSpec(ApiModel):
-    """Where the trained model is written when training finishes."""
-
-    hugging_face: HuggingFaceExportDir = Field(
-        ..., description="Write the model as a Hugging Face checkpoint (safetensors, config.json, tokenizer) "
-        "when training finishes (--hf-export): to a directory on a PVC, never the init directory nor inside "
-        "it or around it; or to the checkpoint bucket, apart from the checkpoints' prefix. An export never "
-        "overwrites: a target that already holds files is refused.")
-
-
 class LoggingSpec(ApiModel):
     """What the trainer writes besides its log lines."""
 
@@ -456,9 +417,9 @@ class MegatronJobSpec(ApiModel):
                            "(default: mock data).")
     checkpoint: CheckpointSpec | None = Field(None, description="Checkpoints; without them a restart "
                                               "starts from iteration 0.")
-    init: InitSpec | None = Field(None, description="Start from existing weights (a Hugging Face checkpoint) "
+    init: blocks.hf.InitSpec | None = Field(None, description="Start from existing weights (a Hugging Face checkpoint) "
                                   "instead of a random initialisation.")
-    export: ExportSpec | None = Field(None, description="Export the trained model (as a Hugging Face "
+    export: blocks.hf.ExportSpec | None = Field(None, description="Export the trained model (as a Hugging Face "
                                       "checkpoint) when training finishes.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard event files.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources and placement.")

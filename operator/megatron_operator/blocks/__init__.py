@@ -29,4 +29,4 @@ How to add a block (``spec.cpu``, say):
    for its rules, test_render.py for its rendering).
 """
 
-from . import object_store, pod, wandb  # noqa: F401  (the collectors reach each block as blocks.<name>)
+from . import hf, object_store, pod, wandb  # noqa: F401  (the collectors reach each block as blocks.<name>)
