@@ -1,7 +1,7 @@
 """The cluster admin's guardrails (pure): what a MegatronJob may ask for on this cluster.
 
 Set through the operator's settings (Helm values under ``guardrails``); every one is off by default.
-They are enforced twice, from the one table below:
+They are enforced twice, from the one table below (``GUARDRAILS``: the core's, then each block's, blocks/):
 
 - at admission, by the chart's ValidatingAdmissionPolicy (templates/guardrails-policy.yaml, written
   by scripts/gen-chart-guardrails.py from ``GUARDRAILS``): ``kubectl apply`` of a job that breaks
@@ -76,11 +76,9 @@ GUARDRAILS: tuple[Guardrail, ...] = (
 )
 
 
-# spec.checkpoint.objectStore's, spec.pod's (blocks/object_store.py, blocks/pod.py)
-GUARDRAILS += blocks.object_store.GUARDRAILS
-GUARDRAILS += blocks.pod.GUARDRAILS
-# spec.logging.wandb's (blocks/wandb.py)
-GUARDRAILS += blocks.wandb.GUARDRAILS
+# The blocks' guardrails (blocks/: spec.checkpoint.objectStore, spec.pod, spec.logging.wandb) after the core's;
+# the order of the table is the order of the chart's policy
+GUARDRAILS += (*blocks.object_store.GUARDRAILS, *blocks.pod.GUARDRAILS, *blocks.wandb.GUARDRAILS)
 
 _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
@@ -117,10 +115,10 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
         for k in keys:
             if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
                 yield g[f"spec.podMetadata.{where}"], k, ", ".join(denied)
+    # the blocks'
     yield from blocks.object_store.guardrail_violations(spec.checkpoint.object_store if spec.checkpoint else None,
                                                         settings)
-    if spec.pod is not None:
-        yield from blocks.pod.guardrail_violations(spec.pod, settings)
+    yield from blocks.pod.guardrail_violations(spec.pod, settings)
     yield from blocks.wandb.guardrail_violations(spec.logging.wandb, settings)
 
 

@@ -27,9 +27,7 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
     MAX_NAME_LENGTH,
     PLURAL,
     RFC1035_LABEL,
-    S3_ENDPOINT,
     VERSION,
-    WORKLOAD_IDENTITY_ANNOTATIONS,
 )
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
 from .vocab.api import ApiModel, EnvVar, Quantity

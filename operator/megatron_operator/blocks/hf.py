@@ -34,6 +34,7 @@ from ..vocab.values import (
 # Schema
 # --------------------------------------------------------------------------------------------
 
+
 class HuggingFaceDir(ApiModel):
     """A Hugging Face model directory (config.json, *.safetensors, tokenizer files) on a PVC."""
 

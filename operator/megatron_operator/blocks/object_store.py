@@ -33,6 +33,7 @@ from ..vocab.values import f, has
 # Schema
 # --------------------------------------------------------------------------------------------
 
+
 # S3 bucket names (3-63 of a-z 0-9 . -, alphanumeric at both ends), endpoints (names.S3_ENDPOINT) and region
 # names.
 S3_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
@@ -66,6 +67,7 @@ class ObjectStoreSpec(ApiModel):
 # --------------------------------------------------------------------------------------------
 # Admission rules (on spec; OBJECT_RULES on the whole MegatronJob)
 # --------------------------------------------------------------------------------------------
+
 
 ckpt_store = has("checkpoint") & has("checkpoint.objectStore")
 export_to_store = has("export") & f("export.huggingFace.objectStore")
@@ -172,6 +174,7 @@ OBJECT_RULES: list[Rule] = [
 # --------------------------------------------------------------------------------------------
 # Guardrails
 # --------------------------------------------------------------------------------------------
+
 
 GUARDRAILS: tuple[Guardrail, ...] = (
     # denySecretEnv covers the credentials Secret: a Secret volume is as much a read of the Secret by the job's

@@ -52,6 +52,7 @@ _REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuring
 # Schema
 # --------------------------------------------------------------------------------------------
 
+
 # A container image reference: no whitespace or control characters (the registry guardrail compares prefixes).
 IMAGE_REF = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
 # Linux capability names as the container runtime takes them (CAP_ prefix optional).
@@ -478,6 +479,7 @@ OBJECT_RULES: list[Rule] = [
 # Guardrails (guardrails.py collects them; the chart's policy is generated from them)
 # --------------------------------------------------------------------------------------------
 
+
 _POD = "!has(spec.pod) || "
 _INITS = "spec.pod.initContainers"
 _VOLS = "spec.pod.volumes"
@@ -564,8 +566,10 @@ def _adds_capabilities(c: PodContainer) -> bool:
     return bool(c.security_context and c.security_context.capabilities and c.security_context.capabilities.add)
 
 
-def guardrail_violations(pod: PodSpecAdditions, settings: Settings) -> Iterator[Violation]:
+def guardrail_violations(pod: PodSpecAdditions | None, settings: Settings) -> Iterator[Violation]:
     """Every entry of spec.pod that breaks one of GUARDRAILS on this cluster (the Python twin of their CEL)."""
+    if pod is None:
+        return
     g = _BY_FIELD
     types = listed(settings.allowed_volume_types)
     for v in pod.volumes:
@@ -605,6 +609,7 @@ def guardrail_violations(pod: PodSpecAdditions, settings: Settings) -> Iterator[
 # --------------------------------------------------------------------------------------------
 # Render: spec.pod's part of the trainer pod (render._pod_spec calls add_to_pod last)
 # --------------------------------------------------------------------------------------------
+
 
 #: The trainer's token (the trainer writes status.progress with it) when the pod has containers of the user's:
 #: the same files as the kubelet's automount (kube-api-access), in the trainer container only.

@@ -26,6 +26,7 @@ from ..vocab.values import f, has
 # Schema
 # --------------------------------------------------------------------------------------------
 
+
 # Weights & Biases names (wandb's own limits: a project name has none of / \\ # ? % : and at most 128
 # characters; entities are user or team names). The trainer checks the project the same way (config.py).
 WANDB_PROJECT = r"^[^/\\#?%:\x00-\x1f\x7f]{1,128}$"
@@ -69,6 +70,7 @@ class WandbSpec(ApiModel):
 # Admission rules
 # --------------------------------------------------------------------------------------------
 
+
 has_wandb = has("logging.wandb")
 wandb_offline = has_wandb & f("logging.wandb.mode").eq("offline")
 wandb_dir = f("logging.wandb.saveDir")
@@ -109,6 +111,7 @@ RULES: list[Rule] = [
 # --------------------------------------------------------------------------------------------
 # Guardrails
 # --------------------------------------------------------------------------------------------
+
 
 GUARDRAILS: tuple[Guardrail, ...] = (
     # The API key Secret, mounted as the object-store credentials are: denySecretEnv covers it.
