@@ -86,7 +86,7 @@ def _literals(value: str, always: bool) -> tuple[str, str]:
         return "", "''"
     if isinstance(default, int):
         return f"{{{{ int64 $g.{value} }}}}", f"'{{{{ int64 $g.{value} }}}}'"
-    if always:  # the operator's message says "none" for an empty list (guardrails._pod_violations)
+    if always:  # the operator's message says "none" for an empty list (blocks/pod.py, guardrail_violations)
         return f"{{{{ toJson $g.{value} }}}}", f'{{{{ join ", " $g.{value} | default "none" | toJson }}}}'
     return f"{{{{ toJson $g.{value} }}}}", f'{{{{ join ", " $g.{value} | toJson }}}}'
 

@@ -1164,14 +1164,12 @@ def down_real_node(p: RunPaths) -> None:
     node_json = p.root / "node" / "node.json"
     if not node_json.exists():
         return
-    try:
-        if str(HERE) not in sys.path:
-            sys.path.insert(0, str(HERE))
-        import node as real_node  # e2e/cluster/node.py (it imports this module; loaded here only when needed)
-
-        real_node.down()
-    except Exception as e:  # the stale-node clean-up below still runs
-        log(f"node.py down failed ({e}); stopping the real node's processes by pid")
+    # a process of its own: node.py imports this module, and importing it back would close a circle
+    proc = subprocess.run([sys.executable, str(HERE / "node.py"), "down"], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, "MEGATRON_OPERATOR_RUN": str(p.root)})
+    if proc.returncode != 0:  # the stale-node clean-up below still runs
+        log(f"node.py down failed (rc={proc.returncode}); stopping the real node's processes by pid:\n"
+            f"{proc.stderr[-2000:]}")
 
 
 def down(p: RunPaths | None = None) -> None:

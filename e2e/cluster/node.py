@@ -440,6 +440,7 @@ def down() -> None:
                     ctr("tasks", "kill", "--signal", "SIGKILL", task, timeout=30)
         cluster.wait_until(lambda: not ctr("tasks", "list", "--quiet", timeout=30).stdout.strip(), 30,
                            "the node's containers to stop")
+    if state.get("containerd_pid"):  # also without its socket (a run killed half-way): only if it is still containerd
         cluster.stop_pid(state["containerd_pid"], "containerd")
     if state.get("forwarder_pid"):
         cluster.stop_pid(state["forwarder_pid"], "forward")

@@ -22,7 +22,8 @@ from pydantic import BaseModel
 
 from . import rules
 from .expr import All, Expr, Field, Filter, Var
-from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, MegatronJobSpec, MegatronJobStatus, model_in
+from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, MegatronJobSpec, MegatronJobStatus
+from .vocab.api import model_in
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 

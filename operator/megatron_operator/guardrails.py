@@ -1,7 +1,7 @@
 """The cluster admin's guardrails (pure): what a MegatronJob may ask for on this cluster.
 
 Set through the operator's settings (Helm values under ``guardrails``); every one is off by default.
-They are enforced twice, from the one table below:
+They are enforced twice, from the one table below (``GUARDRAILS``: the core's, then each block's, blocks/):
 
 - at admission, by the chart's ValidatingAdmissionPolicy (templates/guardrails-policy.yaml, written
   by scripts/gen-chart-guardrails.py from ``GUARDRAILS``): ``kubectl apply`` of a job that breaks
@@ -19,33 +19,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from .names import VOLUME_TYPES
-from .rules import Problem
+from . import blocks
 from .settings import Settings
-from .spec import MegatronJob, PodContainer
-
-
-@dataclass(frozen=True)
-class Guardrail:
-    """One admission rule. In ``allowed`` and ``item`` (CEL), ``LIMIT`` stands for the Helm value
-    (a list of strings, or a number) and ``spec`` for ``object.spec``."""
-
-    rule: str  #: Problem.rule is ``guardrail-<rule>``
-    field: str  #: the field the message names
-    value: str  #: the Helm value under ``guardrails`` (and, in snake case, the Settings field)
-    message: str  #: after "<field>: "; {item}: the offending entry, {limit}: the value (a list joined by ", ")
-    allowed: str  #: CEL, true when the job keeps the guardrail
-    item: str = ""  #: CEL, the offending entry the message names (the first one, where there are several)
-    #: Enforced whatever the value, an empty list included (it then allows nothing; the message shows "none"):
-    #: for the allow-lists of what is refused by default (volume types, privileged images).
-    always: bool = False
-
-
-def _lower_ascii(text: str) -> str:
-    """CEL's lowerAscii(): only A-Z change, so Python and the API server compare keys alike."""
-    return re.sub("[A-Z]", lambda m: m.group().lower(), text)
+from .spec import MegatronJob
+from .vocab.guardrail import Guardrail, Violation, listed, lower_ascii, registry_ok
+from .vocab.rule import Problem
 
 
 def _metadata(where: str) -> Guardrail:
@@ -89,132 +68,36 @@ GUARDRAILS: tuple[Guardrail, ...] = (
     Guardrail("secret-env", "spec.env", "denySecretEnv",
               "Secret references (valueFrom.secretKeyRef) are not allowed here",
               "!has(spec.env) || !spec.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef))"),
-    # The same switch covers the object-store credentials Secret: a Secret volume is as much a read of
-    # the Secret by the job's pods as a secretKeyRef.
-    Guardrail("object-store-secret", "spec.checkpoint.objectStore.credentialsSecret", "denySecretEnv",
-              "Secret references are not allowed here; use workload identity "
-              "(spec.checkpoint.objectStore.serviceAccountAnnotations) if the cluster allows it",
-              "!has(spec.checkpoint) || !has(spec.checkpoint.objectStore) || "
-              "!has(spec.checkpoint.objectStore.credentialsSecret)"),
-    # And the Weights & Biases API key Secret, mounted the same way.
-    Guardrail("wandb-secret", "spec.logging.wandb.apiKeySecret", "denySecretEnv",
-              "Secret references are not allowed here; use spec.logging.wandb.mode offline (no key) and "
-              "`wandb sync` the run from outside the cluster",
-              "!has(spec.logging) || !has(spec.logging.wandb) || !has(spec.logging.wandb.apiKeySecret)"),
     Guardrail("image-pull-secrets", "spec.imagePullSecrets", "denyImagePullSecrets",
               "not allowed here; the cluster provides image pull credentials",
               "!has(spec.imagePullSecrets) || size(spec.imagePullSecrets) == 0"),
     _metadata("labels"),
     _metadata("annotations"),
-    # Workload identity goes on the job's ServiceAccount, not on the pods, but it is the same power
-    # (iam.amazonaws.com/, azure.workload.identity/ are denied by default): the same denied prefixes.
-    Guardrail(
-        "service-account-annotation", "spec.checkpoint.objectStore.serviceAccountAnnotations", "deniedMetadataKeys",
-        "{item} is denied on this cluster (denied key prefixes: {limit})",
-        "!has(spec.checkpoint) || !has(spec.checkpoint.objectStore) || "
-        "!has(spec.checkpoint.objectStore.serviceAccountAnnotations) || "
-        "spec.checkpoint.objectStore.serviceAccountAnnotations.all(k, "
-        "!LIMIT.exists(d, k.lowerAscii().startsWith(d.lowerAscii())))",
-        "spec.checkpoint.objectStore.serviceAccountAnnotations.filter(k, "
-        "LIMIT.exists(d, k.lowerAscii().startsWith(d.lowerAscii())))[0]"),
 )
 
 
-# --- spec.pod: extra volumes, init containers and sidecars, node affinity ---------------------------------------
-_POD = "!has(spec.pod) || "
-_INITS = "spec.pod.initContainers"
-_VOLS = "spec.pod.volumes"
-
-
-def _volume_type(v: str) -> str:
-    """CEL: the type (the source's field name) of the volume ``v``; '' for none."""
-    out = "''"
-    for t in reversed(VOLUME_TYPES):
-        out = f"(has({v}.{t}) ? '{t}' : {out})"
-    return out
-
-
-def _image_allowed(image: str) -> str:
-    """CEL: ``image`` is one of LIMIT's images, or under one of its path prefixes (an entry ending in '/' as is)."""
-    return (f"LIMIT.exists(r, {image} == r || {image}.startsWith(r.endsWith('/') ? r : r + '/') || "
-            f"{image}.startsWith(r + ':') || {image}.startsWith(r + '@'))")
-
-
-def _registry_allowed(image: str) -> str:
-    return f"LIMIT.exists(r, {image}.startsWith(r.endsWith('/') ? r : r + '/'))"
-
-
-_PRIVILEGED = "has(c.securityContext) && has(c.securityContext.privileged) && c.securityContext.privileged"
-_CAPS_ADDED = ("has(c.securityContext) && has(c.securityContext.capabilities) && "
-               "size(c.securityContext.capabilities.add) > 0")
-_NODE_AFFINITY = "spec.pod.affinity.nodeAffinity"
-_REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
-# The node label keys of spec.pod's node affinity, as a list of lists (required terms', then preferred terms').
-_AFFINITY_KEYS = (f"(has({_NODE_AFFINITY}.{_REQ}) ? {_NODE_AFFINITY}.{_REQ}.nodeSelectorTerms.map(t, "
-                  f"t.matchExpressions.map(r, r.key)) : []) + {_NODE_AFFINITY}.{_PREF}.map(p, "
-                  f"p.preference.matchExpressions.map(r, r.key))")
-_HAS_NODE_AFFINITY = "!has(spec.pod) || !has(spec.pod.affinity) || !has(spec.pod.affinity.nodeAffinity) || "
-
-GUARDRAILS += (
-    Guardrail("volume-type", "spec.pod.volumes", "allowedVolumeTypes",
-              "volume {item} is of a type this cluster does not allow; allowed types: {limit}",
-              f"{_POD}{_VOLS}.all(v, {_volume_type('v')} in LIMIT)",
-              f"{_VOLS}.filter(v, !({_volume_type('v')} in LIMIT)).map(v, v.name + ' (' + {_volume_type('v')} + ')')[0]",
-              always=True),
-    # denySecretEnv covers every way a job's pods read a Secret (env, the object-store credentials, volumes).
-    Guardrail("secret-volume", "spec.pod.volumes[].secret", "denySecretEnv",
-              "volume {item} reads a Secret, which is not allowed here",
-              f"{_POD}!{_VOLS}.exists(v, has(v.secret))", f"{_VOLS}.filter(v, has(v.secret))[0].name"),
-    Guardrail("init-container-secret-env", "spec.pod.initContainers[].env", "denySecretEnv",
-              "container {item} takes a Secret (valueFrom.secretKeyRef), which is not allowed here",
-              f"{_POD}!{_INITS}.exists(c, c.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef)))",
-              f"{_INITS}.filter(c, c.env.exists(e, has(e.valueFrom) && has(e.valueFrom.secretKeyRef)))[0].name"),
-    Guardrail("init-container-image", "spec.pod.initContainers[].image", "allowedImageRegistries",
-              "{item} is not from this cluster's registries; this cluster runs images only from {limit}",
-              f"{_POD}{_INITS}.all(c, {_registry_allowed('c.image')})",
-              f"{_INITS}.filter(c, !{_registry_allowed('c.image')})[0].image"),
-    Guardrail("image-volume", "spec.pod.volumes[].image", "allowedImageRegistries",
-              "{item} is not from this cluster's registries; this cluster runs images only from {limit}",
-              f"{_POD}{_VOLS}.all(v, !has(v.image) || {_registry_allowed('v.image.reference')})",
-              f"{_VOLS}.filter(v, has(v.image) && !{_registry_allowed('v.image.reference')})[0].image.reference"),
-    Guardrail("privileged", "spec.pod.initContainers[].securityContext.privileged", "allowedPrivilegedImages",
-              "container {item} runs privileged, which this cluster allows only for the images {limit}",
-              f"{_POD}{_INITS}.all(c, !({_PRIVILEGED}) || {_image_allowed('c.image')})",
-              f"{_INITS}.filter(c, ({_PRIVILEGED}) && !{_image_allowed('c.image')})[0].name", always=True),
-    Guardrail("capabilities", "spec.pod.initContainers[].securityContext.capabilities", "allowedPrivilegedImages",
-              "container {item} adds capabilities, which this cluster allows only for the images {limit}",
-              f"{_POD}{_INITS}.all(c, !({_CAPS_ADDED}) || {_image_allowed('c.image')})",
-              f"{_INITS}.filter(c, ({_CAPS_ADDED}) && !{_image_allowed('c.image')})[0].name", always=True),
-    # Node affinity selects nodes as nodeSelector does: the same allowed keys.
-    Guardrail("node-affinity-key", "spec.pod.affinity.nodeAffinity", "allowedNodeSelectorKeys",
-              "{item} is not allowed here; allowed keys: {limit}",
-              f"{_HAS_NODE_AFFINITY}({_AFFINITY_KEYS}).all(l, l.all(k, k in LIMIT))",
-              f"({_AFFINITY_KEYS}).map(l, l.filter(k, !(k in LIMIT))).filter(l, size(l) > 0)[0][0]"),
-)
-
+# The blocks' guardrails (blocks/: spec.checkpoint.objectStore, spec.pod, spec.logging.wandb) after the core's;
+# the order of the table is the order of the chart's policy
+GUARDRAILS += (*blocks.object_store.GUARDRAILS, *blocks.pod.GUARDRAILS, *blocks.wandb.GUARDRAILS)
 
 _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
 
-def _listed(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _violations(job: MegatronJob, settings: Settings) -> Iterator[tuple[Guardrail, str, str]]:
+def _violations(job: MegatronJob, settings: Settings) -> Iterator[Violation]:
     """(guardrail, item, limit) for every entry of the job that breaks one."""
     spec = job.spec
     g = _BY_FIELD
-    if spec.image and (registries := _listed(settings.allowed_image_registries)):
-        if not any(spec.image.startswith(r if r.endswith("/") else r + "/") for r in registries):
+    if spec.image and (registries := listed(settings.allowed_image_registries)):
+        if not registry_ok(spec.image, registries):
             yield g["spec.image"], "", ", ".join(registries)
-    if spec.priority_class_name and (classes := _listed(settings.allowed_priority_classes)):
+    if spec.priority_class_name and (classes := listed(settings.allowed_priority_classes)):
         if spec.priority_class_name not in classes:
             yield g["spec.priorityClassName"], spec.priority_class_name, ", ".join(classes)
-    if keys := _listed(settings.allowed_toleration_keys):
+    if keys := listed(settings.allowed_toleration_keys):
         for t in spec.resources.tolerations:
             if (t.key or "") not in keys:
                 yield g["spec.resources.tolerations"], t.key or "(empty: every taint)", ", ".join(keys)
-    if keys := _listed(settings.allowed_node_selector_keys):
+    if keys := listed(settings.allowed_node_selector_keys):
         for k in spec.resources.node_selector:
             if k not in keys:
                 yield g["spec.resources.nodeSelector"], k, ", ".join(keys)
@@ -225,77 +108,18 @@ def _violations(job: MegatronJob, settings: Settings) -> Iterator[tuple[Guardrai
         yield g["spec.queueName"], "", ""
     if settings.deny_secret_env and any(e.value_from and e.value_from.secret_key_ref for e in spec.env):
         yield g["spec.env"], "", ""
-    store = spec.checkpoint.object_store if spec.checkpoint else None
-    if settings.deny_secret_env and store is not None and store.credentials_secret:
-        yield g["spec.checkpoint.objectStore.credentialsSecret"], "", ""
-    if settings.deny_secret_env and spec.logging.wandb is not None and spec.logging.wandb.api_key_secret is not None:
-        yield g["spec.logging.wandb.apiKeySecret"], "", ""
     if settings.deny_image_pull_secrets and spec.image_pull_secrets:
         yield g["spec.imagePullSecrets"], "", ""
-    denied = _listed(settings.denied_metadata_keys)
+    denied = listed(settings.denied_metadata_keys)
     for where, keys in (("labels", spec.pod_metadata.labels), ("annotations", spec.pod_metadata.annotations)):
         for k in keys:
-            if any(_lower_ascii(k).startswith(_lower_ascii(d)) for d in denied):
+            if any(lower_ascii(k).startswith(lower_ascii(d)) for d in denied):
                 yield g[f"spec.podMetadata.{where}"], k, ", ".join(denied)
-    for k in store.service_account_annotations if store is not None else ():
-        if any(_lower_ascii(k).startswith(_lower_ascii(d)) for d in denied):
-            yield g["spec.checkpoint.objectStore.serviceAccountAnnotations"], k, ", ".join(denied)
-    if spec.pod is not None:
-        yield from _pod_violations(spec, settings)
-
-
-def _registry_ok(image: str, registries: list[str]) -> bool:
-    return any(image.startswith(r if r.endswith("/") else r + "/") for r in registries)
-
-
-def _image_ok(image: str, images: list[str]) -> bool:
-    return any(image == r or image.startswith(r if r.endswith("/") else r + "/") or image.startswith(r + ":")
-               or image.startswith(r + "@") for r in images)
-
-
-def _privileged(c: PodContainer) -> bool:
-    return bool(c.security_context and c.security_context.privileged)
-
-
-def _adds_capabilities(c: PodContainer) -> bool:
-    return bool(c.security_context and c.security_context.capabilities and c.security_context.capabilities.add)
-
-
-def _pod_violations(spec, settings: Settings) -> Iterator[tuple[Guardrail, str, str]]:
-    pod, g = spec.pod, _BY_FIELD
-    types = _listed(settings.allowed_volume_types)
-    for v in pod.volumes:
-        if v.volume_type() not in types:
-            yield g["spec.pod.volumes"], f"{v.name} ({v.volume_type()})", ", ".join(types) or "none"
-    if settings.deny_secret_env:
-        for v in pod.volumes:
-            if v.secret is not None:
-                yield g["spec.pod.volumes[].secret"], v.name, ""
-        for c in pod.init_containers:
-            if any(e.value_from and e.value_from.secret_key_ref for e in c.env):
-                yield g["spec.pod.initContainers[].env"], c.name, ""
-    if registries := _listed(settings.allowed_image_registries):
-        for c in pod.init_containers:
-            if not _registry_ok(c.image, registries):
-                yield g["spec.pod.initContainers[].image"], c.image, ", ".join(registries)
-        for v in pod.volumes:
-            if v.image is not None and not _registry_ok(v.image.reference, registries):
-                yield g["spec.pod.volumes[].image"], v.image.reference, ", ".join(registries)
-    privileged_images = _listed(settings.allowed_privileged_images)
-    for test, where in ((_privileged, "privileged"), (_adds_capabilities, "capabilities")):
-        for c in pod.init_containers:
-            if test(c) and not _image_ok(c.image, privileged_images):
-                yield (g[f"spec.pod.initContainers[].securityContext.{where}"], c.name,
-                       ", ".join(privileged_images) or "none")
-    affinity = pod.affinity.node_affinity if pod.affinity else None
-    if affinity is not None and (keys := _listed(settings.allowed_node_selector_keys)):
-        required = affinity.required_during_scheduling_ignored_during_execution
-        terms = [*(required.node_selector_terms if required else []),
-                 *(p.preference for p in affinity.preferred_during_scheduling_ignored_during_execution)]
-        for term in terms:
-            for r in term.match_expressions:
-                if r.key not in keys:
-                    yield g["spec.pod.affinity.nodeAffinity"], r.key, ", ".join(keys)
+    # the blocks'
+    yield from blocks.object_store.guardrail_violations(spec.checkpoint.object_store if spec.checkpoint else None,
+                                                        settings)
+    yield from blocks.pod.guardrail_violations(spec.pod, settings)
+    yield from blocks.wandb.guardrail_violations(spec.logging.wandb, settings)
 
 
 def guardrail_problems(job: MegatronJob, settings: Settings) -> list[Problem]:

@@ -72,9 +72,11 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on the Workload Kueue creates 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 
-# The trainer container's own mounts and volumes (render.py). spec.pod may add volumes and mounts, never
-# on, inside or around these paths, nor under these volume names (rules: pod-mounts-not-reserved,
+# The trainer container's own mounts and volumes (render.py and the blocks). spec.pod may add volumes and mounts,
+# never on, inside or around these paths, nor under these volume names (rules: pod-mounts-not-reserved,
 # pod-volume-names-not-reserved).
+SHM_MOUNT = "/dev/shm"
+TMP_MOUNT = "/tmp"
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
 HF_INIT_MOUNT = "/hf-init"
@@ -84,15 +86,32 @@ OBJECT_STORE_CREDENTIALS_MOUNT = "/var/run/secrets/megatron-operator/object-stor
 #: Where the Weights & Biases API key Secret is mounted (read-only): the trainer reads the file `key` there.
 WANDB_API_KEY_MOUNT = "/var/run/secrets/megatron-operator/wandb"
 #: Where the Weights & Biases run's files go without spec.logging.wandb.saveDir: beside the checkpoints, on a PVC
-#: (render.wandb_save_dir), else this scratch directory (online mode only).
+#: (blocks/wandb.py, save_dir), else this scratch directory (online mode only).
 WANDB_SCRATCH_DIR = "/tmp/wandb"
 #: Where the job's ServiceAccount token is (the kubelet's automount, or render's trainer-token volume).
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-OPERATOR_MOUNTS = ("/dev/shm", "/tmp", CHECKPOINT_MOUNT, DATA_MOUNT, HF_INIT_MOUNT, HF_EXPORT_MOUNT,
+OPERATOR_MOUNTS = (SHM_MOUNT, TMP_MOUNT, CHECKPOINT_MOUNT, DATA_MOUNT, HF_INIT_MOUNT, HF_EXPORT_MOUNT,
                    "/var/run/secrets/megatron-operator", SERVICE_ACCOUNT_MOUNT)
 #: Where no extra mount may go at all: the container's devices (GPUs, /dev/infiniband), kernel interfaces.
 SYSTEM_MOUNTS = ("/dev", "/proc", "/sys")
-OPERATOR_VOLUMES = ("dshm", "tmp", "checkpoints", "object-store-credentials", "data", "hf-init", "hf-export",
-                    "trainer-token", "wandb-api-key")
+#: The operator's own volumes (render.py and the blocks name them from here), ...
+SHM_VOLUME = "dshm"
+TMP_VOLUME = "tmp"
+CHECKPOINT_VOLUME = "checkpoints"
+OBJECT_STORE_CREDENTIALS_VOLUME = "object-store-credentials"
+DATA_VOLUME = "data"
+HF_INIT_VOLUME = "hf-init"
+HF_EXPORT_VOLUME = "hf-export"
+TRAINER_TOKEN_VOLUME = "trainer-token"
+WANDB_API_KEY_VOLUME = "wandb-api-key"
+#: ... and where the trainer container mounts each: the one table of them (tests/unit/test_render.py renders a job
+#: with every one and checks the pod against it).
+OPERATOR_VOLUME_MOUNTS = {
+    SHM_VOLUME: SHM_MOUNT, TMP_VOLUME: TMP_MOUNT, CHECKPOINT_VOLUME: CHECKPOINT_MOUNT,
+    OBJECT_STORE_CREDENTIALS_VOLUME: OBJECT_STORE_CREDENTIALS_MOUNT, DATA_VOLUME: DATA_MOUNT,
+    HF_INIT_VOLUME: HF_INIT_MOUNT, HF_EXPORT_VOLUME: HF_EXPORT_MOUNT, TRAINER_TOKEN_VOLUME: SERVICE_ACCOUNT_MOUNT,
+    WANDB_API_KEY_VOLUME: WANDB_API_KEY_MOUNT,
+}
+OPERATOR_VOLUMES = tuple(OPERATOR_VOLUME_MOUNTS)
 #: The volume sources spec.pod.volumes offers, as guardrails.allowedVolumeTypes names them.
 VOLUME_TYPES = ("persistentVolumeClaim", "configMap", "secret", "emptyDir", "csi", "image", "hostPath")

@@ -4,7 +4,8 @@
 patch only its own MegatronJob's status, the RoleBinding, and the JobSet that runs the trainer's
 launcher (`python -m megatron_trainer.launch`, one worker per GPU) in one pod per node. The
 command line uses Megatron-LM flag names (docs/trainer-contract.md), so a Megatron-LM image could
-run the same job.
+run the same job. A spec block with a room of its own (``blocks/``) builds its part (its flags, env, volumes,
+what it adds to the pod); this module places each part where it goes.
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import blocks
 from .failures import FAIL_MESSAGE_PATTERN, FAIL_RULE_NAME, NON_RETRIABLE_EXIT_CODES
 from .names import (
     ANNOTATION_PARALLELISM,
     API_VERSION,
     CHECKPOINT_MOUNT,
+    CHECKPOINT_VOLUME,
     DATA_MOUNT,
+    DATA_VOLUME,
     EFA_RESOURCE,
     GPU_RESOURCE,
     GROUP,
-    HF_EXPORT_MOUNT,
-    HF_INIT_MOUNT,
     JOBSET_API_VERSION,
     JOBSET_GLOBAL_INDEX_LABEL,
     JOBSET_RESTART_ATTEMPT_LABEL,
@@ -38,13 +40,13 @@ from .names import (
     LABEL_MANAGED_BY,
     LABEL_TP_GROUP,
     MANAGED_BY,
-    OBJECT_STORE_CREDENTIALS_MOUNT,
     PLURAL,
-    SERVICE_ACCOUNT_MOUNT,
+    SHM_MOUNT,
+    SHM_VOLUME,
+    TMP_MOUNT,
+    TMP_VOLUME,
     TRAINER_APP_NAME,
     TRAINER_CONTAINER,
-    WANDB_API_KEY_MOUNT,
-    WANDB_SCRATCH_DIR,
 )
 from .rules import derived_layout, resolved_model
 from .settings import Settings
@@ -89,18 +91,8 @@ def hf_export_location(job: MegatronJob) -> str:
     export = job.spec.export.hugging_face
     store = job.spec.checkpoint.object_store if export.object_store and job.spec.checkpoint else None
     if store is not None:
-        return f"s3://{store.bucket}/{export.path}"
-    return f"{HF_EXPORT_MOUNT}/{export.path}"
-
-
-
-
-def wandb_save_dir(job: MegatronJob) -> str:
-    """--wandb-save-dir: spec.logging.wandb.saveDir, else <checkpoint dir>/wandb on the checkpoint PVC, else the
-    pod's scratch (online mode only: rules' wandb-offline-needs-volume)."""
-    wandb = job.spec.logging.wandb
-    ckpt_dir = checkpoint_dir(job)
-    return wandb.save_dir or (f"{ckpt_dir}/wandb" if ckpt_dir else WANDB_SCRATCH_DIR)
+        return blocks.object_store.url(store, export.path)
+    return blocks.hf.export_dir(job.spec.export)
 
 
 def checkpoint_location(job: MegatronJob) -> str | None:
@@ -109,7 +101,7 @@ def checkpoint_location(job: MegatronJob) -> str | None:
     if ckpt is None:
         return None
     if ckpt.object_store is not None:
-        return f"s3://{ckpt.object_store.bucket}/{ckpt.object_store.prefix or job.metadata.name}"
+        return blocks.object_store.checkpoint_url(ckpt.object_store, job.metadata.name)
     return checkpoint_dir(job)
 
 
@@ -269,7 +261,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
             flag("tokenizer-model", f"{DATA_MOUNT}/{data.tokenizer.path}")
         else:
             assert spec.init is not None  # rules: data-sft-tokenizer
-            flag("tokenizer-model", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
+            flag("tokenizer-model", blocks.hf.init_dir(spec.init))
         flag("data-cache-path", f"{ckpt_dir}/data-cache" if ckpt_dir else "/tmp/data-cache")
     elif data.mock:
         flag("mock-data")
@@ -291,11 +283,8 @@ def megatron_args(job: MegatronJob) -> list[str]:
         location = checkpoint_location(job)
         flag("save", location)
         flag("load", location)
-        if (store := spec.checkpoint.object_store) is not None:
-            if store.endpoint:
-                flag("object-store-endpoint", store.endpoint)
-            if store.region:
-                flag("object-store-region", store.region)
+        if spec.checkpoint.object_store is not None:
+            a += blocks.object_store.flags(spec.checkpoint.object_store)
         flag("save-interval", spec.checkpoint.interval)
         flag("ckpt-format", "torch_dist")
         if spec.checkpoint.async_:
@@ -305,21 +294,11 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("exit-signal-handler")
         if spec.logging.tensorboard:
             flag("tensorboard-dir", f"{ckpt_dir}/tensorboard")
-    # Weights & Biases: names and where the files go; the key only as a path (the Secret volume, _pod_spec)
-    if (wandb := spec.logging.wandb) is not None:
-        flag("wandb-project", wandb.project)
-        if wandb.entity:
-            flag("wandb-entity", wandb.entity)
-        flag("wandb-exp-name", wandb.name or job.metadata.name)
-        flag("wandb-mode", wandb.mode)
-        flag("wandb-save-dir", wandb_save_dir(job))
-        if wandb.api_key_secret is not None:
-            flag("wandb-api-key-file", f"{WANDB_API_KEY_MOUNT}/key")
+    # Weights & Biases: names and where the files go; the key only as a path (the block's Secret volume)
+    if spec.logging.wandb is not None:
+        a += blocks.wandb.flags(spec.logging.wandb, job.metadata.name, ckpt_dir)
     # Hugging Face import/export
-    if spec.init is not None:
-        flag("hf-init", f"{HF_INIT_MOUNT}/{spec.init.hugging_face.path}")
-    if spec.export is not None:
-        flag("hf-export", hf_export_location(job))
+    a += blocks.hf.flags(spec.init, hf_export_location(job) if spec.export is not None else None)
     return a + list(tr.extra_args)
 
 
@@ -405,10 +384,7 @@ def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[d
         env.append({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"})
     if spec.resources.efa_per_node > 0:
         env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
-    store = spec.checkpoint.object_store if spec.checkpoint else None
-    if store is not None and store.credentials_secret:
-        # A path, never the secret: boto3 reads the file from the Secret volume (_pod_spec).
-        env.append({"name": "AWS_SHARED_CREDENTIALS_FILE", "value": f"{OBJECT_STORE_CREDENTIALS_MOUNT}/credentials"})
+    env += blocks.object_store.env(spec.checkpoint.object_store if spec.checkpoint else None)
     env += [e.model_dump(by_alias=True, exclude_none=True, mode="json") for e in spec.env]
     return env
 
@@ -429,50 +405,33 @@ def _resources(spec: MegatronJobSpec) -> dict[str, Any]:
     return out
 
 
+def _volumes(spec: MegatronJobSpec, settings: Settings) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The trainer pod's own volumes (names.OPERATOR_VOLUME_MOUNTS), each with the trainer container's mount of it,
+    in the order the pod lists them; spec.pod's come after them (blocks/pod.py)."""
+    out = [
+        # NCCL, data-loader workers and async checkpoints need far more than the 64 MiB default.
+        ({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
+         {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}),
+        ({"name": TMP_VOLUME, "emptyDir": {}}, {"name": TMP_VOLUME, "mountPath": TMP_MOUNT}),
+    ]
+    if spec.checkpoint is not None and spec.checkpoint.pvc is not None:
+        out.append(({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}},
+                    {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_MOUNT}))
+    out += blocks.object_store.volumes(spec.checkpoint.object_store if spec.checkpoint else None)
+    out += blocks.wandb.volumes(spec.logging.wandb)
+    if spec.data.pvc is not None:
+        out.append(({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}},
+                    {"name": DATA_VOLUME, "mountPath": DATA_MOUNT, "readOnly": True}))
+    out += blocks.hf.volumes(spec.init, spec.export)
+    return out
+
+
 def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], first_rjob: str,
               tp_group: int | None, avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
     spec = job.spec
     name = job.metadata.name
-    volumes: list[dict[str, Any]] = [
-        # NCCL, data-loader workers and async checkpoints need far more than the 64 MiB default.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec, settings)}},
-        {"name": "tmp", "emptyDir": {}},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "tmp", "mountPath": "/tmp"},
-    ]
-    if spec.checkpoint is not None and spec.checkpoint.pvc is not None:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
-        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
-    store = spec.checkpoint.object_store if spec.checkpoint else None
-    if store is not None and store.credentials_secret:
-        # The user's own Secret in the job's namespace (the kubelet reads it with the pod's rights there;
-        # the operator never reads or copies it), one key as the file `credentials`, readable by the
-        # trainer's group only (fsGroup).
-        volumes.append({"name": "object-store-credentials", "secret": {
-            "secretName": store.credentials_secret, "defaultMode": 0o440,
-            "items": [{"key": store.credentials_key, "path": "credentials"}]}})
-        mounts.append({"name": "object-store-credentials", "mountPath": OBJECT_STORE_CREDENTIALS_MOUNT,
-                       "readOnly": True})
-    wandb = spec.logging.wandb
-    if wandb is not None and wandb.api_key_secret is not None:
-        # As the object-store credentials: the user's own Secret in the job's namespace, read by the kubelet with
-        # the pod's rights; one key as the file `key`, readable by the trainer's group only (fsGroup).
-        volumes.append({"name": "wandb-api-key", "secret": {
-            "secretName": wandb.api_key_secret.name, "defaultMode": 0o440,
-            "items": [{"key": wandb.api_key_secret.key, "path": "key"}]}})
-        mounts.append({"name": "wandb-api-key", "mountPath": WANDB_API_KEY_MOUNT, "readOnly": True})
-    if spec.data.pvc is not None:
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}})
-        mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
-    if spec.init is not None:
-        volumes.append({"name": "hf-init", "persistentVolumeClaim": {"claimName": spec.init.hugging_face.pvc,
-                                                                     "readOnly": True}})
-        mounts.append({"name": "hf-init", "mountPath": HF_INIT_MOUNT, "readOnly": True})
-    if spec.export is not None and spec.export.hugging_face.pvc is not None:
-        volumes.append({"name": "hf-export", "persistentVolumeClaim": {"claimName": spec.export.hugging_face.pvc}})
-        mounts.append({"name": "hf-export", "mountPath": HF_EXPORT_MOUNT})
+    own = _volumes(spec, settings)
+    volumes, mounts = [v for v, _ in own], [m for _, m in own]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image or settings.default_image,
@@ -546,84 +505,10 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
             "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(set(avoid_nodes))}],
         }]}}
     if spec.pod is not None:
-        _add_pod_spec(pod, container, spec.pod, affinity)
+        blocks.pod.add_to_pod(pod, container, spec.pod, affinity)
     if affinity:
         pod["affinity"] = affinity
     return pod
-
-
-#: The trainer's token (the trainer writes status.progress with it) when the pod has containers of the user's:
-#: the same files as the kubelet's automount (kube-api-access), in the trainer container only.
-TOKEN_EXPIRATION_S = 3607
-
-
-def _trainer_token_volume() -> dict[str, Any]:
-    return {"name": "trainer-token", "projected": {"defaultMode": 0o444, "sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_S}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1",
-                                                                      "fieldPath": "metadata.namespace"}}]}}]}}
-
-
-def _user_container(c: Any) -> dict[str, Any]:
-    """An init container or sidecar of spec.pod, with the trainer's hardening unless it asks otherwise: no
-    privilege escalation and every capability dropped (the pod's non-root uid and seccomp profile apply)."""
-    out = c.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"security_context"})
-    for key in ("command", "args", "env", "volumeMounts"):
-        if not out.get(key):
-            out.pop(key, None)
-    sc = c.security_context.model_dump(by_alias=True, exclude_none=True, mode="json") if c.security_context else {}
-    added = sc.pop("capabilities", {}).get("add", [])
-    sc["capabilities"] = {"drop": ["ALL"], **({"add": added} if added else {})}
-    # The API server refuses allowPrivilegeEscalation: false beside privileged or CAP_SYS_ADMIN.
-    if not sc.get("privileged") and not {"SYS_ADMIN", "CAP_SYS_ADMIN"} & set(added):
-        sc["allowPrivilegeEscalation"] = False
-    out["securityContext"] = sc
-    return out
-
-
-def _add_pod_spec(pod: dict[str, Any], trainer: dict[str, Any], extra: Any, affinity: dict[str, Any]) -> None:
-    """spec.pod added to the rendered pod: volumes and the trainer's mounts after the operator's, the init
-    containers and sidecars, and affinity merged into the operator's own (``affinity``, changed in place)."""
-    pod["volumes"] += [v.model_dump(by_alias=True, exclude_none=True, mode="json") for v in extra.volumes]
-    trainer["volumeMounts"] += [m.model_dump(by_alias=True, exclude_none=True, mode="json")
-                                for m in extra.volume_mounts]
-    if extra.init_containers:
-        pod["initContainers"] = [_user_container(c) for c in extra.init_containers]
-        # Only the trainer gets the job's token: another image in the pod (a log shipper, say) has no use for it.
-        pod["automountServiceAccountToken"] = False
-        pod["volumes"].append(_trainer_token_volume())
-        trainer["volumeMounts"].append({"name": "trainer-token", "mountPath": SERVICE_ACCOUNT_MOUNT, "readOnly": True})
-    if extra.topology_spread_constraints:
-        pod["topologySpreadConstraints"] = [t.model_dump(by_alias=True, exclude_none=True, mode="json")
-                                            for t in extra.topology_spread_constraints]
-    if extra.affinity is not None:
-        _merge_affinity(affinity, extra.affinity.model_dump(by_alias=True, exclude_none=True, mode="json"))
-
-
-_REQUIRED, _PREFERRED = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
-
-
-def _merge_affinity(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """The user's affinity added to the operator's: every term of both must hold. Required node selector terms
-    are ORed by the scheduler, so each of the user's terms gets the operator's requirements (the avoided nodes);
-    the pod (anti-)affinity terms of both are ANDed already; preferences add up."""
-    for kind in ("podAffinity", "podAntiAffinity"):
-        if kind in theirs:
-            merged = ours.setdefault(kind, {})
-            for when in (_REQUIRED, _PREFERRED):
-                if theirs[kind].get(when):
-                    merged[when] = [*merged.get(when, []), *theirs[kind][when]]
-            if not merged:
-                del ours[kind]
-    node = theirs.get("nodeAffinity") or {}
-    if node.get(_PREFERRED):
-        ours.setdefault("nodeAffinity", {})[_PREFERRED] = node[_PREFERRED]
-    if node.get(_REQUIRED):
-        mine = (ours.get("nodeAffinity") or {}).get(_REQUIRED, {"nodeSelectorTerms": [{}]})["nodeSelectorTerms"]
-        terms = [{k: [*a.get(k, []), *b.get(k, [])] for k in ("matchExpressions", "matchFields") if a.get(k) or b.get(k)}
-                 for b in node[_REQUIRED]["nodeSelectorTerms"] for a in mine]
-        ours.setdefault("nodeAffinity", {})[_REQUIRED] = {"nodeSelectorTerms": terms}
 
 
 def replicated_job_plan(spec: MegatronJobSpec) -> list[tuple[str, int, int | None]]:
@@ -757,8 +642,8 @@ def _sa_meta(job: MegatronJob, sa: str, owner_uid: str | None) -> dict[str, Any]
     """The ServiceAccount's metadata, with spec.checkpoint.objectStore's workload-identity annotations."""
     meta = _meta(job, sa, owner_uid)
     store = job.spec.checkpoint.object_store if job.spec.checkpoint else None
-    if store is not None and store.service_account_annotations:
-        meta["annotations"] = {**meta.get("annotations", {}), **store.service_account_annotations}
+    if annotations := blocks.object_store.service_account_annotations(store):
+        meta["annotations"] = {**meta.get("annotations", {}), **annotations}
     return meta
 
 

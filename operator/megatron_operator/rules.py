@@ -7,13 +7,17 @@ fix. Upstream references are to megatron-core 0.19.2 (``megatron/core/...``) and
 ``megatron/training/arguments.py`` (ARGS).
 
 ``self`` is ``spec`` after API-server defaulting (every field with a default is present).
+
+Here: the core's rules (parallelism, model, training, data, env, resources, pod metadata), written in the shared
+values of ``vocab/values.py``. A spec block with a room of its own (``blocks/``) brings its rules; they are
+collected after the core's, in the CRD's order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from . import blocks
 from .expr import (
     All,
     At,
@@ -21,166 +25,80 @@ from .expr import (
     Expr,
     Field,
     Filter,
-    Get,
     Has,
-    In,
     Index,
     LastIndexOf,
-    Lit,
     Matches,
     Missing,
     Size,
-    StartsWith,
     Var,
-    bind_field,
-    bind_shared,
     cond,
     fmt,
     lit,
-    lookup,
-    optionals,
-    rebase,
 )
 from .names import (
-    CHECKPOINT_MOUNT,
-    FIXED_JOB_LABELS,
-    JOB_NAME_VALUED_LABELS,
-    LABEL_JOB_NAME,
     MAX_NAME_LENGTH,
-    OPERATOR_MOUNTS,
-    OPERATOR_VOLUMES,
     RFC1035_LABEL,
-    S3_ENDPOINT,
-    SYSTEM_MOUNTS,
-    TRAINER_CONTAINER,
-    VOLUME_TYPES,
-    WORKLOAD_IDENTITY_ANNOTATIONS,
 )
-from .presets import MODEL_PRESETS
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
+from .vocab.patterns import QUALIFIED_NAME_RE
+from .vocab.rule import (
+    Problem,
+    Rule,
+    all_of,
+    any_of,
+    multiple_hint,
+    qualified_keys_rule,
+)
+from .vocab.values import (
+    MODEL_VALUES,
+    add_bias_linear,
+    cp,
+    dp,
+    ep,
+    etp,
+    experts,
+    f,
+    gbs,
+    gpn,
+    groups,
+    has,
+    heads,
+    hidden,
+    layers,
+    layout_ok,
+    max_positions,
+    mbs,
+    microbatches,
+    model_complete,
+    model_parallel,
+    moe_balancing,
+    moe_expert_bias,
+    moe_ffn,
+    moe_pad_to_capacity,
+    moe_pre_softmax,
+    moe_score_function,
+    moe_shared_ffn,
+    moe_shared_gate,
+    nodes,
+    opt,
+    position_embedding,
+    pp,
+    precision,
+    seq,
+    sequence_parallel,
+    topk,
+    tp,
+    uses_te,
+    vocab,
+    world,
+)
 
-# --------------------------------------------------------------------------------------------
-# Values every rule shares (each is an expression: CEL and Python at once)
-# --------------------------------------------------------------------------------------------
-
-
-def f(path: str) -> Field:
-    return Field(path)
-
-
-def has(path: str) -> Expr:
-    return Has(Field(path))
-
-
-def opt(path: str, default: Any) -> Expr:
-    """The field's value, or ``default`` when it is absent."""
-    return cond(has(path), f(path), default)
-
-
-tp = f("parallelism.tensor")
-pp = f("parallelism.pipeline")
-cp = f("parallelism.context")
-ep = f("parallelism.expert")
-etp = opt("parallelism.expertTensor", tp)  # Megatron: expert_tensor_parallel_size defaults to TP
-nodes = f("numNodes")
-gpn = f("gpusPerNode")
-world = nodes * gpn
-model_parallel = tp * pp * cp
-dp = world // model_parallel
-uses_te = f("training.transformerImpl").eq("transformer_engine")
-# Default: on with TP > 1 and Transformer Engine. Unset, it renders --sequence-parallel-auto and the
-# trainer, which knows whether its image has TE, keeps it on the TE path only: the local path supports
-# it (its own torch norm; Megatron's WrappedTorchNorm refuses it) but measured slower there (Llama-3-8B
-# TP=2, docs/benchmarks/megatron-lm.md#2026-11-26-second-session-sp-rope), so it stays opt-in on the local path.
-sequence_parallel = opt("parallelism.sequenceParallel", (tp > 1) & uses_te)
-mbs = f("training.microBatchSize")
-precision = f("training.precision")
-
-
-def model_value(name: str, derived: Any) -> Expr:
-    """An effective model field: explicit value, else the preset's, else the derived default."""
-    explicit = f"model.{name}"
-    by_preset = {p: v[name] for p, v in MODEL_PRESETS.items() if name in v}
-    fallback = lit(derived)
-    if by_preset:
-        preset = f("model.preset")
-        in_table = has("model.preset")
-        if len(by_preset) < len(MODEL_PRESETS):
-            in_table = in_table & _in(preset, list(by_preset))
-        fallback = cond(in_table, lookup(by_preset, preset), fallback)
-    return cond(has(explicit), f(explicit), fallback)
-
-
-def _in(e: Expr, values: list[str]) -> Expr:
-    out: Expr = Lit(False)
-    for v in values:
-        out = out | e.eq(v)
-    return out
-
-
-# 0 marks "neither given nor in the preset"; the model-complete rule reports it.
-layers = model_value("numLayers", 0)
-hidden = model_value("hiddenSize", 0)
-heads = model_value("numAttentionHeads", 0)
-seq = model_value("seqLength", 0)
-vocab = model_value("vocabSize", 0)
-groups = model_value("numQueryGroups", heads)
-activation = model_value("activation", "gelu")
-# Megatron-LM's default FFN size: 4h, or int(8h/3 / 64) * 64 = (h / 24) * 64 with SwiGLU.
-ffn = model_value("ffnHiddenSize", cond(activation.eq("swiglu"), (hidden // 24) * 64, hidden * 4))
-max_positions = model_value("maxPositionEmbeddings", seq)
-experts = model_value("numExperts", 0)
-topk = model_value("moeRouterTopk", 2)
-# The rest of the MoE block, with megatron-core's defaults (TransformerConfig): each expert's MLP as wide as the
-# dense one, top-k of the logits then softmax, the per-micro-batch aux loss, the all-gather dispatcher.
-moe_ffn = model_value("moeFfnHiddenSize", ffn)
-moe_pre_softmax = model_value("moeRouterPreSoftmax", False)
-moe_balancing = model_value("moeRouterLoadBalancingType", "aux_loss")
-moe_dispatcher = model_value("moeTokenDispatcherType", "allgather")
-# no shared experts (0), softmax scores, no expert bias, no capacity (0: none dropped; memory.py), no padding
-moe_shared_ffn = model_value("moeSharedExpertIntermediateSize", 0)
-moe_shared_gate = model_value("moeSharedExpertGate", False)
-moe_score_function = model_value("moeRouterScoreFunction", "softmax")
-moe_expert_bias = model_value("moeRouterEnableExpertBias", False)
-moe_capacity_factor = model_value("moeExpertCapacityFactor", 0)
-moe_pad_to_capacity = model_value("moePadExpertInputToCapacity", False)
 #: spec.model's MoE fields besides numExperts and moeRouterTopk (which has its own rule, topk-within-experts).
 MOE_FIELDS = ("moeFfnHiddenSize", "moeRouterPreSoftmax", "moeRouterLoadBalancingType", "moeAuxLossCoeff",
               "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType", "moeSharedExpertIntermediateSize",
               "moeSharedExpertGate", "moeRouterScoreFunction", "moeRouterEnableExpertBias", "moeRouterBiasUpdateRate",
               "moeExpertCapacityFactor", "moeTokenDropPolicy", "moePadExpertInputToCapacity")
-normalization = model_value("normalization", "LayerNorm")
-position_embedding = model_value("positionEmbedding", "learned_absolute")
-rotary_base = model_value("rotaryBase", 10000)
-untie_embeddings = model_value("untieEmbeddings", False)
-add_bias_linear = model_value("addBiasLinear", True)
-# Megatron's defaults (TransformerConfig): layernorm_epsilon 1e-5, kv_channels hidden / heads (0 marks an
-# incomplete model), no QK norm, no QKV bias; 0 marks "no RoPE scaling".
-norm_epsilon = model_value("normEpsilon", 1e-5)
-kv_channels = model_value("kvChannels", cond(heads > 0, hidden // heads, 0))
-qk_layernorm = model_value("qkLayernorm", False)
-add_qkv_bias = model_value("addQkvBias", False)
-rope_scaling_factor = model_value("ropeScalingFactor", 0)
-
-MODEL_VALUES: dict[str, Expr] = {
-    "numLayers": layers, "hiddenSize": hidden, "numAttentionHeads": heads, "numQueryGroups": groups,
-    "ffnHiddenSize": ffn, "seqLength": seq, "maxPositionEmbeddings": max_positions, "vocabSize": vocab,
-    "numExperts": experts, "moeRouterTopk": topk, "moeFfnHiddenSize": moe_ffn, "moeRouterPreSoftmax": moe_pre_softmax,
-    "moeRouterLoadBalancingType": moe_balancing, "moeTokenDispatcherType": moe_dispatcher,
-    "moeSharedExpertIntermediateSize": moe_shared_ffn, "moeSharedExpertGate": moe_shared_gate,
-    "moeRouterScoreFunction": moe_score_function,
-    "moeRouterEnableExpertBias": moe_expert_bias, "moeExpertCapacityFactor": moe_capacity_factor,
-    "moePadExpertInputToCapacity": moe_pad_to_capacity,
-    "activation": activation, "normalization": normalization,
-    "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
-    "addBiasLinear": add_bias_linear, "normEpsilon": norm_epsilon, "kvChannels": kv_channels,
-    "qkLayernorm": qk_layernorm, "addQkvBias": add_qkv_bias, "ropeScalingFactor": rope_scaling_factor,
-}
-
-model_complete = (layers > 0) & (hidden > 0) & (heads > 0) & (seq > 0) & (vocab > 0)
-layout_ok = (world % model_parallel).eq(0)
-gbs = opt("training.globalBatchSize", mbs * dp)
-microbatches = gbs // (mbs * dp)
 
 # Flags the operator renders from the spec (tests/test_contract.py checks this list against the
 # rendering of every example and contract case); extraArgs must not contradict them.
@@ -292,20 +210,9 @@ RESERVED_RESOURCE_RE = (r"^([^/]*|([^/]*\.)?kubernetes\.io/.*|nvidia\.com/(gpu|m
 # selector) and Kueue's; case variants too (the API server compares keys exactly, people do not).
 RESERVED_LABEL_RE = (r"(?i)^(megatron-operator\.io/|jobset\.sigs\.k8s\.io/|app\.kubernetes\.io/|"
                      r"batch\.kubernetes\.io/|kueue\.x-k8s\.io/|job-name$|controller-uid$)")
-# Label, annotation, nodeSelector and taint keys: [DNS subdomain prefix/]name, the name at most 63
-# characters, alphanumeric at both ends (Kubernetes' IsQualifiedName).
-QUALIFIED_NAME_RE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 # One replicated job per tensor-parallel group when a group spans pods (render.replicated_job_plan):
 # each costs about 4.3 kB of the JobSet, and etcd stores at most 1.5 MiB per object.
 MAX_TP_GROUP_JOBS = 256
-
-
-def multiple_hint(value: Expr, m: Expr) -> Expr:
-    """' such as 96 or 128': the multiples of m around value (or m and 2m below it)."""
-    lower = (value // m) * m
-    return cond(lower > 0, fmt(" such as ", lower.str(), " or ", (lower + m).str()),
-                fmt(" such as ", m.str(), " or ", (m * 2).str()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,70 +220,7 @@ def multiple_hint(value: Expr, m: Expr) -> Expr:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Rule:
-    """``check`` must hold whenever ``when`` holds; else ``message`` (a string expression)."""
-
-    name: str
-    field: str  # the field the error is reported on, relative to spec (CEL fieldPath)
-    check: Expr
-    message: Expr
-    when: Expr | None = None
-
-    def condition(self) -> Expr:
-        return self.check if self.when is None else (~self.when) | self.check
-
-    def cel_condition(self) -> Expr:
-        """``condition()`` as the API server evaluates it: each shared model value a rule reads more than once
-        computed once, and ``self.model``, ``self.parallelism``, ``self.training``, ``self.data`` and
-        ``self.resources`` (required or defaulted objects) resolved once (``expr.bind_shared``, ``expr.rebase``);
-        ``has(x) ? x : d`` as ``x.?f.orValue(d)`` and the preset read once (``expr.optionals``,
-        ``expr.bind_field``). The same verdicts for less CEL work:
-        the API server's cost per field read grows with the number of sibling properties."""
-        out = bind_shared(self.condition(), {**{f"v_{name}": e for name, e in MODEL_VALUES.items()},
-                                             "v_world": world, "v_modelParallel": model_parallel})
-        for prefix, var in (("model", "v_model"), ("parallelism", "v_parallelism"), ("training", "v_training"),
-                            ("data", "v_data"), ("resources", "v_resources")):
-            out = rebase(out, prefix, var)
-        # the preset is a schema enum: "" can never be one
-        return optionals(bind_field(out, "v_model", "preset", "v_preset", ""))
-
-    def to_cel(self) -> dict[str, str]:
-        out = {"rule": self.cel_condition().cel()}
-        if isinstance(self.message, Lit):
-            out["message"] = self.message.value
-        else:
-            out["messageExpression"] = self.message.cel()
-        return {**out, "fieldPath": "." + self.field, "reason": "FieldValueInvalid"}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One violated rule, as the CLI and the operator report it."""
-
-    field: str  # full path, e.g. spec.training.globalBatchSize
-    message: str
-    rule: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"field": self.field, "message": self.message, "rule": self.rule}
-
-
 extra_args = f("training.extraArgs")
-
-
-def _all(exprs) -> Expr:
-    out: Expr = Lit(True)
-    for e in exprs:
-        out = out & e
-    return out
-
-
-def _any(exprs) -> Expr:
-    first, *rest = exprs
-    for e in rest:
-        first = first | e
-    return first
 
 
 def _given(flag: str) -> Expr:
@@ -513,7 +357,7 @@ SPEC_RULES: list[Rule] = [
                       topk.str(), " experts (numExperts is ", experts.str(), ")")),
     # ours: the router's flags are rendered only for a MoE model (the trainer would only note them as ignored)
     Rule("moe-fields-need-experts", "model",
-         experts > 0, when=_any(has(f"model.{name}") for name in MOE_FIELDS),
+         experts > 0, when=any_of(has(f"model.{name}") for name in MOE_FIELDS),
          message=fmt("spec.model:", *[cond(has(f"model.{name}"), f" {name}", "") for name in MOE_FIELDS],
                      " apply to a mixture-of-experts model only; set numExperts or omit them")),
     # transformer_config.py (TransformerConfig.__post_init__: a softmax over one logit has a zero gradient)
@@ -645,7 +489,7 @@ SPEC_RULES: list[Rule] = [
     # and the TensorBoard writer refuse the out-of-bounds ones, VALUE_BOUNDS).
     Rule("extra-args-values", "training.extraArgs",
          All(extra_args, "x", ~Matches(Var("x"), EXTRA_VALUE_EQ_RE) | Matches(Var("x"), EXTRA_VALUE_EQ_OK_RE))
-         & _all(_separate_value_ok(fl) for fl in EXTRA_VALUE_FLAGS),
+         & all_of(_separate_value_ok(fl) for fl in EXTRA_VALUE_FLAGS),
          message=lit("spec.training.extraArgs: a value flag is given twice, without its value, or with a value the "
                      "trainer does not take (" + _describe_extra_values() + ")")),
     # config.validate: --overlap-param-gather needs --overlap-grad-reduce and the distributed optimizer, and the
@@ -703,27 +547,9 @@ SPEC_RULES: list[Rule] = [
          has("checkpoint"), when=f("logging.tensorboard"),
          message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC; set "
                      "spec.checkpoint, or tensorboard: false")),
-    Rule("pod-label-keys", "podMetadata.labels",
-         All(f("podMetadata.labels"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
-         message=fmt("spec.podMetadata.labels: ",
-                     Index(Filter(f("podMetadata.labels"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
-                     " is not a valid label key; use [prefix/]name: name at most 63 characters of letters, "
-                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
-                     "subdomain (lower case)")),
-    Rule("pod-annotation-keys", "podMetadata.annotations",
-         All(f("podMetadata.annotations"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
-         message=fmt("spec.podMetadata.annotations: ",
-                     Index(Filter(f("podMetadata.annotations"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
-                     " is not a valid annotation key; use [prefix/]name: name at most 63 characters of letters, "
-                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
-                     "subdomain (lower case)")),
-    Rule("node-selector-keys", "resources.nodeSelector",
-         All(f("resources.nodeSelector"), "k", Matches(Var("k"), QUALIFIED_NAME_RE)),
-         message=fmt("spec.resources.nodeSelector: ",
-                     Index(Filter(f("resources.nodeSelector"), "k", ~Matches(Var("k"), QUALIFIED_NAME_RE)), 0),
-                     " is not a valid node label key; use [prefix/]name: name at most 63 characters of letters, "
-                     "digits, '-', '_' and '.', starting and ending with a letter or digit; prefix a DNS "
-                     "subdomain (lower case)")),
+    qualified_keys_rule("pod-label-keys", "podMetadata.labels", "label key"),
+    qualified_keys_rule("pod-annotation-keys", "podMetadata.annotations", "annotation key"),
+    qualified_keys_rule("node-selector-keys", "resources.nodeSelector", "node label key"),
     Rule("toleration-combination", "resources.tolerations",
          All(f("resources.tolerations"), "t",
              cond(Has(Field("operator", "t")), Field("operator", "t").eq("Exists"), False).eq(False)
@@ -828,420 +654,16 @@ SPEC_RULES: list[Rule] = [
 
 
 # --------------------------------------------------------------------------------------------
-# Hugging Face import/export (spec.init.huggingFace, spec.export.huggingFace)
+# The blocks' rules (blocks/: spec.init and spec.export, spec.checkpoint.objectStore, spec.pod, spec.logging.wandb)
+# after the core's; the order of the list is the order of the CRD's rules
 # --------------------------------------------------------------------------------------------
 
-
-def _no_literal_env(name: str, names_re: str, what: str, secret_field: str) -> Rule:
-    """spec.env may not give a variable whose name matches `names_re` a literal value: it is `what`, a secret."""
-    literal = lambda e: Matches(Field("name", e), names_re) & Has(Field("value", e))  # noqa: E731
-    return Rule(name, "env", All(f("env"), "e", ~literal("e")),
-                message=fmt("spec.env: ", Attr(Index(Filter(f("env"), "e", literal("e")), 0), "name"),
-                            f" holds {what} as a literal value, which shows in the pods and in `kubectl get -o "
-                            f"yaml`; put it in a Secret: {secret_field}"))
-
-
-def llama_family_rule(name: str, where: str, what: str) -> Rule:
-    """The trainer's converter maps Llama, Mistral, Qwen2 and Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE
-    and Mixtral (SwiGLU, RMSNorm, RoPE, no linear biases): any other model has no Hugging Face counterpart it can
-    read or write."""
-    off = [(activation.ne("swiglu"), fmt(" activation is ", activation, " (set swiglu);")),
-           (normalization.ne("RMSNorm"), fmt(" normalization is ", normalization, " (set RMSNorm);")),
-           (position_embedding.ne("rope"), fmt(" positionEmbedding is ", position_embedding, " (set rope);")),
-           (add_bias_linear, lit(" addBiasLinear is true (set false);")),
-           # shared experts only as Qwen2-MoE's, gated; no family has sigmoid routing (nor, with it, an expert bias)
-           ((experts > 0) & (moe_shared_ffn > 0) & ~moe_shared_gate,
-            lit(" moeSharedExpertIntermediateSize is set without moeSharedExpertGate (Qwen2-MoE's shared expert is "
-                "gated: set moeSharedExpertGate true, or omit both);")),
-           ((experts > 0) & moe_score_function.eq("sigmoid"), lit(" moeRouterScoreFunction is sigmoid (set "
-                                                                   "softmax);"))]
-    ok: Expr = Lit(True)
-    for bad, _ in off:
-        ok = ok & ~bad
-    return Rule(name, where, ok, when=has(where.split(".")[0]),
-                message=fmt(f"spec.{where}: {what} needs a Llama-family spec.model (Llama, Mistral, Qwen2, Qwen3, "
-                            "or Qwen3-MoE, Qwen2-MoE and Mixtral), but in spec.model", *[cond(bad, part, "") for bad, part in off],
-                            " `megatron-operator hf-config config.json` prints the matching spec.model"))
-
-
-init_pvc, init_path = f("init.huggingFace.pvc"), f("init.huggingFace.path")
-export_pvc, export_path = f("export.huggingFace.pvc"), f("export.huggingFace.path")
-
-SPEC_RULES += [
-    llama_family_rule("hf-init-llama-family", "init.huggingFace", "a Hugging Face import"),
-    llama_family_rule("hf-export-llama-family", "export.huggingFace", "a Hugging Face export"),
-    # The trainer never overwrites its source; an export inside the source (or around it) would
-    # mix the two checkpoints' files.
-    Rule("hf-export-outside-init", "export.huggingFace.path",
-         ~(export_path.eq(init_path) | StartsWith(export_path, init_path + "/")
-           | StartsWith(init_path, export_path + "/")),
-         when=has("init") & has("export") & has("export.huggingFace.pvc") & export_pvc.eq(init_pvc),
-         message=fmt("spec.export.huggingFace.path: ", export_path,
-                     cond(export_path.eq(init_path), " is the same directory as",
-                          cond(StartsWith(export_path, init_path + "/"), " is inside", " contains")),
-                     " spec.init.huggingFace.path ", init_path, " on PVC ", init_pvc,
-                     "; export to a directory apart from the source, e.g. exports/<name>")),
-]
-
-
-# Checkpoints in object storage (spec.checkpoint.objectStore, docs/object-storage.md).
-ckpt_store = has("checkpoint") & has("checkpoint.objectStore")
-export_to_store = has("export") & f("export.huggingFace.objectStore")
-ckpt_prefix = f("checkpoint.objectStore.prefix")
-sa_annotations = f("checkpoint.objectStore.serviceAccountAnnotations")
-WORKLOAD_IDENTITY_RE = "^(" + "|".join(k.replace(".", r"\.") for k in WORKLOAD_IDENTITY_ANNOTATIONS) + ")$"
-# Environment variables that hold an object-store credential: never as a literal value in the spec
-# (it would show in the JobSet, the pods and `kubectl get -o yaml`). AWS_CONTAINER_AUTHORIZATION_TOKEN is the
-# token botocore sends to AWS_CONTAINER_CREDENTIALS_FULL_URI, AWS_BEARER_TOKEN_<SERVICE> a service's bearer
-# token (botocore.utils.get_token_from_environment). docs/object-storage.md lists every variable boto3 and
-# multi-storage-client read, and what is refused.
-CREDENTIAL_ENV_RE = (r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOKEN|AWS_SECURITY_TOKEN|"
-                     r"AWS_CONTAINER_AUTHORIZATION_TOKEN|AWS_BEARER_TOKEN_[A-Z0-9_]+)$")
-# A URL with user info (scheme://user[:password]@host): a credential in the URL, in any variable. Proxy
-# variables (read by botocore, urllib and requests) also take the URL without its scheme (user:pass@host:3128).
-URL_USERINFO_RE = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
-PROXY_ENV_RE = r"(?i)^(http|https|all|ftp)_proxy$"
-PROXY_USERINFO_RE = r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@"
-# botocore's endpoint variables: AWS_ENDPOINT_URL, and AWS_ENDPOINT_URL_<SERVICE> (S3, STS, ...). A literal
-# value takes the shape of spec.checkpoint.objectStore.endpoint (the field's pattern): the variable is
-# another way to set the same thing, and must not go around the field's rules.
-ENDPOINT_ENV_RE = r"^AWS_ENDPOINT_URL(_[A-Z0-9_]+)?$"
-
-SPEC_RULES += [
-    Rule("checkpoint-one-location", "checkpoint",
-         has("checkpoint.pvc").ne(has("checkpoint.objectStore")), when=has("checkpoint"),
-         message=lit("spec.checkpoint: give exactly one of pvc and objectStore")),
-    Rule("checkpoint-path-with-pvc", "checkpoint.path",
-         ~has("checkpoint.path"), when=ckpt_store,
-         message=lit("spec.checkpoint.path: is a directory inside the PVC; with objectStore, set "
-                     "objectStore.prefix instead")),
-    Rule("tensorboard-needs-checkpoint-pvc", "logging.tensorboard",
-         ~ckpt_store, when=f("logging.tensorboard"),
-         message=lit("spec.logging.tensorboard: event files are written under the checkpoint PVC, and "
-                     "spec.checkpoint.objectStore has none; set tensorboard: false")),
-    Rule("object-store-identity-annotations", "checkpoint.objectStore.serviceAccountAnnotations",
-         All(sa_annotations, "k", Matches(Var("k"), WORKLOAD_IDENTITY_RE)),
-         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
-         message=fmt("spec.checkpoint.objectStore.serviceAccountAnnotations: ",
-                     Index(Filter(sa_annotations, "k", ~Matches(Var("k"), WORKLOAD_IDENTITY_RE)), 0),
-                     " is not a workload-identity annotation; allowed: " + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS))),
-    Rule("object-store-one-identity", "checkpoint.objectStore",
-         ~(has("checkpoint.objectStore.credentialsSecret") & (Size(sa_annotations) > 0)),
-         when=ckpt_store & has("checkpoint.objectStore.serviceAccountAnnotations"),
-         message=lit("spec.checkpoint.objectStore: give credentialsSecret or serviceAccountAnnotations "
-                     "(workload identity), not both")),
-    Rule("hf-export-one-location", "export.huggingFace",
-         has("export.huggingFace.pvc").ne(f("export.huggingFace.objectStore")), when=has("export"),
-         message=lit("spec.export.huggingFace: give exactly one of pvc and objectStore: true")),
-    Rule("hf-export-object-store-needs-checkpoint-store", "export.huggingFace.objectStore",
-         ckpt_store, when=export_to_store,
-         message=lit("spec.export.huggingFace.objectStore: the export goes to the bucket of "
-                     "spec.checkpoint.objectStore, and this job has none; set spec.checkpoint.objectStore, or "
-                     "export to a pvc")),
-    # An export among the checkpoints' keys would mix the two (and its never-overwrite check would refuse
-    # the prefix the checkpoints fill). The default prefix is the job's name, which a spec rule cannot see:
-    # OBJECT_RULES' hf-export-outside-default-prefix checks it.
-    Rule("hf-export-outside-checkpoint-prefix", "export.huggingFace.path",
-         ~(export_path.eq(ckpt_prefix) | StartsWith(export_path, ckpt_prefix + "/")
-           | StartsWith(ckpt_prefix, export_path + "/")),
-         when=export_to_store & ckpt_store & has("checkpoint.objectStore.prefix"),
-         message=fmt("spec.export.huggingFace.path: ", export_path,
-                     cond(export_path.eq(ckpt_prefix), " is the same prefix as",
-                          cond(StartsWith(export_path, ckpt_prefix + "/"), " is inside", " contains")),
-                     " spec.checkpoint.objectStore.prefix ", ckpt_prefix,
-                     "; export to a prefix apart from the checkpoints, e.g. exports/<name>")),
-    Rule("env-no-url-credentials", "env",
-         All(f("env"), "e", ~(Has(Field("value", "e")) & (
-             Matches(Field("value", "e"), URL_USERINFO_RE)
-             | (Matches(Field("name", "e"), PROXY_ENV_RE) & Matches(Field("value", "e"), PROXY_USERINFO_RE))))),
-         message=fmt("spec.env: ",
-                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e")) & (
-                         Matches(Field("value", "e"), URL_USERINFO_RE)
-                         | (Matches(Field("name", "e"), PROXY_ENV_RE)
-                            & Matches(Field("value", "e"), PROXY_USERINFO_RE)))), 0), "name"),
-                     " holds a URL with user info (user:password@host), a credential in plain sight of the pods and "
-                     "`kubectl get -o yaml`; drop it from the URL and use spec.checkpoint.objectStore."
-                     "credentialsSecret, or take the whole value from a Secret (valueFrom.secretKeyRef)")),
-    Rule("env-endpoint-url", "env",
-         All(f("env"), "e", ~(Has(Field("value", "e")) & Matches(Field("name", "e"), ENDPOINT_ENV_RE))
-             | Matches(Field("value", "e"), S3_ENDPOINT)
-             | Matches(Field("value", "e"), URL_USERINFO_RE)),  # env-no-url-credentials says it
-         message=fmt("spec.env: ",
-                     Attr(Index(Filter(f("env"), "e", Has(Field("value", "e"))
-                                       & Matches(Field("name", "e"), ENDPOINT_ENV_RE)
-                                       & ~Matches(Field("value", "e"), S3_ENDPOINT)
-                                       & ~Matches(Field("value", "e"), URL_USERINFO_RE)), 0), "name"),
-                     " must be http(s)://HOST[:PORT] (a port 1-65535; no path, no user info), as "
-                     "spec.checkpoint.objectStore.endpoint, which sets the same thing")),
-    _no_literal_env("env-no-literal-credentials", CREDENTIAL_ENV_RE, "an object-store credential",
-                    "spec.checkpoint.objectStore.credentialsSecret (or valueFrom.secretKeyRef)"),
-]
-
-
-
-# --------------------------------------------------------------------------------------------
-# spec.pod: extra volumes, mounts, init containers and sidecars, placement (docs/pod-customization.md)
-# --------------------------------------------------------------------------------------------
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.strip("/").split("/")
-    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def _alt(paths) -> str:
-    return "|".join(p.replace(".", r"\.") for p in dict.fromkeys(paths))
-
-
-# A mount path on, inside or around one of the operator's own mounts (the paths are schema-normalised: absolute,
-# no trailing slash, no '.' or '..' parts, so a prefix test is exact). /var/run is /run in most images.
-_RESERVED = [*OPERATOR_MOUNTS, *(p.replace("/var/run/", "/run/", 1) for p in OPERATOR_MOUNTS if p.startswith("/var/run/"))]
-RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS])})(/.*)?$|"
-                     f"^({_alt(a for p in _RESERVED for a in _ancestors(p))})$")
-RESERVED_VOLUME_RE = f"^({_alt(OPERATOR_VOLUMES)})$"
-INTEGER_RE = r"^-?[0-9]{1,18}$"
-
-has_pod = has("pod")
-pod_volumes = f("pod.volumes")
-pod_mounts = f("pod.volumeMounts")
-pod_inits = f("pod.initContainers")
-
-
-def _count(var: str, names) -> Expr:
-    out: Expr = Lit(0)
-    for n in names:
-        out = out + cond(Has(Field(n, var)), 1, 0)
-    return out
-
-
-def _first(items: Expr, var: str, bad: Expr, attr: str = "name") -> Expr:
-    return Attr(Index(Filter(items, var, bad), 0), attr)
-
-
-def _unique(items: Expr, var: str, attr: str) -> Expr:
-    return Size(Filter(items, "x", Field(attr, "x").eq(Field(attr, var)))).eq(1)
-
-
-def _known_volume(mount: str) -> Expr:
-    return Size(Filter(pod_volumes, "v", Field("name", "v").eq(Field("name", mount)))) > 0
-
-
-def _requirement_ok(r: str) -> Expr:
-    """A label or node selector requirement as the API server validates it: In/NotIn take values, Exists and
-    DoesNotExist none, Gt and Lt one integer."""
-    op, values = Field("operator", r), Field("values", r)
-    return cond(op.eq("In") | op.eq("NotIn"), Size(values) > 0,
-                cond(op.eq("Exists") | op.eq("DoesNotExist"), Size(values).eq(0),
-                     Size(values).eq(1) & Matches(Index(values, 0), INTEGER_RE)))
-
-
-def _requirements_ok(items: Expr, var: str, path: str) -> Expr:
-    """Every requirement of the selector at ``path`` (under each of ``items``) is well formed."""
-    return All(items, var, All(Field(path, var), "r", _requirement_ok("r")))
-
-
-def _label_selectors_ok(terms: Expr, var: str, prefix: str = "") -> Expr:
-    return _requirements_ok(terms, var, f"{prefix}labelSelector.matchExpressions")
-
-
-_affinity = "pod.affinity"
-_node_affinity = f"{_affinity}.nodeAffinity"
-_REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
-
-
-def _pod_affinity_ok(kind: str) -> Expr:
-    base = f"{_affinity}.{kind}"
-    return ~has(base) | (_label_selectors_ok(f(f"{base}.{_REQ}"), "t")
-                         & _label_selectors_ok(f(f"{base}.{_PREF}"), "t", "podAffinityTerm."))
-
-
-selectors_ok = (
-    (~has(_affinity) | (
-        (~has(_node_affinity) | (
-            (~has(f"{_node_affinity}.{_REQ}")
-             | _requirements_ok(f(f"{_node_affinity}.{_REQ}.nodeSelectorTerms"), "t", "matchExpressions"))
-            & _requirements_ok(f(f"{_node_affinity}.{_PREF}"), "t", "preference.matchExpressions")))
-        & _pod_affinity_ok("podAffinity") & _pod_affinity_ok("podAntiAffinity")))
-    & All(f("pod.topologySpreadConstraints"), "t", ~Has(Field("labelSelector", "t"))
-          | All(Field("labelSelector.matchExpressions", "t"), "r", _requirement_ok("r"))))
-
-_init_env_ok = (~(Has(Field("value", "e")) & Has(Field("valueFrom", "e")))
-                & (~Has(Field("valueFrom", "e"))
-                   | Has(Field("valueFrom.secretKeyRef", "e")).ne(Has(Field("valueFrom.configMapKeyRef", "e"))))
-                & ~(Has(Field("value", "e")) & (Matches(Field("name", "e"), CREDENTIAL_ENV_RE)
-                                                  | Matches(Field("value", "e"), URL_USERINFO_RE))))
-
-SPEC_RULES += [
-    Rule("pod-volume-one-source", "pod.volumes",
-         All(pod_volumes, "v", _count("v", VOLUME_TYPES).eq(1)), when=has_pod,
-         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", _count("v", VOLUME_TYPES).ne(1)),
-                     " needs exactly one source: " + ", ".join(VOLUME_TYPES))),
-    Rule("pod-volume-names-unique", "pod.volumes",
-         All(pod_volumes, "v", _unique(pod_volumes, "v", "name")), when=has_pod,
-         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", ~_unique(pod_volumes, "v", "name")),
-                     " is given more than once; give each volume its own name")),
-    Rule("pod-volume-names-not-reserved", "pod.volumes",
-         All(pod_volumes, "v", ~Matches(Field("name", "v"), RESERVED_VOLUME_RE)), when=has_pod,
-         message=fmt("spec.pod.volumes: ", _first(pod_volumes, "v", Matches(Field("name", "v"), RESERVED_VOLUME_RE)),
-                     " is the name of one of the operator's own volumes (" + ", ".join(OPERATOR_VOLUMES)
-                     + "); use another name")),
-    Rule("pod-mounts-known-volume", "pod.volumeMounts",
-         All(pod_mounts, "m", _known_volume("m")), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", ~_known_volume("m")),
-                     " is not a volume of spec.pod.volumes; the trainer mounts only the volumes listed there")),
-    Rule("pod-mounts-not-reserved", "pod.volumeMounts",
-         All(pod_mounts, "m", ~Matches(Field("mountPath", "m"), RESERVED_MOUNT_RE)), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", Matches(Field("mountPath", "m"),
-                                                                               RESERVED_MOUNT_RE), "mountPath"),
-                     " is on, inside or around one of the operator's own mounts (" + ", ".join(OPERATOR_MOUNTS)
-                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + "; mount it elsewhere, e.g. "
-                     "under /mnt")),
-    Rule("pod-mount-paths-unique", "pod.volumeMounts",
-         All(pod_mounts, "m", _unique(pod_mounts, "m", "mountPath")), when=has_pod,
-         message=fmt("spec.pod.volumeMounts: ", _first(pod_mounts, "m", ~_unique(pod_mounts, "m", "mountPath"),
-                                                      "mountPath"), " is mounted more than once")),
-    Rule("pod-init-container-names", "pod.initContainers",
-         All(pod_inits, "c", _unique(pod_inits, "c", "name") & Field("name", "c").ne(TRAINER_CONTAINER)),
-         when=has_pod,
-         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~_unique(pod_inits, "c", "name")
-                                                        | Field("name", "c").eq(TRAINER_CONTAINER)),
-                     " is given more than once or is the trainer's own name; give each container its own name")),
-    Rule("pod-init-container-mounts-known-volume", "pod.initContainers",
-         All(pod_inits, "c", All(Field("volumeMounts", "c"), "m", _known_volume("m"))), when=has_pod,
-         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~All(Field("volumeMounts", "c"), "m",
-                                                                              _known_volume("m"))),
-                     " mounts a volume that is not in spec.pod.volumes (init containers and sidecars mount only "
-                     "those)")),
-    Rule("pod-init-container-env", "pod.initContainers",
-         All(pod_inits, "c", All(Field("env", "c"), "e", _init_env_ok)), when=has_pod,
-         message=fmt("spec.pod.initContainers: ", _first(pod_inits, "c", ~All(Field("env", "c"), "e", _init_env_ok)),
-                     " has an env entry with both value and valueFrom, a valueFrom without exactly one of "
-                     "secretKeyRef and configMapKeyRef, or a credential as a literal value (an AWS key, a URL with "
-                     "user info); put credentials in a Secret (valueFrom.secretKeyRef or a secret volume)")),
-    Rule("pod-selector-requirements", "pod",
-         selectors_ok, when=has_pod,
-         message=lit("spec.pod: a label or node selector requirement is malformed: operator In and NotIn need "
-                     "values, Exists and DoesNotExist take none, Gt and Lt take one integer")),
-]
-
-
-# --------------------------------------------------------------------------------------------
-# spec.logging.wandb: Weights & Biases (docs/experiment-tracking.md). The key is a Secret's file; the run's
-# files go to a volume that outlives the pod.
-# --------------------------------------------------------------------------------------------
-
-has_wandb = has("logging.wandb")
-wandb_offline = has_wandb & f("logging.wandb.mode").eq("offline")
-wandb_dir = f("logging.wandb.saveDir")
-has_ckpt_pvc = has("checkpoint") & has("checkpoint.pvc")
-# A writable spec.pod mount at or above the directory (mount paths are schema-normalised, so a prefix test is exact).
-_writable_mount_above = Size(Filter(pod_mounts, "m", (wandb_dir.eq(Field("mountPath", "m"))
-                                                      | StartsWith(wandb_dir, Field("mountPath", "m") + "/"))
-                                    & ~(Has(Field("readOnly", "m")) & Field("readOnly", "m")))) > 0
-# Variables that hold the W&B API key itself (wandb's env settings); WANDB_*_FILE-style paths are no key.
-WANDB_KEY_ENV_RE = r"^(WANDB_API_KEY|WANDB_IDENTITY_TOKEN)$"
-
-SPEC_RULES += [
-    Rule("wandb-online-needs-key", "logging.wandb.apiKeySecret",
-         has("logging.wandb.apiKeySecret"), when=has_wandb & f("logging.wandb.mode").eq("online"),
-         message=lit("spec.logging.wandb.apiKeySecret: mode online sends the run to Weights & Biases and needs an API "
-                     "key from a Secret of the job's namespace; set apiKeySecret: {name: ..., key: api-key}, or "
-                     "mode: offline")),
-    Rule("wandb-offline-needs-volume", "logging.wandb.saveDir",
-         cond(wandb_offline, has("logging.wandb.saveDir") | has_ckpt_pvc, True),
-         message=lit("spec.logging.wandb: an offline run lives only in its files, and the pod's /tmp is lost with the "
-                     "pod; set spec.checkpoint.pvc (the run goes to <checkpoint dir>/wandb) or saveDir on a writable "
-                     "spec.pod.volumeMounts path")),
-    Rule("wandb-save-dir-on-volume", "logging.wandb.saveDir",
-         # (a conditional, not `when`: the API server then never evaluates saveDir's reads without a saveDir)
-         cond(has_wandb & has("logging.wandb.saveDir"),
-              (has_ckpt_pvc & StartsWith(wandb_dir, lit(CHECKPOINT_MOUNT + "/"))) | (has_pod & _writable_mount_above),
-              True),
-         message=fmt("spec.logging.wandb.saveDir: ", wandb_dir, " is not on a volume that outlives the pod; use a "
-                     "directory under " + CHECKPOINT_MOUNT + "/ (with spec.checkpoint.pvc) or under a writable "
-                     "spec.pod.volumeMounts path")),
-    _no_literal_env("env-no-literal-wandb-key", WANDB_KEY_ENV_RE, "a Weights & Biases key",
-                    "spec.logging.wandb.apiKeySecret"),
-]
+SPEC_RULES += [*blocks.hf.RULES, *blocks.object_store.RULES, *blocks.pod.RULES, *blocks.wandb.RULES]
 
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
 # they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules
 # (crd.create_only), as the spec rules are.
-job_name = f("metadata.name")
-export_store_path = f("spec.export.huggingFace.path")
-OBJECT_RULES: list[Rule] = [
-    # hf-export-outside-checkpoint-prefix for the default prefix, the job's name (render: checkpoint_url)
-    Rule("hf-export-outside-default-prefix", "spec.export.huggingFace.path",
-         ~(export_store_path.eq(job_name) | StartsWith(export_store_path, job_name + "/")),
-         when=has("spec.export") & f("spec.export.huggingFace.objectStore") & has("spec.checkpoint")
-         & has("spec.checkpoint.objectStore") & ~has("spec.checkpoint.objectStore.prefix"),
-         message=fmt("spec.export.huggingFace.path: ", export_store_path,
-                     cond(export_store_path.eq(job_name), " is", " is inside"),
-                     " the checkpoints' prefix, which is the job's name ", job_name,
-                     " (spec.checkpoint.objectStore.prefix is not set); export to a prefix apart from the "
-                     "checkpoints, e.g. exports/<name>")),
-]
-
-# A user's required pod-affinity term on a job whose tensor-parallel groups span pods. Each such pod already has
-# the operator's required term "next to the pods of my group" (render: the group's pods on one host), and
-# kube-scheduler's InterPodAffinity filter counts only existing pods that match *all* of a pod's required terms
-# (the first pod of a series passes only if it matches all its terms itself). A term of the user's that does
-# not select the job's own pods therefore can never be met together with the group's: no worker is ever
-# placed, without an error anywhere. It can be met when it selects the job's own pods (e.g. "every worker of
-# this job in one zone"): check it against the labels every pod of the job carries (render.labels_for and
-# spec.podMetadata.labels; the tensor-parallel group and JobSet's labels differ between pods and are not used).
-_pod_labels = f("spec.podMetadata.labels")
-_has_pod_labels = has("spec.podMetadata") & has("spec.podMetadata.labels")
-
-
-def _own_has(key: Expr) -> Expr:
-    known: Expr | None = None
-    for k in (*FIXED_JOB_LABELS, *JOB_NAME_VALUED_LABELS):
-        known = key.eq(k) if known is None else known | key.eq(k)
-    return known | (_has_pod_labels & In(key, _pod_labels))
-
-
-def _own_value(key: Expr) -> Expr:
-    """The value of label ``key`` on every pod of the job (guard with ``_own_has``)."""
-    value: Expr = Get(_pod_labels, key)
-    for k, v in FIXED_JOB_LABELS.items():
-        value = cond(key.eq(k), v, value)
-    for k in JOB_NAME_VALUED_LABELS:
-        value = cond(key.eq(k), job_name, value)
-    return value
-
-
-def _own_pods_meet(r: str) -> Expr:
-    """Label selector requirement ``r`` holds for the job's own pods."""
-    op, key, values = Field("operator", r), Field("key", r), Field("values", r)
-    present = _own_has(key)
-    return cond(op.eq("In"), present & In(_own_value(key), values),
-                cond(op.eq("NotIn"), ~present | ~In(_own_value(key), values),
-                     cond(op.eq("Exists"), present, ~present)))
-
-
-_match_labels = Field("labelSelector.matchLabels", "t")
-_selects_own_pods = ((~Has(_match_labels) | All(_match_labels, "k", _own_has(Var("k"))
-                                                 & _own_value(Var("k")).eq(Get(_match_labels, Var("k")))))
-                     & All(Field("labelSelector.matchExpressions", "t"), "r", _own_pods_meet("r")))
-_user_required_pod_affinity = f(f"spec.pod.affinity.podAffinity.{_REQ}")
-
-OBJECT_RULES += [
-    Rule("pod-affinity-selects-own-pods", f"spec.pod.affinity.podAffinity.{_REQ}",
-         All(_user_required_pod_affinity, "t", _selects_own_pods),
-         when=has("spec.pod") & has("spec.pod.affinity") & has("spec.pod.affinity.podAffinity")
-         & has(f"spec.pod.affinity.podAffinity.{_REQ}")
-         & (f("spec.parallelism.tensor") > f("spec.gpusPerNode")),
-         message=fmt("spec.pod.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution: with "
-                     "spec.parallelism.tensor ", f("spec.parallelism.tensor").str(), " larger than spec.gpusPerNode ",
-                     f("spec.gpusPerNode").str(), " every worker already has a required pod affinity that keeps "
-                     "its tensor-parallel group on one host, and kube-scheduler places a pod only next to an "
-                     "existing pod that matches all of its required terms at once; a term that does not select "
-                     "this job's own pods would leave every worker Pending. Select the job's pods (matchLabels "
-                     + LABEL_JOB_NAME + ": ", job_name, ", or labels of spec.podMetadata.labels) with the "
-                     "topologyKey you need, or make the term preferredDuringSchedulingIgnoredDuringExecution, or "
-                     "use nodeAffinity")),
-]
+OBJECT_RULES: list[Rule] = [*blocks.object_store.OBJECT_RULES, *blocks.pod.OBJECT_RULES]
 
 NAME_RULE = {
     "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches({RFC1035_LABEL!r})",

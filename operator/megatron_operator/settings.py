@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, fields
 
 from . import __version__
-from .rules import QUALIFIED_NAME_RE
+from .vocab.patterns import QUALIFIED_NAME_RE
 
 #: Pod annotation/label key prefixes refused by default: AppArmor and seccomp profile annotations
 #: (e.g. `unconfined`), kube2iam/kiam's IAM role annotation, Azure Workload Identity's pod label.

@@ -4,25 +4,22 @@ The same models generate the CRD schema (``crd.py``); the cross-field rules in `
 enforced here (``MegatronJobSpec`` validator) and emitted as CEL into the CRD, so a layout that
 Megatron would refuse at start-up is refused at ``kubectl apply`` with the same message.
 
-Conventions:
-- Python attributes are snake_case; the wire names (aliases) are the Kubernetes camelCase names.
-- An optional field without a default is *omitted* when unset. ``null`` is refused everywhere
-  (omit the field instead): CEL's ``has()`` is true for an explicit null, so accepting nulls would
-  make every rule need a second guard, and the API server would otherwise treat them differently.
-- Unknown fields are errors (``extra="forbid"``): a typo must never be silently dropped.
+A block of the spec that reaches several stages (spec.pod, spec.logging.wandb, spec.checkpoint.objectStore,
+spec.init and spec.export) has its models in its own module under ``blocks/``; the fields here take them.
+
+The conventions every model follows (camelCase wire names, no nulls, unknown fields refused) are
+``vocab/api.py``'s ``ApiModel``.
 """
 
 from __future__ import annotations
 
-import typing
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from . import rules
+from . import blocks, rules
 from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: re-exported, the API's identity)
     API_VERSION,
     GROUP,
@@ -30,78 +27,17 @@ from .names import (  # noqa: F401  (API_VERSION, GROUP, KIND, PLURAL, VERSION: 
     MAX_NAME_LENGTH,
     PLURAL,
     RFC1035_LABEL,
-    S3_ENDPOINT,
     VERSION,
-    VOLUME_TYPES,
-    WORKLOAD_IDENTITY_ANNOTATIONS,
 )
 from .presets import GPU_MEMORY_GIB, MODEL_PRESETS
-
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-# A relative path inside a volume: no leading slash, no empty components, and no component that is
-# only dots: "../tmp/ckpt" would leave the volume for the pod's ephemeral /tmp (resume silently
-# lost), "." would put a job's checkpoints beside every other job's (retention deletes them).
-REL_PATH = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*)*$"
-# An absolute path: components as in REL_PATH (none empty, none made only of dots), no trailing slash.
-ABS_PATH = r"^(/[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*)+$"
-# A quantity the API server can store and a pod can use: at most 15 digits, suffixes up to P/Pi.
-QUANTITY = r"^[0-9]{1,15}(\.[0-9]{1,9})?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
-# Label values: at most 63 characters, alphanumeric at both ends (Kubernetes' IsValidLabelValue).
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-# ConfigMap and Secret keys (Kubernetes' IsConfigMapKey).
-CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"
-# The largest integer a CRD schema bound can state exactly (the API server reads bounds as float64).
-MAX_SAFE_INT = 2**53 - 1
-ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-# Extended resource names: a domain-prefixed name, e.g. rdma/hca_shared_devices_a.
-RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-
-Quantity = Annotated[
-    Annotated[int, Field(ge=0, le=2**50)] | Annotated[str, Field(pattern=QUANTITY, max_length=32)],
-    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
-]
-
-
-def model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation (``X | None``, ``list[X]``, ...), or None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-class ApiModel(BaseModel):
-    """Base: camelCase wire names, unknown fields and nulls refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_default=False,
-        frozen=False,
-        # Types as the API server applies them: numNodes: "1" or suspend: "yes" are errors, not coerced.
-        strict=True,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            nulls = sorted(k for k, v in data.items() if v is None)
-            if nulls:
-                raise PydanticCustomError(
-                    "null_field", "{fields}: null is not allowed; omit the field instead",
-                    {"fields": ", ".join(str(k) for k in nulls)},
-                )
-        return data
-
-    def wire(self) -> dict[str, Any]:
-        """The object as the API server stores it: camelCase, unset optional fields omitted."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
+from .vocab.api import ApiModel, EnvVar, Quantity
+from .vocab.patterns import (
+    DNS_LABEL,
+    LABEL_VALUE,
+    MAX_SAFE_INT,
+    REL_PATH,
+    RESOURCE_NAME,
+)
 
 # --------------------------------------------------------------------------------------------
 # spec.parallelism
@@ -367,43 +303,13 @@ class DataSpec(ApiModel):
     sft: SFTData | None = Field(None, description="The fine-tuning files (format chat or promptCompletion).")
 
 
-# S3 bucket names (3-63 of a-z 0-9 . -, alphanumeric at both ends), endpoints (names.S3_ENDPOINT) and region
-# names.
-S3_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
-S3_REGION = r"^[a-z0-9-]{1,32}$"
-
-
-class ObjectStoreSpec(ApiModel):
-    """An S3-compatible bucket for the checkpoints (through NVIDIA's multi-storage-client). Nothing is
-    mounted for the data; credentials come from a Secret in the job's namespace (a read-only volume
-    with an AWS shared-credentials file) or from workload identity (service-account annotations)."""
-
-    bucket: str = Field(..., min_length=3, max_length=63, pattern=S3_BUCKET, description="Bucket name.")
-    prefix: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Key prefix inside the bucket "
-                               "(no leading '/', no '.' or '..' parts). Default: the MegatronJob's name.")
-    endpoint: str | None = Field(None, max_length=256, pattern=S3_ENDPOINT, description="Endpoint URL of an "
-                                 "S3-compatible service, http(s)://HOST[:PORT] (default: AWS S3 for the region).")
-    region: str | None = Field(None, max_length=32, pattern=S3_REGION, description="Region, e.g. us-east-1.")
-    credentials_secret: str | None = Field(
-        None, max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace holding an AWS "
-        "shared-credentials file ([default] aws_access_key_id, aws_secret_access_key; kubectl create secret "
-        "generic NAME --from-file=credentials=$HOME/.aws/credentials). Mounted read-only into the trainer, "
-        "named by path only (AWS_SHARED_CREDENTIALS_FILE); never copied, never in args or env values.")
-    credentials_key: str = Field("credentials", max_length=253, pattern=CONFIG_KEY, description="The key of "
-                                 "credentialsSecret that holds the file.")
-    service_account_annotations: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] = Field(
-        default_factory=dict, max_length=4, description="Workload identity instead of a Secret: annotations for "
-        "the job's own ServiceAccount, e.g. eks.amazonaws.com/role-arn (IRSA). Only "
-        + ", ".join(WORKLOAD_IDENTITY_ANNOTATIONS) + "; the cluster's guardrails (deniedMetadataKeys) apply.")
-
-
 class CheckpointSpec(ApiModel):
     """Distributed (torch_dist) checkpoints on a PVC or in object storage; resume after any restart is automatic."""
 
     pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim for "
                             "checkpoints (ReadWriteMany: every pod writes its shards), mounted at /checkpoints. "
                             "Exactly one of pvc and objectStore.")
-    object_store: ObjectStoreSpec | None = Field(None, description="An S3-compatible bucket instead of a PVC "
+    object_store: blocks.object_store.ObjectStoreSpec | None = Field(None, description="An S3-compatible bucket instead of a PVC "
                                                  "(docs/object-storage.md). Exactly one of pvc and objectStore.")
     path: str | None = Field(None, max_length=512, pattern=REL_PATH, description="Directory inside the PVC. "
                              "Default: the MegatronJob's name. (With objectStore: objectStore.prefix.)")
@@ -415,94 +321,13 @@ class CheckpointSpec(ApiModel):
                       "deleted (the newest is never deleted). 0 keeps all.")
 
 
-class HuggingFaceDir(ApiModel):
-    """A Hugging Face model directory (config.json, *.safetensors, tokenizer files) on a PVC."""
-
-    pvc: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim that holds the "
-                     "directory.")
-    path: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Directory inside the PVC "
-                      "(relative: no leading '/', no '..' or '.' components).")
-
-
-class InitSpec(ApiModel):
-    """Where the weights come from when the job has no checkpoint yet (a fine-tune)."""
-
-    hugging_face: HuggingFaceDir = Field(..., description="A Hugging Face checkpoint of a Llama-family model, "
-                                         "mounted read-only at /hf-init (--hf-init): its weights start the job at "
-                                         "iteration 0 with a fresh optimizer; a resume from spec.checkpoint never "
-                                         "reads it. spec.model must match its config.json (megatron-operator "
-                                         "hf-config prints the block).")
-
-
-class HuggingFaceExportDir(ApiModel):
-    """Where a Hugging Face export goes: a directory on a PVC, or a prefix in the job's checkpoint bucket."""
-
-    pvc: str | None = Field(None, max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim that "
-                            "holds the directory, mounted read-write at /hf-export. Exactly one of pvc and "
-                            "objectStore.")
-    object_store: bool = Field(False, description="Write to the bucket of spec.checkpoint.objectStore instead "
-                               "(same endpoint, region and credentials), under the key prefix `path` "
-                               "(docs/object-storage.md). Exactly one of pvc and objectStore.")
-    path: str = Field(..., min_length=1, max_length=512, pattern=REL_PATH, description="Directory inside the PVC, "
-                      "or key prefix inside the bucket (relative: no leading '/', no '..' or '.' components).")
-
-
-class ExportSpec(ApiModel):
-    """Where the trained model is written when training finishes."""
-
-    hugging_face: HuggingFaceExportDir = Field(
-        ..., description="Write the model as a Hugging Face checkpoint (safetensors, config.json, tokenizer) "
-        "when training finishes (--hf-export): to a directory on a PVC, never the init directory nor inside "
-        "it or around it; or to the checkpoint bucket, apart from the checkpoints' prefix. An export never "
-        "overwrites: a target that already holds files is refused.")
-
-
-# Weights & Biases names (wandb's own limits: a project name has none of / \\ # ? % : and at most 128
-# characters; entities are user or team names). The trainer checks the project the same way (config.py).
-WANDB_PROJECT = r"^[^/\\#?%:\x00-\x1f\x7f]{1,128}$"
-WANDB_ENTITY = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-WANDB_RUN_NAME = r"^[^\x00-\x1f\x7f]{1,128}$"
-
-
-class SecretKeySelector(ApiModel):
-    """One key of a Secret in the job's namespace."""
-
-    name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace.")
-    key: str = Field("api-key", max_length=253, pattern=CONFIG_KEY, description="The key that holds the value.")
-
-
-class WandbSpec(ApiModel):
-    """Weights & Biases experiment tracking (docs/experiment-tracking.md): the trainer's last rank logs the
-    log line's scalars to a W&B run (Megatron-LM's --wandb-* flags). The API key is read from a file of a
-    Secret volume, never from args or environment values."""
-
-    project: str = Field(..., max_length=128, pattern=WANDB_PROJECT, description="W&B project "
-                         "(--wandb-project): at most 128 characters, none of / \\ # ? % :.")
-    entity: str | None = Field(None, max_length=64, pattern=WANDB_ENTITY, description="W&B user or team "
-                               "(--wandb-entity). Default: the API key's default entity.")
-    name: str | None = Field(None, max_length=128, pattern=WANDB_RUN_NAME, description="Run name "
-                             "(--wandb-exp-name). Default: the MegatronJob's name.")
-    mode: Literal["online", "offline"] = Field("online", description="online: sent to W&B as it trains (needs "
-                                               "apiKeySecret); offline: written to saveDir only, for `wandb sync` "
-                                               "later (no key, no network).")
-    api_key_secret: SecretKeySelector | None = Field(
-        None, description="Secret in the job's namespace holding the API key (kubectl create secret generic "
-        "NAME --from-literal=api-key=...). Mounted read-only into the trainer and named by path only "
-        "(--wandb-api-key-file); never copied, never in args or env values. Required with mode online.")
-    save_dir: str | None = Field(None, max_length=512, pattern=ABS_PATH, description="Directory for the run's "
-                                 "files (--wandb-save-dir): on a volume that outlives the pod, the checkpoint "
-                                 "PVC (under /checkpoints) or a writable spec.pod.volumeMounts path. Default: "
-                                 "<checkpoint dir>/wandb on the checkpoint PVC; without one, /tmp/wandb (online "
-                                 "only: the pod's scratch space is lost with the pod).")
-
-
 class LoggingSpec(ApiModel):
     """What the trainer writes besides its log lines."""
 
     tensorboard: bool = Field(False, description="Write TensorBoard event files (Megatron-LM's scalar names: "
                               "lm loss, learning-rate, grad-norm, throughput, ...) to <checkpoint dir>/tensorboard "
                               "on the checkpoint PVC (--tensorboard-dir); needs spec.checkpoint.")
-    wandb: WandbSpec | None = Field(None, description="Log the training scalars to Weights & Biases "
+    wandb: blocks.wandb.WandbSpec | None = Field(None, description="Log the training scalars to Weights & Biases "
                                     "(docs/experiment-tracking.md).")
 
 
@@ -564,25 +389,6 @@ class RestartSpec(ApiModel):
                            "Counted in status.stallRestarts, not against maxRestarts.")
 
 
-class SecretKeyRef(ApiModel):
-    name: str = Field(..., max_length=253, pattern=DNS_LABEL)
-    key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
-    optional: bool | None = None
-
-
-class EnvValueFrom(ApiModel):
-    """Only Secret and ConfigMap keys; the pod reads them, the operator never does."""
-
-    secret_key_ref: SecretKeyRef | None = None
-    config_map_key_ref: SecretKeyRef | None = None
-
-
-class EnvVar(ApiModel):
-    name: str = Field(..., max_length=256, pattern=ENV_NAME)
-    value: str | None = Field(None, max_length=4096)
-    value_from: EnvValueFrom | None = None
-
-
 class PodMetadata(ApiModel):
     """Extra labels and annotations for the trainer pods (e.g. for sidecars or monitoring)."""
 
@@ -591,244 +397,6 @@ class PodMetadata(ApiModel):
         "(megatron-operator.io/*, jobset.sigs.k8s.io/*, app.kubernetes.io/*) are refused.")
     annotations: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=dict, max_length=32, description="Pod annotations.")
-
-
-# --------------------------------------------------------------------------------------------
-# spec.pod: what a platform team adds to every trainer pod (volumes, init containers, sidecars,
-# placement), in the shape of core/v1 and of Kubeflow Trainer's PodSpecPatch, restricted to what a
-# training job needs. hostPath, privilege and added capabilities exist here only so that the cluster's
-# guardrails (guardrails.py) can refuse them by default and an admin can allow them by name; host
-# namespaces, the pod's ServiceAccount and projected tokens are not fields at all.
-# --------------------------------------------------------------------------------------------
-
-# A container image reference: no whitespace or control characters (the registry guardrail compares prefixes).
-IMAGE_REF = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
-# Linux capability names as the container runtime takes them (CAP_ prefix optional).
-CAPABILITY = r"^[A-Z][A-Z0-9_]*$"
-
-
-class KeyToPath(ApiModel):
-    """One key of a ConfigMap or Secret as a file."""
-
-    key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
-    path: str = Field(..., min_length=1, max_length=253, pattern=REL_PATH, description="File path inside the "
-                      "volume (relative, no '..').")
-
-
-class ConfigMapVolume(ApiModel):
-    name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="ConfigMap in the job's namespace.")
-    items: list[KeyToPath] = Field(default_factory=list, max_length=32, description="Keys to project (default: all).")
-    default_mode: int | None = Field(None, ge=0, le=0o777, description="File mode bits (decimal in JSON).")
-    optional: bool | None = None
-
-
-class SecretVolume(ApiModel):
-    secret_name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="Secret in the job's namespace.")
-    items: list[KeyToPath] = Field(default_factory=list, max_length=32, description="Keys to project (default: all).")
-    default_mode: int | None = Field(None, ge=0, le=0o777, description="File mode bits (decimal in JSON).")
-    optional: bool | None = None
-
-
-class PvcVolume(ApiModel):
-    claim_name: str = Field(..., max_length=253, pattern=DNS_LABEL, description="PersistentVolumeClaim in the "
-                            "job's namespace (e.g. a dataset on NFS or a CSI share).")
-    read_only: bool | None = None
-
-
-class EmptyDirVolume(ApiModel):
-    medium: Literal["", "Memory"] | None = None
-    size_limit: Quantity | None = None
-
-
-class CsiVolume(ApiModel):
-    """A CSI ephemeral inline volume (the driver must support the Ephemeral lifecycle mode)."""
-
-    driver: str = Field(..., max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
-    read_only: bool | None = None
-    fs_type: str | None = Field(None, max_length=32, pattern=r"^[a-z0-9]+$")
-    volume_attributes: dict[Annotated[str, Field(max_length=253)], Annotated[str, Field(max_length=1024)]] = Field(
-        default_factory=dict, max_length=16)
-
-
-class ImageVolume(ApiModel):
-    """An OCI image or artifact mounted read-only (Kubernetes' ImageVolume feature, where the cluster has it)."""
-
-    reference: str = Field(..., max_length=512, pattern=IMAGE_REF)
-    pull_policy: Literal["Always", "Never", "IfNotPresent"] | None = None
-
-
-class HostPathVolume(ApiModel):
-    """A directory of the node. Refused unless the cluster admin allows the type (guardrails.allowedVolumeTypes)."""
-
-    path: str = Field(..., max_length=512, pattern=ABS_PATH)
-    type: Literal["", "Directory", "DirectoryOrCreate", "File", "FileOrCreate"] | None = None
-
-
-class Volume(ApiModel):
-    """A volume of the trainer pods: a name and exactly one source."""
-
-    name: str = Field(..., max_length=63, pattern=DNS_LABEL)
-    persistent_volume_claim: PvcVolume | None = None
-    config_map: ConfigMapVolume | None = None
-    secret: SecretVolume | None = None
-    empty_dir: EmptyDirVolume | None = None
-    csi: CsiVolume | None = None
-    image: ImageVolume | None = None
-    host_path: HostPathVolume | None = None
-
-    def volume_type(self) -> str:
-        return next((t for t in VOLUME_TYPES if self.wire().get(t) is not None), "")
-
-
-class VolumeMount(ApiModel):
-    name: str = Field(..., max_length=63, pattern=DNS_LABEL, description="A volume of spec.pod.volumes.")
-    mount_path: str = Field(..., max_length=256, pattern=ABS_PATH, description="Absolute path in the container; "
-                            "never on or around the operator's own mounts (/dev/shm, /tmp, /checkpoints, /data, "
-                            "/hf-init, /hf-export, /var/run/secrets/...).")
-    read_only: bool | None = None
-    sub_path: str | None = Field(None, max_length=256, pattern=REL_PATH)
-
-
-class ResourceAmounts(ApiModel):
-    cpu: Quantity | None = None
-    memory: Quantity | None = None
-    ephemeral_storage: Quantity | None = Field(None, alias="ephemeral-storage")
-
-
-class ContainerResources(ApiModel):
-    requests: ResourceAmounts | None = None
-    limits: ResourceAmounts | None = None
-
-
-class Capabilities(ApiModel):
-    add: list[Annotated[str, Field(max_length=64, pattern=CAPABILITY)]] = Field(
-        default_factory=list, max_length=16, description="Refused unless the container's image is in "
-        "guardrails.allowedPrivilegedImages. Every other capability is dropped.")
-
-
-class ContainerSecurityContext(ApiModel):
-    """The container runs as the pod does (non-root, uid 1000, seccomp RuntimeDefault, all capabilities
-    dropped, no privilege escalation) unless it says otherwise here."""
-
-    run_as_user: int | None = Field(None, ge=1, le=2147483647, description="A non-root uid.")
-    run_as_group: int | None = Field(None, ge=1, le=2147483647, description="A non-root gid.")
-    read_only_root_filesystem: bool | None = None
-    privileged: bool | None = Field(None, description="Refused unless the container's image is in "
-                                    "guardrails.allowedPrivilegedImages.")
-    capabilities: Capabilities | None = None
-
-
-class PodContainer(ApiModel):
-    """An init container of the trainer pods; with restartPolicy Always, a native sidecar that runs beside the
-    trainer for the pod's life and never holds the job back (the pod completes when the trainer does)."""
-
-    name: str = Field(..., max_length=63, pattern=DNS_LABEL)
-    image: str = Field(..., max_length=512, pattern=IMAGE_REF)
-    restart_policy: Literal["Always"] | None = Field(None, description="Always: a sidecar (starts before the "
-                                                     "trainer, stopped after it).")
-    command: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=64)
-    args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=64)
-    working_dir: str | None = Field(None, max_length=256, pattern=ABS_PATH)
-    env: list[EnvVar] = Field(default_factory=list, max_length=32)
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=16, description="Mounts of "
-                                             "spec.pod.volumes.")
-    resources: ContainerResources | None = None
-    security_context: ContainerSecurityContext | None = None
-
-
-LabelKey = Annotated[str, Field(max_length=316, pattern=rules.QUALIFIED_NAME_RE)]
-LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
-
-
-class LabelSelectorRequirement(ApiModel):
-    key: LabelKey
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[LabelValue] = Field(default_factory=list, max_length=32)
-
-
-class LabelSelector(ApiModel):
-    match_labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=16)
-    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=16)
-
-
-class NodeSelectorRequirement(ApiModel):
-    key: LabelKey
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
-    values: list[LabelValue] = Field(default_factory=list, max_length=32)
-
-
-class NodeSelectorTerm(ApiModel):
-    match_expressions: list[NodeSelectorRequirement] = Field(default_factory=list, max_length=16)
-
-
-class NodeSelector(ApiModel):
-    node_selector_terms: list[NodeSelectorTerm] = Field(..., min_length=1, max_length=8)
-
-
-class PreferredSchedulingTerm(ApiModel):
-    weight: int = Field(..., ge=1, le=100)
-    preference: NodeSelectorTerm
-
-
-class NodeAffinity(ApiModel):
-    required_during_scheduling_ignored_during_execution: NodeSelector | None = None
-    preferred_during_scheduling_ignored_during_execution: list[PreferredSchedulingTerm] = Field(
-        default_factory=list, max_length=8)
-
-
-class PodAffinityTerm(ApiModel):
-    """Pods of the job's own namespace only (no namespaces or namespaceSelector)."""
-
-    label_selector: LabelSelector
-    topology_key: LabelKey
-
-
-class WeightedPodAffinityTerm(ApiModel):
-    weight: int = Field(..., ge=1, le=100)
-    pod_affinity_term: PodAffinityTerm
-
-
-class PodAffinity(ApiModel):
-    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(default_factory=list,
-                                                                                      max_length=8)
-    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
-        default_factory=list, max_length=8)
-
-
-class Affinity(ApiModel):
-    """Merged with the operator's own rules (a tensor-parallel group's pods on one host, nodes avoided after
-    a failure): added to them, never replacing them."""
-
-    node_affinity: NodeAffinity | None = None
-    pod_affinity: PodAffinity | None = None
-    pod_anti_affinity: PodAffinity | None = None
-
-
-class TopologySpreadConstraint(ApiModel):
-    max_skew: int = Field(..., ge=1, le=1000)
-    topology_key: LabelKey
-    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
-    label_selector: LabelSelector | None = None
-    min_domains: int | None = Field(None, ge=1, le=1000)
-    match_label_keys: list[LabelKey] = Field(default_factory=list, max_length=8)
-    node_affinity_policy: Literal["Honor", "Ignore"] | None = None
-    node_taints_policy: Literal["Honor", "Ignore"] | None = None
-
-
-class PodSpecAdditions(ApiModel):
-    """Added to every trainer pod (docs/pod-customization.md); the operator's own volumes, mounts, affinity
-    and security settings stay as they are."""
-
-    volumes: list[Volume] = Field(default_factory=list, max_length=16, description="Extra volumes: "
-                                  "persistentVolumeClaim, configMap, secret, emptyDir, csi (ephemeral), image; "
-                                  "hostPath only where the cluster allows it (guardrails.allowedVolumeTypes).")
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=16, description="Mounts of these "
-                                             "volumes in the trainer container.")
-    init_containers: list[PodContainer] = Field(default_factory=list, max_length=8, description="Init "
-                                                "containers (run to completion, in order, before the trainer "
-                                                "starts) and native sidecars (restartPolicy: Always).")
-    affinity: Affinity | None = Field(None, description="Extra affinity, merged with the operator's own.")
-    topology_spread_constraints: list[TopologySpreadConstraint] = Field(default_factory=list, max_length=8)
 
 
 class MegatronJobSpec(ApiModel):
@@ -847,9 +415,9 @@ class MegatronJobSpec(ApiModel):
                            "(default: mock data).")
     checkpoint: CheckpointSpec | None = Field(None, description="Checkpoints; without them a restart "
                                               "starts from iteration 0.")
-    init: InitSpec | None = Field(None, description="Start from existing weights (a Hugging Face checkpoint) "
+    init: blocks.hf.InitSpec | None = Field(None, description="Start from existing weights (a Hugging Face checkpoint) "
                                   "instead of a random initialisation.")
-    export: ExportSpec | None = Field(None, description="Export the trained model (as a Hugging Face "
+    export: blocks.hf.ExportSpec | None = Field(None, description="Export the trained model (as a Hugging Face "
                                       "checkpoint) when training finishes.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard event files.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources and placement.")
@@ -867,7 +435,7 @@ class MegatronJobSpec(ApiModel):
                               "trainer container.")
     pod_metadata: PodMetadata = Field(default_factory=PodMetadata, description="Extra pod labels and "
                                       "annotations.")
-    pod: PodSpecAdditions | None = Field(None, description="Extra volumes and their mounts in the trainer, init "
+    pod: blocks.pod.PodSpecAdditions | None = Field(None, description="Extra volumes and their mounts in the trainer, init "
                                          "containers and sidecars, affinity and topology spread for every "
                                          "trainer pod, within the cluster's guardrails.")
     termination_grace_period_seconds: int | None = Field(

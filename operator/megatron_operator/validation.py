@@ -9,7 +9,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .rules import Problem
-from .spec import API_VERSION, KIND, MegatronJob, model_in
+from .spec import API_VERSION, KIND, MegatronJob
+from .vocab.api import model_in
 
 _UNION_TAGS = {"int", "str", "constrained-str", "float", "bool", "dict[str,str]", "list[str]"}
 

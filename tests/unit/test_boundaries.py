@@ -15,4 +15,4 @@ def test_import_contracts_hold():
                        env={"PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'trainer_image'}:{ROOT / 'contract'}",
                             "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "Contracts: 3 kept, 0 broken" in r.stdout
+    assert "Contracts: 5 kept, 0 broken" in r.stdout

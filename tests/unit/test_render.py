@@ -500,6 +500,31 @@ def test_hf_export_to_the_checkpoint_bucket_mounts_nothing_and_names_the_bucket(
     assert [v["name"] for v in pod_spec(js)["volumes"] if "secret" in v] == ["object-store-credentials"]
 
 
+def test_the_operators_volumes_are_names_table_each_at_its_mount():
+    """names.OPERATOR_VOLUME_MOUNTS is the one table of the operator's own volumes: render and the blocks write
+    them from it, and spec.pod may not take their names (pod-volume-names-not-reserved). Two jobs render every one
+    (a checkpoint is on a PVC or in a bucket): each rendered volume the user did not add is in the table, mounted
+    at its path, and together they are all of it."""
+    from megatron_operator.names import OPERATOR_VOLUME_MOUNTS
+
+    on_pvcs = make_job(model=LLAMA, checkpoint={"pvc": "c"},
+                       data={"pvc": "corpus", "paths": [{"prefix": "a"}], "tokenizer": {"type": "Null"}},
+                       init={"huggingFace": {"pvc": "models", "path": "llama"}},
+                       export={"huggingFace": {"pvc": "models", "path": "exports/ft"}},
+                       logging={"wandb": {"project": "p", "apiKeySecret": {"name": "wb"}}},
+                       pod={"volumes": [{"name": "scratch", "emptyDir": {}}],
+                            "initContainers": [{"name": "side", "image": "nvcr.io/x:1"}]})
+    in_bucket = make_job(checkpoint={"objectStore": OBJECT_STORE})
+    rendered = {}
+    for doc in (on_pvcs, in_bucket):
+        js = objects(doc)["JobSet"]
+        mounts = {m["name"]: m["mountPath"] for m in container(js)["volumeMounts"]}
+        ours = [v["name"] for v in pod_spec(js)["volumes"] if v["name"] != "scratch"]
+        assert len(ours) == len(set(ours))
+        rendered |= {name: mounts[name] for name in ours}
+    assert rendered == OPERATOR_VOLUME_MOUNTS
+
+
 # ---- spec.pod (issue 53) ------------------------------------------------------------------------------------
 
 
