@@ -62,6 +62,13 @@ EXTRA_CASES = {
                      "checkpoint": {"pvc": "c"},
                      "logging": {"wandb": {"project": "llm runs", "entity": "team-a", "name": "run 3",
                                            "apiKeySecret": {"name": "wandb"}}}},
+    # a CPU job with several processes a pod: TP inside each pod, PP over the pods, checkpoints saved synchronously
+    "cpu-two-processes-pp2": {"numNodes": 2, "gpusPerNode": 0, "cpu": {"processesPerNode": 2},
+                              "parallelism": {"tensor": 2, "pipeline": 2},
+                              "model": {"numLayers": 4, "hiddenSize": 64, "numAttentionHeads": 4, "seqLength": 32,
+                                        "vocabSize": 128},
+                              "training": {"trainIters": 10, "globalBatchSize": 2},
+                              "checkpoint": {"pvc": "c"}, "resources": {"cpu": 2, "memory": "4Gi"}},
     "sft-chat-template": {"numNodes": 1, "gpusPerNode": 8, "model": {"preset": "llama3-8b"},
                           "training": {"trainIters": 10},
                           "data": {"pvc": "d", "format": "chat", "tokenizer": {"path": "tok"},
@@ -81,6 +88,12 @@ def _jobs():
 
 def jobs():
     return list(_jobs())
+
+
+def procs_per_pod(job) -> int:
+    """A pod's trainer processes: one per GPU, or a CPU job's spec.cpu.processesPerNode (default 1)."""
+    spec = job.spec
+    return spec.gpus_per_node or (spec.cpu.processes_per_node if spec.cpu else 1)
 
 
 def trainer_argv(job):
@@ -104,12 +117,12 @@ def test_launcher_parses_the_rendered_command_and_numbers_ranks_like_megatron(jo
         for _ in range(replicas):
             lc = parse_launch_args([a.replace("$(NODE_RANK)", str(node_rank)) for a in cmd[3:]])
             assert lc.module == "megatron_trainer" and lc.args == megatron_args(job)
-            assert (lc.nnodes, lc.nproc_per_node, lc.node_rank) == (job.spec.num_nodes, job.spec.gpus_per_node,
+            assert (lc.nnodes, lc.nproc_per_node, lc.node_rank) == (job.spec.num_nodes, procs_per_pod(job),
                                                                     node_rank)
             assert 0 < lc.grace_period_s < pod["terminationGracePeriodSeconds"]
             ranks += [int(worker_env(lc, i, {})["RANK"]) for i in range(lc.nproc_per_node)]
             node_rank += 1
-    assert ranks == list(range(job.spec.num_nodes * job.spec.gpus_per_node))
+    assert ranks == list(range(job.spec.num_nodes * procs_per_pod(job)))
 
 
 @pytest.mark.parametrize("job", jobs())
@@ -172,7 +185,12 @@ def test_trainer_parses_the_rendered_command_line(job):
                                                                        layout["globalBatchSize"],
                                                                        spec.training.train_iters)
     assert t.lr == spec.training.lr
-    assert t.transformer_impl == spec.training.transformer_impl
+    # unset: local, the fastest measured path, or Transformer Engine where only it runs the job (fp8, CP), never
+    # on CPUs (docs/trainer.md, "Model paths")
+    on_cpu = spec.gpus_per_node == 0
+    needs_te = (spec.training.precision == "fp8" or spec.parallelism.context > 1) and not on_cpu
+    assert t.transformer_impl == (spec.training.transformer_impl or ("transformer_engine" if needs_te else "local"))
+    assert t.device == ("cpu" if on_cpu else "cuda")
     assert t.attention_backend == spec.training.attention_backend
     assert t.use_distributed_optimizer == spec.training.distributed_optimizer
     assert t.bf16 == (spec.training.precision in ("bf16", "fp8")) and t.fp16 == (spec.training.precision == "fp16")
@@ -188,7 +206,7 @@ def test_trainer_parses_the_rendered_command_line(job):
         assert cfg.checkpoint.object_store_endpoint == (store.endpoint if store else None)
         assert cfg.checkpoint.object_store_region == (store.region if store else None)
         assert cfg.checkpoint.save_interval == spec.checkpoint.interval
-        assert cfg.checkpoint.async_save == spec.checkpoint.async_
+        assert cfg.checkpoint.async_save == (spec.checkpoint.async_ and spec.gpus_per_node > 0)  # CPUs: synchronous
     else:
         assert cfg.checkpoint.save is None
     assert cfg.checkpoint.hf_init == (f"/hf-init/{spec.init.hugging_face.path}" if spec.init else None)
@@ -213,7 +231,7 @@ def test_trainer_parses_the_rendered_command_line(job):
         assert prefixes == [f"/data/{d.prefix}" for d in spec.data.paths]
         assert weights == [d.weight for d in spec.data.paths]
     # the world the trainer will see agrees with the operator's derived layout
-    world = spec.num_nodes * spec.gpus_per_node
+    world = spec.num_nodes * procs_per_pod(job)
     wl = world_layout(cfg, world)
     assert (wl.data_parallel, wl.global_batch_size, wl.num_microbatches) == (
         layout["data"], layout["globalBatchSize"], layout["numMicrobatches"])

@@ -46,6 +46,9 @@ OPERATOR_ONLY = {
                                      "nothing (the trainer names it as unused)",
     "moe-drop-policy-needs-capacity-factor": "without a capacity no token is dropped; admission refuses the setting "
                                              "that would do nothing (the trainer names it as unused)",
+    "cpu-block-needs-zero-gpus": "the spec's shape (a GPU job renders nothing of spec.cpu)",
+    "cpu-no-efa": "pod resources (no EFA device on a CPU job's pods)",
+    "cpu-no-gpu-type": "the GPU type feeds the memory fit and MFU only (nothing reaches the trainer's command line)",
     "data-paths-with-pvc": "the spec's data section shape (nothing to render)",
     "data-tokenizer-with-pvc": "the spec's data section shape (nothing to render)",
     "tokenizer-path": "the spec's data section shape (nothing to render)",
@@ -128,7 +131,7 @@ def test_the_trainer_refuses_what_the_operator_refuses(manifest, rule, monkeypat
     monkeypatch.setattr(rules, "evaluate_object_rules", lambda job: [])
     job = parse_job(manifest)
     argv = megatron_args(job)
-    world = job.spec.num_nodes * job.spec.gpus_per_node
+    world = job.spec.num_nodes * job.spec.processes_per_node
     with pytest.raises((SystemExit, ValueError)) as refused:
         world_layout(parse_args(argv), world)
         runtime_from_env({e.name: e.value for e in job.spec.env if e.value is not None})
@@ -250,6 +253,9 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "--fp8-format needs --transformer-impl transformer_engine (the local implementation has no FP8 kernels)":
         ("rule", "bad-local-fp8"),
     "--context-parallel-size > 1 needs --transformer-impl transformer_engine": ("rule", "bad-local-cp"),
+    # --device cpu's refusals (config.CPU_REFUSALS): one template, the cpu-* rules of blocks/cpu.py its twins
+    # (cpu-local-impl, cpu-no-fp8, cpu-no-fp16, cpu-no-cuda-graph; --async-save is never rendered for a CPU job)
+    "--device cpu: {} cannot run on CPUs ({})": ("rule", "bad-cpu-fp8"),
     "--context-parallel-size > 1 needs a fused attention backend (flash, fused or auto), not --attention-backend {}":
         ("rule", "bad-cp-unfused"),
     "--overlap-param-gather needs --use-distributed-optimizer":
@@ -348,7 +354,7 @@ TRAINER_REFUSALS: dict[str, tuple] = {
          "spec.logging.wandb.project"),
 }
 #: Where the trainer refuses at start-up from its command line and environment alone.
-REFUSING_FUNCTIONS = {"config.py": {"_validate_parallel_and_model", "_validate_moe", "_validate_training",
+REFUSING_FUNCTIONS = {"config.py": {"_validate_device", "_validate_parallel_and_model", "_validate_moe", "_validate_training",
                                     "_validate_data", "_validate_sft", "_validate_checkpoint",
                                     "_check_export_apart_from_checkpoints", "_validate_logging", "parse_blend",
                                     "world_layout", "runtime_from_env", "_choice", "num"},
@@ -386,7 +392,7 @@ def trainer_start(job) -> str | None:
     try:
         with contextlib.redirect_stderr(err):
             cfg = parse_args(megatron_args(job))
-        world_layout(cfg, job.spec.num_nodes * job.spec.gpus_per_node)
+        world_layout(cfg, job.spec.num_nodes * job.spec.processes_per_node)
         runtime_from_env({e.name: e.value for e in job.spec.env if e.value is not None})
     except SystemExit:
         return err.getvalue().rsplit(" error: ", 1)[-1].strip()
@@ -402,6 +408,11 @@ def _matches(template: str, message: str) -> bool:
 
 
 def test_every_refusal_of_the_trainer_is_listed():
+    import ast
+
+    config = ast.parse((Path(__file__).parents[1] / "trainer_image" / "megatron_trainer" / "config.py").read_text())
+    validators = {fn.name for fn in ast.walk(config) if isinstance(fn, ast.FunctionDef) and fn.name.startswith("_validate")}
+    assert validators <= REFUSING_FUNCTIONS["config.py"], "a validation function the scan does not read"
     found = _refusal_templates()
     assert len(found) > 60  # the scan sees the validation functions
     assert sorted(found - TRAINER_REFUSALS.keys()) == [], "a refusal of the trainer without an admission twin"
@@ -487,9 +498,12 @@ def jobs(draw):
             if draw(st.integers(0, 2)) == 0:
                 model[key] = draw(one(values))
     training = {"microBatchSize": draw(one([1, 2])), "trainIters": draw(one([5, 100])),
-                "precision": mostly("bf16", "fp16", "fp8"), "transformerImpl": mostly("transformer_engine", "local"),
+                "precision": mostly("bf16", "fp16", "fp8"),
                 "attentionBackend": mostly("flash", "unfused"), "cudaGraph": mostly("auto", "none", "fullIteration"),
                 "recompute": draw(one(["none", "selective", "full"])), "distributedOptimizer": mostly(True, False)}
+    impl = mostly("transformer_engine", "local", None)  # unset: local, TE where only it runs (values.impl)
+    if impl is not None:
+        training["transformerImpl"] = impl
     if draw(st.booleans()) or "virtualPipeline" in par:
         training["globalBatchSize"] = mostly(64, 8, 16, 33)
     if draw(st.integers(0, 4)) == 0:
@@ -505,8 +519,10 @@ def jobs(draw):
                 flag, value = draw(one(rules.EXTRA_VALUE_FLAGS)), draw(one(EXTRA_VALUES))
                 extra += [f"--{flag}={value}"] if draw(st.booleans()) else [f"--{flag}"] + ([value] if value else [])
         training["extraArgs"] = extra
-    o = {"numNodes": draw(one([1, 2, 4])), "gpusPerNode": mostly(8, 1, 2, 4), "parallelism": par,
+    o = {"numNodes": draw(one([1, 2, 4])), "gpusPerNode": mostly(8, 1, 2, 4, 0), "parallelism": par,
          "model": model, "training": training}
+    if o["gpusPerNode"] == 0 and draw(st.booleans()):  # a CPU job (blocks/cpu.py), now and then several processes
+        o["cpu"] = {"processesPerNode": draw(one([1, 2, 4]))}
     kind = draw(one(["mock", "sft", "sft", "pretraining"]))
     if kind == "sft":
         sft = {"train": "a.jsonl", "packing": draw(st.booleans())}

@@ -146,16 +146,17 @@ NO_SP = "--no-sequence-parallel"
 
 def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="flash", lr="1e-3",
                  warmup=5, dist_opt=True, extra=(), data=None, save=None, save_interval=None,
-                 async_save=True, ep=1) -> list[str]:
+                 async_save=True, ep=1, impl="local") -> list[str]:
     """A command line shaped like the operator's rendering (docs/trainer-contract.md; the flags that
     change what runs are checked against render.megatron_args in tests/unit/test_gpu_suite_args.py).
-    The operator renders --sequence-parallel-auto at TP > 1 by default (spec.parallelism.sequenceParallel
-    unset, transformerImpl transformer_engine: on where the trainer runs TE, off on the local path), so
-    this does too, unless `extra` holds NO_SP or --sequence-parallel (forced on). `model`: a MODELS name or a
-    shape (model_args); `ep`: the expert-parallel size of a MoE shape."""
+    `impl`: --transformer-impl, the operator's default (local; transformer_engine only where the job needs it,
+    vocab/values.impl) unless asked. With transformer_engine at TP > 1 the operator renders --sequence-parallel-auto
+    (spec.parallelism.sequenceParallel unset: on where the trainer runs TE), so this does too, unless `extra` holds
+    NO_SP or --sequence-parallel (forced on). `model`: a MODELS name or a shape (model_args); `ep`: the
+    expert-parallel size of a MoE shape."""
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--context-parallel-size", "1", "--expert-model-parallel-size", str(ep), *model_args(model),
-            "--transformer-impl", "transformer_engine", "--attention-backend", attn,
+            "--transformer-impl", impl, "--attention-backend", attn,
             "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs or mbs),
             "--train-iters", str(iters), "--lr", lr, "--min-lr", f"{float(lr) / 10:g}",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(warmup), "--lr-decay-iters", str(iters),
@@ -163,7 +164,7 @@ def trainer_args(model="small", tp=1, pp=1, mbs=4, gbs=None, iters=40, attn="fla
             "--bf16", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0"]
     if dist_opt:
         args.append("--use-distributed-optimizer")
-    if tp > 1 and NO_SP not in extra and "--sequence-parallel" not in extra:
+    if tp > 1 and impl == "transformer_engine" and NO_SP not in extra and "--sequence-parallel" not in extra:
         args.append("--sequence-parallel-auto")
     extra = [a for a in extra if a != NO_SP]
     if data is None:

@@ -99,11 +99,12 @@ def gbs_of(model: str) -> int:
 
 
 def ours_argv(model: str, iters: int, flags: tuple[str, ...] = ()) -> list[str]:
-    """The operator's default command line (harness.trainer_args: TE, attention flash) for `model` on one GPU, then
-    `flags`."""
+    """The operator's command line for a job that asks for Transformer Engine (harness.trainer_args with
+    impl=transformer_engine, attention flash) for `model` on one GPU, then `flags` (LOCAL: the local path, which is
+    the operator's default since issue 59's runs)."""
     m = MODELS[model]
     return trainer_args(model, tp=1, mbs=m["mbs"], gbs=gbs_of(model), iters=iters, lr="3e-4", warmup=4,
-                        extra=list(flags))
+                        extra=list(flags), impl="transformer_engine")
 
 
 def fp8_runs(recipes) -> dict[str, Variant]:

@@ -8,32 +8,23 @@ each as a Warning event when it creates the job's children.
 from __future__ import annotations
 
 import json
-import re
 
 from .render import render_jobset, shm_size
 from .rules import Problem
 from .settings import Settings
 from .spec import MegatronJob
-
-_SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?")
-
-
-def quantity_bytes(value: int | str) -> float | None:
-    """A Kubernetes quantity as a number (bytes for memory); None if it is not one."""
-    if isinstance(value, int):
-        return float(value)
-    m = _QUANTITY.fullmatch(value)
-    return float(m.group(1)) * _SUFFIX[m.group(2) or ""] if m else None
+from .vocab.quantity import quantity_bytes
 
 
 def spec_warnings(job: MegatronJob, settings: Settings | None = None) -> list[str]:
     settings = settings or Settings()
     spec = job.spec
     out: list[str] = []
-    tp, gpn = spec.parallelism.tensor, spec.gpus_per_node
-    if tp > gpn:
+    tp, gpn = spec.parallelism.tensor, spec.processes_per_node
+    if tp > gpn and spec.on_cpu:
+        out.append(f"spec.parallelism.tensor: {tp} > spec.cpu.processesPerNode {gpn}: each tensor-parallel group's "
+                   f"{tp // gpn} pods are kept on one node (pod affinity), as on GPUs")
+    elif tp > gpn:
         out.append(f"spec.parallelism.tensor: {tp} > spec.gpusPerNode {gpn}: each tensor-parallel group's "
                    f"{tp // gpn} pods must share one node with at least {tp} GPUs (pod affinity); on nodes with "
                    f"fewer GPUs they stay Pending (Unschedulable). Usual layouts keep tensor <= GPUs per node")

@@ -247,7 +247,7 @@ class Controller:
         obs = st.Observation(
             name=name, generation=int(meta.get("generation") or 0),
             num_nodes=spec.num_nodes if spec else 0,
-            world_size=spec.num_nodes * spec.gpus_per_node if spec else None,
+            world_size=spec.num_nodes * spec.processes_per_node if spec else None,
             layout=derived_layout(spec.wire()) if spec else None,
             suspend=spec.suspend if spec else False, queue_name=spec.queue_name if spec else None,
             previous=previous, problems=parsed.problems, jobset=js_view,

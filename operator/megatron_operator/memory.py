@@ -46,6 +46,7 @@ from typing import Any
 from .presets import GPU_MEMORY_GIB
 from .rules import derived_layout, resolved_model
 from .spec import MegatronJob
+from .vocab.quantity import quantity_bytes
 
 GIB = 1024**3
 # Memory the PyTorch allocator does not count: CUDA context (~0.5 GiB), NCCL channels and
@@ -54,6 +55,10 @@ RESERVED_OVERHEAD_GIB = 3.0
 # Allocations that persist after the first step beyond weights, gradients and optimizer state (cuBLAS
 # workspaces and the like): measured 0.06-0.07 GiB on every shape.
 WORKSPACE_GIB = 0.07
+#: A CPU job's process before its model state: the interpreter, torch, Megatron-Core and gloo, as resident memory.
+#: Measured: 0.70 GiB after building a 2-layer Llama and 0.82 GiB peak, per process, with --device cpu (2 ranks,
+#: TP 2, 2026-12-01); the model there is a few MB, so nearly all of it is the runtime.
+CPU_PROCESS_BASE_GIB = 0.8
 # Bytes per s x s score element and head that Megatron's unfused attention keeps per layer (fp32
 # softmax output + bf16 probabilities), and the transient of one layer's backward (score gradients).
 UNFUSED_SCORE_BYTES = 6
@@ -124,18 +129,36 @@ class Estimate:
 class FitReport:
     estimate: Estimate
     capacity_gib: float | None
+    #: A CPU job (gpusPerNode 0): the estimate is host memory, per process, and the capacity the pod's memory.
+    cpu_processes: int | None = None
 
     @property
     def per_gpu_gib(self) -> float:
         return self.estimate.total / GIB
 
     @property
+    def per_pod_gib(self) -> float:
+        """A CPU job's pod: each process's model state and activations plus its runtime (CPU_PROCESS_BASE_GIB)."""
+        return (self.cpu_processes or 0) * (self.per_gpu_gib + CPU_PROCESS_BASE_GIB)
+
+    @property
     def fits(self) -> bool | None:
         if self.capacity_gib is None:
             return None
+        if self.cpu_processes:
+            return self.per_pod_gib <= self.capacity_gib
         return self.per_gpu_gib + RESERVED_OVERHEAD_GIB <= self.capacity_gib
 
     def summary(self) -> str:
+        if self.cpu_processes:
+            b = self.estimate.breakdown_gib()
+            where = (f"{'fits' if self.fits else 'does NOT fit'} in the pod's {self.capacity_gib:.1f} GiB "
+                     "(spec.resources.memory)" if self.capacity_gib is not None else
+                     "(set spec.resources.memory for the fit check)")
+            return (f"CPU job: predicted peak host memory {self.per_pod_gib:.1f} GiB per pod ({self.cpu_processes} "
+                    f"x ({self.per_gpu_gib:.2f} GiB + {CPU_PROCESS_BASE_GIB} GiB runtime)) {where} (weights "
+                    f"{b['weights']}, gradients {b['gradients']}, optimizer {b['optimizer']}, activations "
+                    f"{b['activations']}, other {b['other']} GiB a process)")
         need = self.per_gpu_gib + RESERVED_OVERHEAD_GIB
         verdict = "fits" if self.fits else "does NOT fit"
         b = self.estimate.breakdown_gib()
@@ -147,11 +170,26 @@ class FitReport:
                 f"optimizer, or lower microBatchSize")
 
     def as_json(self) -> dict[str, Any]:
+        if self.cpu_processes:
+            return {"perProcessGiB": round(self.per_gpu_gib, 2), "processesPerPod": self.cpu_processes,
+                    "processRuntimeGiB": CPU_PROCESS_BASE_GIB, "perPodGiB": round(self.per_pod_gib, 2),
+                    "breakdown": self.estimate.breakdown_gib(), "capacityGiB": self.capacity_gib, "fits": self.fits,
+                    "stage": self.estimate.stage}
         return {"perGpuGiB": round(self.per_gpu_gib, 2), "breakdown": self.estimate.breakdown_gib(),
                 "overheadGiB": RESERVED_OVERHEAD_GIB, "capacityGiB": self.capacity_gib, "fits": self.fits,
                 "stage": self.estimate.stage}
 
     def table(self) -> str:
+        if self.cpu_processes:
+            rows = [(f"{k} (a process)", v) for k, v in self.estimate.breakdown_gib().items()]
+            rows.append(("+ runtime (interpreter, torch, gloo)", CPU_PROCESS_BASE_GIB))
+            rows.append((f"= host memory per pod ({self.cpu_processes} processes)", round(self.per_pod_gib, 2)))
+            lines = [f"  {k:<40} {v:>9.2f} GiB" for k, v in rows]
+            lines.append("  pod memory unknown: set spec.resources.memory for the fit check" if self.capacity_gib is None
+                         else f"  {'pod memory (spec.resources.memory)':<40} {self.capacity_gib:>9.2f} GiB -> "
+                              f"{'fits' if self.fits else 'does NOT fit'}")
+            lines.append(f"  (a CPU job: host memory; largest footprint: {self.estimate.stage} pipeline stage)")
+            return "\n".join(lines)
         rows = [(k, v) for k, v in self.estimate.breakdown_gib().items()]
         rows.append(("= predicted peak (allocated)", round(self.per_gpu_gib, 2)))
         rows.append(("+ CUDA context / NCCL / fragmentation", RESERVED_OVERHEAD_GIB))
@@ -402,6 +440,9 @@ def checkpoint_bytes(job: MegatronJob) -> int:
 
 def capacity_gib(job: MegatronJob) -> float | None:
     r = job.spec.resources
+    if job.spec.on_cpu:  # the pod's memory limit (its request too: the operator sets both)
+        memory = quantity_bytes(r.memory) if r.memory is not None else None
+        return memory / GIB if memory is not None else None
     if r.gpu_memory_gib is not None:
         return r.gpu_memory_gib
     if r.gpu_type is not None:
@@ -413,4 +454,5 @@ def fit_report(job: MegatronJob, always: bool = False) -> FitReport | None:
     """The estimate and verdict; None when the check is off (memoryFit: Ignore) unless ``always``."""
     if job.spec.resources.memory_fit == "Ignore" and not always:
         return None
-    return FitReport(estimate(job), capacity_gib(job))
+    return FitReport(estimate(job), capacity_gib(job),
+                     cpu_processes=job.spec.processes_per_node if job.spec.on_cpu else None)

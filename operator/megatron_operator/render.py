@@ -108,6 +108,8 @@ def checkpoint_location(job: MegatronJob) -> str | None:
 def shm_size(spec: MegatronJobSpec, settings: Settings) -> str:
     if spec.resources.shm_size is not None:
         return str(spec.resources.shm_size)
+    if spec.on_cpu:  # nothing of NCCL's there: 1 GiB a process (data-loader workers), within a CPU pod's memory
+        return f"{spec.processes_per_node}Gi"
     return f"{max(settings.shm_min_gib, settings.shm_gib_per_gpu * spec.gpus_per_node)}Gi"
 
 
@@ -208,7 +210,8 @@ def megatron_args(job: MegatronJob) -> list[str]:
     flag("hidden-dropout", _fmt(spec.model.hidden_dropout))
     flag("attention-dropout", _fmt(spec.model.attention_dropout))
     # training
-    flag("transformer-impl", tr.transformer_impl)
+    flag("transformer-impl", layout["transformerImpl"])  # resolved: vocab/values.impl
+    a += blocks.cpu.flags(spec.gpus_per_node)
     flag("attention-backend", tr.attention_backend)
     flag("cuda-graph-impl", {"fullIteration": "full_iteration"}.get(tr.cuda_graph, tr.cuda_graph))
     flag("micro-batch-size", tr.micro_batch_size)
@@ -287,7 +290,7 @@ def megatron_args(job: MegatronJob) -> list[str]:
             a += blocks.object_store.flags(spec.checkpoint.object_store)
         flag("save-interval", spec.checkpoint.interval)
         flag("ckpt-format", "torch_dist")
-        if spec.checkpoint.async_:
+        if spec.checkpoint.async_ and blocks.cpu.saves_async(spec.gpus_per_node):
             # Megatron-LM silently drops --async-save without the persistent worker (arguments.validate_args).
             flag("async-save")
             flag("use-persistent-ckpt-worker")
@@ -330,7 +333,7 @@ def launch_command(job: MegatronJob, settings: Settings, first_replicated_job: s
     return [
         "python", "-m", "megatron_trainer.launch",
         f"--nnodes={spec.num_nodes}",
-        f"--nproc-per-node={spec.gpus_per_node}",
+        f"--nproc-per-node={spec.processes_per_node}",
         "--node-rank=$(NODE_RANK)",
         f"--master-addr={master}",
         f"--master-port={settings.rendezvous_port}",
@@ -391,7 +394,7 @@ def _env(job: MegatronJob, settings: Settings, layout: dict[str, Any]) -> list[d
 
 def _resources(spec: MegatronJobSpec) -> dict[str, Any]:
     r = spec.resources
-    limits: dict[str, Any] = {GPU_RESOURCE: spec.gpus_per_node}
+    limits: dict[str, Any] = {GPU_RESOURCE: spec.gpus_per_node} if spec.gpus_per_node else {}  # 0: a CPU job
     if r.efa_per_node:
         limits[EFA_RESOURCE] = r.efa_per_node
     limits.update(r.extended_resources)
@@ -423,6 +426,30 @@ def _volumes(spec: MegatronJobSpec, settings: Settings) -> list[tuple[dict[str, 
         out.append(({"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.data.pvc, "readOnly": True}},
                     {"name": DATA_VOLUME, "mountPath": DATA_MOUNT, "readOnly": True}))
     out += blocks.hf.volumes(spec.init, spec.export)
+    return _one_volume_per_claim(out)
+
+
+def _one_volume_per_claim(pairs: list[tuple[dict[str, Any], dict[str, Any]]]
+                          ) -> list[tuple[dict[str, Any] | None, dict[str, Any]]]:
+    """One pod volume per PersistentVolumeClaim, its mounts keeping their own readOnly: a claim two of the pod's
+    volumes name (the Hugging Face source and the export on one PVC; data and checkpoints on one) is counted twice
+    by kube-scheduler's volume binding (1.36.3), and while the claim is unbound on a WaitForFirstConsumer storage
+    class the pod never schedules ("didn't find available persistent volumes to bind"; seen on the real node,
+    e2e/test_real_training.py). Later volumes of a claim become None: their mount names the first one, which is
+    read-write if any of them is."""
+    first: dict[str, dict[str, Any]] = {}
+    out: list[tuple[dict[str, Any] | None, dict[str, Any]]] = []
+    for volume, mount in pairs:
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim is None or claim not in first:
+            if claim is not None:
+                first[claim] = volume
+            out.append((volume, mount))
+            continue
+        kept = first[claim]
+        if not volume["persistentVolumeClaim"].get("readOnly"):
+            kept["persistentVolumeClaim"].pop("readOnly", None)
+        out.append((None, {**mount, "name": kept["name"]}))
     return out
 
 
@@ -431,7 +458,7 @@ def _pod_spec(job: MegatronJob, settings: Settings, layout: dict[str, Any], firs
     spec = job.spec
     name = job.metadata.name
     own = _volumes(spec, settings)
-    volumes, mounts = [v for v, _ in own], [m for _, m in own]
+    volumes, mounts = [v for v, _ in own if v is not None], [m for _, m in own]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image or settings.default_image,
@@ -522,7 +549,7 @@ def replicated_job_plan(spec: MegatronJobSpec) -> list[tuple[str, int, int | Non
     each group gets its own replicated job so that its pods carry a group label for pod affinity,
     and JobSet's global job index (the node rank) runs through the groups in order.
     """
-    tp, gpn = spec.parallelism.tensor, spec.gpus_per_node
+    tp, gpn = spec.parallelism.tensor, spec.processes_per_node
     if tp <= gpn:
         return [("worker", spec.num_nodes, None)]
     pods_per_group = tp // gpn

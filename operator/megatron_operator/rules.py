@@ -65,6 +65,7 @@ from .vocab.values import (
     has,
     heads,
     hidden,
+    impl,
     layers,
     layout_ok,
     max_positions,
@@ -81,6 +82,7 @@ from .vocab.values import (
     moe_shared_ffn,
     moe_shared_gate,
     nodes,
+    on_cpu,
     opt,
     position_embedding,
     pp,
@@ -116,7 +118,7 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "moe-pad-expert-input-to-capacity", "swiglu", "normalization", "position-embedding-type", "rotary-base",
     "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
     "add-qkv-bias", "use-rope-scaling", "rope-scaling-factor", "hidden-dropout", "attention-dropout",
-    "transformer-impl", "attention-backend", "cuda-graph-impl",
+    "transformer-impl", "device", "attention-backend", "cuda-graph-impl",
     "micro-batch-size", "global-batch-size", "train-iters", "lr", "min-lr", "lr-decay-style",
     "lr-warmup-iters", "lr-decay-iters", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "bf16",
     "fp16", "fp8-format", "use-distributed-optimizer", "recompute-granularity", "recompute-method",
@@ -252,10 +254,11 @@ SPEC_RULES: list[Rule] = [
     # parallel_state.initialize_model_parallel; arguments.validate_args
     Rule("world-divisible", "numNodes",
          layout_ok,
-         fmt("spec.numNodes x spec.gpusPerNode: ", world.str(), " GPUs are not divisible by tensor x pipeline x "
+         fmt(cond(on_cpu, "spec.numNodes x spec.cpu.processesPerNode: ", "spec.numNodes x spec.gpusPerNode: "),
+             world.str(), cond(on_cpu, " processes", " GPUs"), " are not divisible by tensor x pipeline x "
               "context = ", tp.str(), " x ", pp.str(), " x ", cp.str(), " = ", model_parallel.str(),
-              "; use a multiple of ", model_parallel.str(), " GPUs", multiple_hint(world, model_parallel),
-              ", or smaller parallel sizes")),
+              "; use a multiple of ", model_parallel.str(), cond(on_cpu, " processes", " GPUs"),
+              multiple_hint(world, model_parallel), ", or smaller parallel sizes")),
     # parallel_state.initialize_model_parallel (expert grid; "MoE parallel folding")
     # (for a dense model this is implied by world-divisible, so it is only checked with experts)
     Rule("expert-grid", "parallelism.expert",
@@ -267,7 +270,8 @@ SPEC_RULES: list[Rule] = [
     # ours: a tensor-parallel group must fit on one host (TP groups are consecutive ranks)
     Rule("tensor-placement", "parallelism.tensor",
          (gpn % tp).eq(0) | (tp % gpn).eq(0),
-         fmt("spec.parallelism.tensor: ", tp.str(), " must divide spec.gpusPerNode ", gpn.str(),
+         fmt("spec.parallelism.tensor: ", tp.str(), cond(on_cpu, " must divide spec.cpu.processesPerNode ",
+                                                          " must divide spec.gpusPerNode "), gpn.str(),
               " or be a multiple of it, so that each tensor-parallel group sits on whole nodes; use a tensor "
               "size such as ", cond((gpn % 2).eq(0), (gpn // 2).str(), gpn.str()), " or ", gpn.str())),
     # TransformerConfig.__post_init__
@@ -434,11 +438,11 @@ SPEC_RULES: list[Rule] = [
                      "set sequenceParallel: false or raise tensor")),
     # DotProductAttention.__init__ (local attention asserts CP == 1)
     Rule("local-no-context-parallel", "parallelism.context",
-         cp.eq(1), when=~uses_te,
+         cp.eq(1), when=~uses_te & ~on_cpu,  # a CPU job: cpu-no-context-parallel says why (blocks/cpu.py)
          message=fmt("spec.parallelism.context: ", cp.str(), " needs Transformer Engine attention; use "
                       "transformerImpl transformer_engine or context: 1")),
     Rule("local-no-fp8", "training.precision",
-         precision.ne("fp8"), when=~uses_te,
+         precision.ne("fp8"), when=~uses_te & ~on_cpu,  # a CPU job: cpu-no-fp8
          message=lit("spec.training.precision: fp8 needs Transformer Engine; use transformerImpl "
                      "transformer_engine or precision bf16")),
     # Transformer Engine runs context parallelism only in its flash/fused attention backends.
@@ -658,7 +662,8 @@ SPEC_RULES: list[Rule] = [
 # after the core's; the order of the list is the order of the CRD's rules
 # --------------------------------------------------------------------------------------------
 
-SPEC_RULES += [*blocks.hf.RULES, *blocks.object_store.RULES, *blocks.pod.RULES, *blocks.wandb.RULES]
+SPEC_RULES += [*blocks.hf.RULES, *blocks.object_store.RULES, *blocks.pod.RULES, *blocks.wandb.RULES,
+               *blocks.cpu.RULES]
 
 # Rules on the whole object (``self`` is the MegatronJob): where a rule needs metadata.name. Every field
 # they read is immutable (metadata.name, spec.export, spec.checkpoint), so they are create-only rules
@@ -710,6 +715,7 @@ def derived_layout(spec: dict[str, Any]) -> dict[str, Any]:
     env = {"self": spec}
     return {
         "world": world.eval(env),
+        "processesPerNode": gpn.eval(env),
         "data": dp.eval(env),
         "tensor": tp.eval(env),
         "pipeline": pp.eval(env),
@@ -719,6 +725,7 @@ def derived_layout(spec: dict[str, Any]) -> dict[str, Any]:
         "sequenceParallel": bool(sequence_parallel.eval(env)),
         "globalBatchSize": gbs.eval(env),
         "numMicrobatches": microbatches.eval(env),
+        "transformerImpl": impl.eval(env),
     }
 
 

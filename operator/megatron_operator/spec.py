@@ -216,9 +216,11 @@ class TrainingSpec(ApiModel):
                                         "(--use-distributed-optimizer).")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recomputation: "
                                                             "selective recomputes attention, full every layer.")
-    transformer_impl: Literal["transformer_engine", "local"] = Field(
-        "transformer_engine", description="Layer implementation (--transformer-impl). local is Megatron's "
-        "TE-free spec: no sequence or context parallelism, no fp8.")
+    transformer_impl: Literal["transformer_engine", "local"] | None = Field(
+        None, description="Layer implementation (--transformer-impl). Default: local (Megatron-Core's TE-free "
+        "spec, this trainer's fastest measured path), or transformer_engine where only it runs the job (precision "
+        "fp8, context > 1). local has no fp8 and no context parallelism; transformer_engine needs an image with "
+        "Transformer Engine and CUDA (docs/trainer.md, \"Model paths\").")
     attention_backend: Literal["flash", "unfused"] = Field(
         "flash", description="Attention kernel (--attention-backend). flash: fused flash/cuDNN attention; "
         "unfused: materialises the s x s score matrix (Megatron's local attention with transformerImpl local).")
@@ -316,7 +318,8 @@ class CheckpointSpec(ApiModel):
     interval: int = Field(1000, ge=1, le=100000000, description="Iterations between checkpoints "
                           "(--save-interval).")
     async_: bool = Field(True, alias="async", description="Write shards in the background while training "
-                         "continues (--async-save).")
+                         "continues (--async-save). CPU jobs (gpusPerNode: 0) always save synchronously: the "
+                         "background writer needs CUDA.")
     keep: int = Field(3, ge=0, le=10000, description="Complete checkpoints to keep; older complete ones are "
                       "deleted (the newest is never deleted). 0 keeps all.")
 
@@ -367,7 +370,7 @@ class Resources(ApiModel):
     memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
     shm_size: Quantity | None = Field(None, description="Size of the memory-backed /dev/shm (NCCL, data "
                                       "loaders, async checkpoints). Default from the operator (8Gi per GPU, "
-                                      "at least 16Gi).")
+                                      "at least 16Gi; on a CPU job 1Gi per process).")
     node_selector: dict[Annotated[str, Field(max_length=316)], Annotated[str, Field(max_length=63,
                                                                                    pattern=LABEL_VALUE)]] = Field(
         default_factory=dict, max_length=32, description="Node labels the pods require.")
@@ -406,8 +409,12 @@ class MegatronJobSpec(ApiModel):
     image_pull_secrets: list[Annotated[str, Field(max_length=253, pattern=DNS_LABEL)]] = Field(
         default_factory=list, max_length=8, description="Names of image pull secrets.")
     num_nodes: int = Field(..., ge=1, le=4096, description="Pods, one per node.")
-    gpus_per_node: int = Field(..., ge=1, le=16, description="GPUs per pod (nvidia.com/gpu); one trainer "
-                               "process per GPU.")
+    gpus_per_node: int = Field(..., ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); one trainer "
+                               "process per GPU. 0: a CPU job (spec.cpu: its processes per pod), to smoke-test a "
+                               "job before it takes GPUs.")
+    cpu: blocks.cpu.CpuSpec | None = Field(None, description="A CPU job's processes per pod (with gpusPerNode: 0; "
+                                           "default 1 process). docs/getting-started.md, \"Smoke-test a job on "
+                                           "CPUs\".")
     parallelism: Parallelism = Field(default_factory=Parallelism, description="TP/PP/CP/EP sizes.")
     model: ModelSpec = Field(..., description="The model.")
     training: TrainingSpec = Field(..., description="Optimisation and numerics.")
@@ -443,6 +450,15 @@ class MegatronJobSpec(ApiModel):
         "in that window. Default from the operator (600).")
     active_deadline_seconds: int | None = Field(None, ge=1, le=31536000, description="Fail the job (reason "
                                                 "DeadlineExceeded) when it has run longer than this.")
+
+    @property
+    def processes_per_node(self) -> int:
+        """Trainer processes (ranks) per pod: one per GPU, or spec.cpu.processesPerNode on a CPU job."""
+        return blocks.cpu.processes_per_node(self.gpus_per_node, self.cpu)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.gpus_per_node == 0
 
     @model_validator(mode="after")
     def _check_rules(self) -> MegatronJobSpec:

@@ -59,6 +59,14 @@ def _tp_spans_pods(**overrides: Any) -> dict[str, Any]:
                     training={"microBatchSize": 4, "globalBatchSize": 16, "trainIters": 10}, **overrides)
 
 
+def _cpu(**overrides: Any) -> dict[str, Any]:
+    """A CPU job (gpusPerNode 0): two pods of one process, TP 2 across them."""
+    base = {"numNodes": 2, "gpusPerNode": 0, "parallelism": {"tensor": 2},
+            "model": {"numLayers": 4, "hiddenSize": 64, "numAttentionHeads": 4, "seqLength": 32, "vocabSize": 128},
+            "training": {"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 10}}
+    return make_job(**{**base, **overrides})
+
+
 def _required_pod_affinity(selector: dict[str, Any]) -> dict[str, Any]:
     return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
         {"topologyKey": "topology.kubernetes.io/zone", "labelSelector": selector}]}}}
@@ -231,6 +239,26 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("bad-local-cp", make_job(training__transformerImpl="local", parallelism__context=2,
                               training__globalBatchSize=16), "local-no-context-parallel"),
     ("bad-local-fp8", make_job(training__transformerImpl="local", training__precision="fp8"), "local-no-fp8"),
+    # ---------------------------------------------------------------- CPU jobs (gpusPerNode 0, blocks/cpu.py)
+    ("cpu-job", _cpu(), None),
+    ("cpu-job-local-explicit", _cpu(training__transformerImpl="local", checkpoint={"pvc": "c"},
+                                    resources={"cpu": 2, "memory": "4Gi"}), None),
+    ("cpu-two-processes-tp-in-pod", _cpu(cpu={"processesPerNode": 2}, parallelism={"tensor": 2, "pipeline": 2}),
+     None),
+    ("bad-cpu-world", _cpu(numNodes=3, cpu={"processesPerNode": 2}, parallelism={"tensor": 2, "pipeline": 2}),
+     "world-divisible"),
+    ("bad-cpu-tensor-placement", _cpu(numNodes=4, cpu={"processesPerNode": 3},
+                                      training={"microBatchSize": 1, "globalBatchSize": 6, "trainIters": 10}),
+     "tensor-placement"),
+    ("bad-cpu-block-with-gpus", make_job(cpu={"processesPerNode": 2}), "cpu-block-needs-zero-gpus"),
+    ("bad-cpu-te", _cpu(training__transformerImpl="transformer_engine"), "cpu-local-impl"),
+    ("bad-cpu-fp8", _cpu(training__precision="fp8"), "cpu-no-fp8"),
+    ("bad-cpu-fp16", _cpu(training__precision="fp16"), "cpu-no-fp16"),
+    ("bad-cpu-context", _cpu(numNodes=4, parallelism={"tensor": 2, "context": 2}, training__globalBatchSize=2),
+     "cpu-no-context-parallel"),
+    ("bad-cpu-cuda-graph", _cpu(training__cudaGraph="fullIteration"), "cpu-no-cuda-graph"),
+    ("bad-cpu-efa", _cpu(resources={"efaPerNode": 4}), "cpu-no-efa"),
+    ("bad-cpu-gpu-type", _cpu(resources={"gpuType": "H100-80GB"}), "cpu-no-gpu-type"),
     ("bad-cuda-graph-pp2", make_job(training__cudaGraph="fullIteration"), "cuda-graph-full-iteration"),
     ("bad-cuda-graph-moe", make_job(parallelism__pipeline=1, parallelism__expert=4, model__numExperts=8,
                                     model__addBiasLinear=False, training__cudaGraph="fullIteration"),

@@ -53,7 +53,9 @@ def test_suite_command_line_is_the_operators_default_rendering(tp, pp, gpus):
     differ = {k: (rendered.get(k), ours.get(k)) for k in set(rendered) | set(ours)
               if k not in RUN_CHOICES and rendered.get(k) != ours.get(k)}
     assert differ == {}
-    assert ("--sequence-parallel-auto" in ours) == (tp > 1) and "--sequence-parallel" not in ours
+    # the default is the local path: no sequence parallelism unless asked (the operator's default: values.impl)
+    assert "--sequence-parallel-auto" not in ours and "--sequence-parallel" not in ours
+    assert ours.get("--transformer-impl") == ["local"]
 
 
 def test_no_sp_marker_leaves_sequence_parallelism_out_and_never_reaches_the_trainer():

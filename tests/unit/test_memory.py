@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factory import make_job
+from factory import DELETE, make_job
 from megatron_operator.memory import GIB, RESERVED_OVERHEAD_GIB, estimate, fit_report, padded_vocab
 from megatron_operator.validation import parse_job
 
@@ -342,3 +342,23 @@ def test_moe_capacity_factor_by_hand():
     assert moe_est(moeExpertCapacityFactor=0.5).activations < base.activations
     assert moe_est(moeExpertCapacityFactor=1.5).activations == base.activations
     assert moe_est(moeExpertCapacityFactor=1.5, moePadExpertInputToCapacity=True).activations > base.activations
+
+
+def test_a_cpu_job_is_estimated_in_host_memory_per_pod_against_its_memory():
+    """Issue 64: `estimate` of a CPU job: each process's model state and activations plus its runtime, times the
+    processes of a pod, against spec.resources.memory (its limit); no GPU, no CUDA overhead."""
+    from megatron_operator.memory import CPU_PROCESS_BASE_GIB
+
+    base = {"numNodes": 2, "gpusPerNode": 0, "cpu": {"processesPerNode": 2}, "parallelism": {"tensor": 2},
+            "model": {"preset": "gpt-1.7b"}, "training": {"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 10}}
+    same_on_gpus = fit_report(parse_job(make_job(**{**base, "gpusPerNode": 2, "cpu": DELETE})), always=True)
+    report = fit_report(parse_job(make_job(**base, resources={"memory": "64Gi"})), always=True)
+    assert report.per_gpu_gib == same_on_gpus.per_gpu_gib  # the same state and activations a rank
+    assert report.per_pod_gib == pytest.approx(2 * (report.per_gpu_gib + CPU_PROCESS_BASE_GIB))
+    assert report.capacity_gib == 64 and report.fits is True
+    assert "host memory per pod" in report.table() and "CUDA" not in report.table()
+    small = fit_report(parse_job(make_job(**base, resources={"memory": "4Gi"})), always=True)
+    assert small.fits is False and "does NOT fit in the pod's 4.0 GiB" in small.summary()
+    unknown = fit_report(parse_job(make_job(**base)), always=True)
+    assert unknown.fits is None and "set spec.resources.memory" in unknown.summary()
+    assert unknown.as_json()["processesPerPod"] == 2 and "perGpuGiB" not in unknown.as_json()

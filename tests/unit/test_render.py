@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from factory import make_job
+from factory import DELETE, make_job
 from megatron_operator.crd import to_yaml
 from megatron_operator.render import megatron_args, render, replicated_job_plan
 from megatron_operator.settings import Settings
@@ -279,12 +279,19 @@ def test_hf_init_is_mounted_read_only_and_export_read_write():
     js = objects(make_job(model=LLAMA, training={"trainIters": 10},
                           init={"huggingFace": {"pvc": "models", "path": "meta/llama-3.1-8b"}},
                           export={"huggingFace": {"pvc": "models", "path": "exports/ft"}}))["JobSet"]
+    # one claim, one volume (read-write: the export writes), mounted twice: read-only at /hf-init
     volumes = {v["name"]: v for v in pod_spec(js)["volumes"]}
-    mounts = {m["name"]: m for m in container(js)["volumeMounts"]}
-    assert volumes["hf-init"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
-    assert mounts["hf-init"] == {"name": "hf-init", "mountPath": "/hf-init", "readOnly": True}
-    assert volumes["hf-export"]["persistentVolumeClaim"] == {"claimName": "models"}
-    assert mounts["hf-export"] == {"name": "hf-export", "mountPath": "/hf-export"}
+    mounts = {m["mountPath"]: m for m in container(js)["volumeMounts"]}
+    assert volumes["hf-init"]["persistentVolumeClaim"] == {"claimName": "models"} and "hf-export" not in volumes
+    assert mounts["/hf-init"] == {"name": "hf-init", "mountPath": "/hf-init", "readOnly": True}
+    assert mounts["/hf-export"] == {"name": "hf-init", "mountPath": "/hf-export"}
+    # on two claims, two volumes, the source's read-only
+    js2 = objects(make_job(model=LLAMA, training={"trainIters": 10},
+                           init={"huggingFace": {"pvc": "models", "path": "meta/llama-3.1-8b"}},
+                           export={"huggingFace": {"pvc": "exports", "path": "ft"}}))["JobSet"]
+    volumes2 = {v["name"]: v for v in pod_spec(js2)["volumes"]}
+    assert volumes2["hf-init"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert volumes2["hf-export"]["persistentVolumeClaim"] == {"claimName": "exports"}
     args = container(js)["command"]
     assert args[args.index("--hf-init") + 1] == "/hf-init/meta/llama-3.1-8b"
     assert args[args.index("--hf-export") + 1] == "/hf-export/exports/ft"
@@ -510,7 +517,8 @@ def test_the_operators_volumes_are_names_table_each_at_its_mount():
     on_pvcs = make_job(model=LLAMA, checkpoint={"pvc": "c"},
                        data={"pvc": "corpus", "paths": [{"prefix": "a"}], "tokenizer": {"type": "Null"}},
                        init={"huggingFace": {"pvc": "models", "path": "llama"}},
-                       export={"huggingFace": {"pvc": "models", "path": "exports/ft"}},
+                       # its own PVC: on the source's, the export shares its volume (_one_volume_per_claim)
+                       export={"huggingFace": {"pvc": "exports", "path": "ft"}},
                        logging={"wandb": {"project": "p", "apiKeySecret": {"name": "wb"}}},
                        pod={"volumes": [{"name": "scratch", "emptyDir": {}}],
                             "initContainers": [{"name": "side", "image": "nvcr.io/x:1"}]})
@@ -692,3 +700,67 @@ def test_where_tp_groups_span_pods_every_admitted_pod_matches_all_its_own_requir
             assert all(_selects(t["labelSelector"], template["metadata"]["labels"]) for t in terms), (name, terms)
             checked += len(terms) > 1
     assert checked >= 3  # the table's accepted user terms on jobs whose groups span pods were all seen
+
+
+# ---------------------------------------------------------------- CPU jobs (gpusPerNode 0, blocks/cpu.py)
+CPU_JOB = {"numNodes": 2, "gpusPerNode": 0, "cpu": {"processesPerNode": 2}, "parallelism": {"tensor": 4},
+           "model": {"numLayers": 4, "hiddenSize": 64, "numAttentionHeads": 4, "seqLength": 32, "vocabSize": 128},
+           "training": {"microBatchSize": 1, "globalBatchSize": 2, "trainIters": 10}, "checkpoint": {"pvc": "c"},
+           "resources": {"cpu": 2, "memory": "4Gi"}}
+
+
+def test_a_cpu_job_renders_as_the_same_gpu_job_but_for_devices_backend_and_async_saves():
+    """Issue 64: the rest of the JobSet renders exactly as for GPUs. The same job with one GPU per process differs
+    only in the GPU limit, /dev/shm's default size and the trainer's flags: --device cpu, --transformer-impl local,
+    and no background saves (the writer needs CUDA)."""
+    def pods(doc):
+        js = render(parse_job(doc), Settings(), owner_uid="UID")[-1]
+        return js, [rj["template"]["spec"]["template"]["spec"] for rj in js["spec"]["replicatedJobs"]]
+
+    cpu_js, cpu_pods = pods(make_job(**CPU_JOB))
+    gpu_js, gpu_pods = pods(make_job(**{**CPU_JOB, "gpusPerNode": 2, "cpu": DELETE}))
+    assert [rj["name"] for rj in cpu_js["spec"]["replicatedJobs"]] == ["tp0"]  # one TP group of 4 over the 2 pods
+    for cpu, gpu in zip(cpu_pods, gpu_pods, strict=True):
+        cc, gc = cpu["containers"][0], gpu["containers"][0]
+        assert cc["resources"] == {"limits": {"cpu": "2", "memory": "4Gi"}, "requests": {"cpu": "2", "memory": "4Gi"}}
+        assert gc["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert next(v for v in cpu["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "2Gi"
+        assert "--nproc-per-node=2" in cc["command"] and "--nproc-per-node=2" in gc["command"]
+        flags = [a for a in cc["command"] if a not in gc["command"]]
+        assert flags == ["--device", "cpu"], flags
+        assert [a for a in gc["command"] if a not in cc["command"]] == ["--async-save", "--use-persistent-ckpt-worker"]
+        assert cc["command"][cc["command"].index("--transformer-impl") + 1] == "local"
+        for key in set(cpu) | set(gpu):
+            if key not in ("containers", "volumes"):
+                assert cpu.get(key) == gpu.get(key), key  # affinity, tolerations, identity, security, grace
+        assert [v for v in cpu["volumes"] if v["name"] != "dshm"] == [v for v in gpu["volumes"] if v["name"] != "dshm"]
+        for key in set(cc) | set(gc):
+            if key not in ("command", "resources"):
+                assert cc.get(key) == gc.get(key), key
+    assert {k: v for k, v in cpu_js["spec"].items() if k != "replicatedJobs"} == \
+        {k: v for k, v in gpu_js["spec"].items() if k != "replicatedJobs"}
+
+
+@pytest.mark.parametrize("spec, impl", [
+    ({}, "local"),  # the fastest measured path (docs/benchmarks/megatron-lm.md#2026-12-01-te-path)
+    ({"training__precision": "fp8"}, "transformer_engine"),  # only TE runs it
+    ({"parallelism__context": 2, "training__globalBatchSize": 16}, "transformer_engine"),
+    ({"training__transformerImpl": "transformer_engine"}, "transformer_engine"),  # as asked
+    ({"training__transformerImpl": "local"}, "local"),
+])
+def test_transformer_impl_default_is_local_unless_only_te_runs_the_job(spec, impl):
+    args = megatron_args(parse_job(make_job(**spec)))
+    assert args[args.index("--transformer-impl") + 1] == impl
+
+
+def test_one_volume_per_claim_for_data_and_checkpoints_on_one_pvc():
+    """kube-scheduler counts a claim two of a pod's volumes name twice: on a WaitForFirstConsumer class an unbound
+    claim then never binds (seen on the real node). One claim for data and checkpoints: one read-write volume, the
+    data mount read-only."""
+    js = objects(make_job(checkpoint={"pvc": "shared"}, data={"pvc": "shared", "paths": [{"prefix": "a/b"}],
+                                                                "tokenizer": {"type": "Null"}}))["JobSet"]
+    claims = [v["persistentVolumeClaim"] for v in pod_spec(js)["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [{"claimName": "shared"}]
+    mounts = {m["mountPath"]: m for m in container(js)["volumeMounts"]}
+    assert mounts["/data"] == {"name": "checkpoints", "mountPath": "/data", "readOnly": True}
+    assert mounts["/checkpoints"] == {"name": "checkpoints", "mountPath": "/checkpoints"}

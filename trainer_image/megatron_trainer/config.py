@@ -645,7 +645,8 @@ def validate(cfg: TrainerConfig) -> None:
     operator's admission rules (megatron_operator/rules.py) refuse the same specs earlier, and
     tests/test_contract_refusals.py holds the two together.
     """
-    for check in (_validate_parallel_and_model, _validate_training, _validate_device, _validate_data,
+    # --device first: a CPU run is told what CPUs cannot run before what else the flags lack
+    for check in (_validate_device, _validate_parallel_and_model, _validate_training, _validate_data,
                   _validate_checkpoint, _validate_logging):
         check(cfg)
 
@@ -885,9 +886,10 @@ def _validate_device(cfg: TrainerConfig) -> None:
              "--fp8-format": t.fp8_format is not None, "--fp16": t.fp16,
              "--cuda-graph-impl full_iteration": t.cuda_graph_impl == "full_iteration",
              "--async-save": cfg.checkpoint.async_save}
-    for flag_text, why in CPU_REFUSALS:
-        if given[flag_text]:
-            raise ValueError(f"--device cpu: {flag_text} cannot run on CPUs ({why})")
+    refused = [(flag_text, why) for flag_text, why in CPU_REFUSALS if given[flag_text]]
+    if refused:
+        flag_text, why = refused[0]
+        raise ValueError(f"--device cpu: {flag_text} cannot run on CPUs ({why})")
 
 
 def _validate_data(cfg: TrainerConfig) -> None:

@@ -10,7 +10,7 @@ A block module holds, for its part of the spec, what would otherwise be spread o
 - its part of the rendering: pure builders that take the block's own models (and plain values such as the job's
   name) and return the trainer's flags, env entries and ``(volume, mount)`` pairs, or add to the pod.
 
-The blocks: ``hf`` (spec.init, spec.export), ``object_store`` (spec.checkpoint.objectStore), ``pod`` (spec.pod),
+The blocks: ``cpu`` (spec.cpu, gpusPerNode 0), ``hf`` (spec.init, spec.export), ``object_store`` (spec.checkpoint.objectStore), ``pod`` (spec.pod),
 ``wandb`` (spec.logging.wandb).
 
 A block is written in ``vocab/``, ``names``, ``expr`` and ``settings``. It never imports a stage file (``spec``,
@@ -38,4 +38,4 @@ Adding a block (``spec.cpu``, say):
    tests/unit/test_blocks.py fails while a rule or guardrail of a block is not collected.
 """
 
-from . import hf, object_store, pod, wandb  # noqa: F401  (the stage files reach each block as blocks.<name>)
+from . import cpu, hf, object_store, pod, wandb  # noqa: F401  (the stage files reach each block as blocks.<name>)

@@ -31,18 +31,28 @@ cp = f("parallelism.context")
 ep = f("parallelism.expert")
 etp = opt("parallelism.expertTensor", tp)  # Megatron: expert_tensor_parallel_size defaults to TP
 nodes = f("numNodes")
-gpn = f("gpusPerNode")
+# gpusPerNode 0 is a CPU job (blocks/cpu.py): its pods run spec.cpu.processesPerNode trainer processes (default 1),
+# which every layout rule counts as it counts the GPUs of a GPU job.
+on_cpu = f("gpusPerNode").eq(0)
+# (cpu.processesPerNode has a default: present whenever spec.cpu is)
+gpn = cond(on_cpu, cond(has("cpu"), f("cpu.processesPerNode"), 1), f("gpusPerNode"))  # trainer processes per pod
 world = nodes * gpn
 model_parallel = tp * pp * cp
 dp = world // model_parallel
-uses_te = f("training.transformerImpl").eq("transformer_engine")
+precision = f("training.precision")
+# Unset, transformerImpl is the fastest path this project has measured where it can run the job: Megatron-Core's
+# local spec (2.12x Megatron-LM on TE, and 1.92x our TE path, for a 3.8B Llama on one H200:
+# docs/benchmarks/megatron-lm.md#2026-12-01-te-path); Transformer Engine where only it runs the job (fp8, context
+# parallelism), except on CPUs (blocks/cpu.py refuses those there).
+impl = opt("training.transformerImpl",
+           cond(((cp > 1) | precision.eq("fp8")) & ~on_cpu, lit("transformer_engine"), lit("local")))
+uses_te = impl.eq("transformer_engine")
 # Default: on with TP > 1 and Transformer Engine. Unset, it renders --sequence-parallel-auto and the
 # trainer, which knows whether its image has TE, keeps it on the TE path only: the local path supports
 # it (its own torch norm; Megatron's WrappedTorchNorm refuses it) but measured slower there (Llama-3-8B
 # TP=2, docs/benchmarks/megatron-lm.md#2026-11-26-second-session-sp-rope), so it stays opt-in on the local path.
 sequence_parallel = opt("parallelism.sequenceParallel", (tp > 1) & uses_te)
 mbs = f("training.microBatchSize")
-precision = f("training.precision")
 
 
 def model_value(name: str, derived: Any) -> Expr:
