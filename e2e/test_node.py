@@ -368,8 +368,8 @@ def test_one_pvc_for_hf_init_and_export_mounts_twice_on_a_real_kubelet(cluster, 
                                                                          tmp_path):
     """Issue 52 (left from issue 32): the usual layout, a model PVC holding the source and, beside it, the
     export (spec.init and spec.export on one claim), with the fine-tuning tokenizer taken from the source
-    (no spec.data.tokenizer) and checkpoints on a PVC. The render mounts that claim twice, read-only at
-    /hf-init and writable at /hf-export; the real kubelet must mount both from the one volume: the source
+    (no spec.data.tokenizer) and checkpoints on a PVC. The render gives that claim one pod volume mounted twice,
+    read-only at /hf-init and writable at /hf-export; the real kubelet must mount both from the one volume: the source
     and its tokenizer readable at the flags' paths, /hf-init refusing writes, and a file written under
     /hf-export landing beside the source on the volume, as the trainer's uid."""
     from megatron_operator.render import render
@@ -400,7 +400,11 @@ def test_one_pvc_for_hf_init_and_export_mounts_twice_on_a_real_kubelet(cluster, 
         ("/hf-init/llama/tiny", "/hf-export/exports/tiny-ft", "/hf-init/llama/tiny")
     claims = {v["name"]: (v["persistentVolumeClaim"]["claimName"], v["persistentVolumeClaim"].get("readOnly", False))
               for v in pod_spec["volumes"] if "persistentVolumeClaim" in v}
-    assert claims["hf-init"] == ("models", True) and claims["hf-export"] == ("models", False), claims
+    # one pod volume per claim (kube-scheduler counts a claim named by two volumes twice: render.py
+    # _one_volume_per_claim), writable because the export writes through it; each mount keeps its own readOnly
+    assert claims == {"hf-init": ("models", False), "data": ("sft-data", True), "checkpoints": ("ckpt", False)}, claims
+    mounts = {m["mountPath"]: (m["name"], m.get("readOnly", False)) for m in pod_spec["containers"][0]["volumeMounts"]}
+    assert mounts["/hf-init"] == ("hf-init", True) and mounts["/hf-export"] == ("hf-init", False), mounts
 
     _admit(cluster, namespace, doc, objs)
 
