@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -92,6 +93,7 @@ class Trainer:
         self.mem_after_first_step = 0
         self.sft_data = None
         self.validation_loss: float | None = None
+        self.last_snapshot: Progress | None = None  # the last figures sent to status.progress (_report_stage)
         self.evaluated_at: int | None = None
         self.started_age_s = process_age_s() or 0.0
         self.t_start = time.monotonic() - self.started_age_s
@@ -750,8 +752,13 @@ class Trainer:
                   f" idle (layer, expert) pairs: {got['idle']} |", flush=True)
 
     def _report_stage(self, stage: str) -> None:
-        """A start-up stage (or training again after a capture) to status.progress, right away."""
+        """A stage (start-up, training again after a capture, the export) to status.progress, right away. After this
+        attempt has reported figures, they go along: status.progress is written by server-side apply, so a patch
+        without them would drop the loss, goodput and the rest (seen on real pods: the export's stage cleared them)."""
         if self.progress is None:
+            return
+        if self.last_snapshot is not None:
+            self.progress.submit(dataclasses.replace(self.last_snapshot, iteration=self.state.iteration, stage=stage))
             return
         self.progress.submit(Progress(iteration=None if self.loaded_iteration is None else self.state.iteration,
                                       train_iters=self.cfg.training.train_iters, stage=stage))
@@ -779,6 +786,7 @@ class Trainer:
                             last_checkpoint_iteration=self.checkpointer.stats.last_published,
                             stage=self.lifecycle.stage, validation_loss=self.validation_loss,
                             data=self.sft_data.status() if self.sft_data is not None else None)
+        self.last_snapshot = snapshot
         if force:
             self.progress.write_now(snapshot)
         else:
