@@ -35,7 +35,7 @@ DEMO_JOBS = ["kubeflow-tp2.yaml", "gpt3-7.5b-efa.yaml"]
 REAL_JOB_FILE = "cpu-smoke.yaml"
 TRAINER_IMAGE = os.environ.get("MEGATRON_TRAINER_IMAGE", "localhost/megatron-trainer:dev")
 TORCH_PYTHON = Path(os.environ.get("MEGATRON_TORCH_PYTHON", ROOT / ".venv-torch" / "bin" / "python"))
-KILL_AT_ITERATION = 12
+KILL_AT_ITERATION = 40  # past the first checkpoint (examples/cpu-smoke.yaml: every 25)
 TIMEOUT_S = 900
 NAMESPACE = "demo"
 
@@ -95,6 +95,8 @@ def main() -> int:
     op = subprocess.Popen([sys.executable, "-m", "megatron_operator", "run", "--metrics-port", str(port)],
                           env={**env, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'contract'}",
                                "MEGATRON_OPERATOR_RESYNC_INTERVAL_S": "2",
+                               # the trainer's status.progress every 2 s (the default, 30 s, is longer than the job)
+                               "MEGATRON_OPERATOR_PROGRESS_INTERVAL_S": "2",
                                "MEGATRON_OPERATOR_METRICS_HOST": "127.0.0.1"},
                           stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -194,7 +196,8 @@ class RealTrainer:
             path.mkdir(parents=True)
             os.chown(path, 1000, 1000)
             manifests.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"demo-{claim}"},
-                              "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                              "spec": {"claimRef": {"namespace": NAMESPACE, "name": claim},  # reserved for it
+                                       "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
                                        "storageClassName": sc, "persistentVolumeReclaimPolicy": "Delete",
                                        "local": {"path": str(path)}, "nodeAffinity": {"required": {
                                            "nodeSelectorTerms": [{"matchExpressions": [{

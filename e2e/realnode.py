@@ -48,14 +48,17 @@ def node_up() -> Iterator[dict[str, Any]]:
 
 
 def local_volume(core, name: str, root: Path, storage_class: str, node_name: str, owner: int | None = 1000,
-                 size: str = "1Gi") -> str:
-    """A `local` PersistentVolume on `root` of the real node, as an admin provisions one statically: no claimRef,
-    so the PV controller and the scheduler's VolumeBinding bind the job's claim to it when its pod is placed."""
+                 size: str = "1Gi", claim: tuple[str, str] | None = None) -> str:
+    """A `local` PersistentVolume on `root` of the real node, as an admin provisions one statically. `claim`
+    (namespace, name) reserves it for that claim (claimRef), as an admin does for a volume that already holds the
+    claim's data: without it, two alike volumes bind to two claims in either order. The claim stays unbound until
+    the job's pod is placed (WaitForFirstConsumer): the scheduler's VolumeBinding and the PV controller bind it."""
     root.mkdir(parents=True, exist_ok=True)
     if owner is not None:
         os.chown(root, owner, owner)
     root.chmod(0o755)
-    core.create_persistent_volume({"metadata": {"name": name}, "spec": {
+    reserved = {"claimRef": {"namespace": claim[0], "name": claim[1]}} if claim else {}
+    core.create_persistent_volume({"metadata": {"name": name}, "spec": {**reserved,
         "capacity": {"storage": size}, "accessModes": ["ReadWriteMany"], "storageClassName": storage_class,
         "persistentVolumeReclaimPolicy": "Retain", "local": {"path": str(root)},
         "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
@@ -96,6 +99,24 @@ def pod_log(namespace: str, pod: str, container: str = "trainer") -> str:
 def all_pod_logs(namespace: str) -> str:
     files = sorted((real_node.node_dir() / "pod-logs").glob(f"{namespace}_*/*/*.log"))
     return "".join(f"===== {f.relative_to(real_node.node_dir())}\n{f.read_text(errors='replace')}" for f in files)
+
+
+class LogKeeper:
+    """Every container log of a namespace's pods, kept after the pods are gone: the kubelet deletes a pod's CRI log
+    files with the pod (a gang restart deletes them all), so each read adds what the files hold now to what was
+    read before."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self.seen: dict[str, str] = {}
+
+    def read(self) -> str:
+        for f in sorted((real_node.node_dir() / "pod-logs").glob(f"{self.namespace}_*/*/*.log")):
+            text = f.read_text(errors="replace")
+            key = str(f.relative_to(real_node.node_dir()))
+            if len(text) >= len(self.seen.get(key, "")):
+                self.seen[key] = text
+        return "".join(f"===== {k}\n{v}" for k, v in self.seen.items())
 
 
 def image_in_podman(image: str) -> bool:

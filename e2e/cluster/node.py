@@ -340,6 +340,30 @@ def start_dns(p: cluster.RunPaths, d: Path, state: dict) -> str:
     return ip
 
 
+def stop_dns() -> None:
+    """Stop the node's CoreDNS (e2e: what a job does when cluster DNS does not answer); restart_dns() brings it back."""
+    state = json.loads((node_dir() / "node.json").read_text())
+    cluster.stop_pid(state["coredns_pid"], "coredns")
+
+
+def restart_dns() -> None:
+    """CoreDNS again after stop_dns(), on the same address and configuration."""
+    d = node_dir()
+    state = json.loads((d / "node.json").read_text())
+    if cluster.pid_alive(state["coredns_pid"]) and "coredns" in cluster.cmdline(state["coredns_pid"]):
+        return
+    state["coredns_pid"] = start("coredns", [str(coredns_binary()), "-conf", str(d / "dns" / "Corefile")])
+    (d / "node.json").write_text(json.dumps(state))
+    port = state["dns"]["ready_port"]
+
+    def answering() -> bool:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+            return r.status == 200
+        return False
+
+    cluster.wait_until(answering, 60, "CoreDNS ready again")
+
+
 def write_kubelet_config(d: Path, dns_ip: str) -> Path:
     config = {
         "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
