@@ -9,6 +9,10 @@ the same device call. Registered in suite.py.
                cut to 4 (--moe-layout ep2; on 4 GPUs tp2ep2, issue 50's layout, or ep4); target: >= 1.3x.
                At TP > 1 Megatron-LM is not run: without Transformer Engine or Apex it cannot train MoE there
                (MLM_NO_MOE_AT_TP says why); ours runs alone
+  moe_levers   issue 60: the Qwen3-30B-A3B shape (8 layers, global batch 16; --moe-layers, --moe-gbs) at
+               --moe-layout ep1 on one GPU, ours only, one run per lever (LEVERS, --moe-levers picks): the
+               baseline, Megatron's fused cross entropy, micro-batch 2 and 4, and the benchmark-only forced balance
+               (--moe-router-force-load-balancing); moe_levers_<layout>.json after every run
   moe_resume   issue 50: a small MoE model (MOE_SMALL) with --deterministic-mode, per router variant
                (RESUME_VARIANTS: softmax + aux loss; sigmoid + expert bias + shared expert + capacity factor) at
                EP2 (on 4 GPUs also TP2 x EP2 and EP4; --moe-only picks layouts and variants): kill -9 at 25, restart, the
@@ -232,11 +236,16 @@ def router_figures(metrics_text: str) -> dict:
 
 def run_ours(name: str, m: dict, layout: str, iters: int, warmup: int, env: dict | None = None) -> dict:
     """One run of ours: its per-iteration times and losses, throughput, memory, router figures."""
+    return run_ours_args(name, m, layout, ours_args(m, layout, iters, warmup), warmup, env)
+
+
+def run_ours_args(name: str, m: dict, layout: str, args: list[str], warmup: int, env: dict | None = None) -> dict:
+    """run_ours with its command line given."""
     gpus, tp, _ = MOE_LAYOUTS[layout]
     port = free_port()
     run_env = {"MEGATRON_METRICS_PORT": str(port), **({"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 else {}),
                **(env or {})}
-    run = Run(name, gpus, ours_args(m, layout, iters, warmup), env=run_env, gpus=all_gpus(gpus))
+    run = Run(name, gpus, args, env=run_env, gpus=all_gpus(gpus))
     scraped: dict = {}
 
     def scrape() -> None:  # the gauges live only while the trainer does: keep the last scrape
@@ -429,6 +438,66 @@ def write_outputs(out_dir, out: dict) -> None:
     stem.with_suffix(".md").write_text(table(out))
 
 
+# ------------------------------------------------------------------------------------------- levers (issue 60)
+# One shape and layout, ours only, one variant per lever, in one call so the figures compare: the baseline, then
+# each lever alone. "forced_balance" is the benchmark-only --moe-router-force-load-balancing (every token to
+# experts drawn evenly at random, the router's choice ignored), labelled as such, for figures set beside NVIDIA's
+# forced-balance tables; the others keep natural routing. mbs: the global batch stays, so the experts' fp32
+# main_grad accumulation (the profile's aten::add_, once per micro-batch over every local expert's weights) runs
+# gbs / mbs times an iteration.
+LEVERS = {
+    "baseline": ({}, [], {}),
+    "ce_fusion": ({}, [], {"MEGATRON_TRAINER_CE_FUSION": "1"}),
+    "mbs2": ({"mbs": 2}, [], {}),
+    "mbs4": ({"mbs": 4}, [], {}),
+    "forced_balance": ({}, ["--moe-router-force-load-balancing"], {}),
+}
+
+
+def scenario_moe_levers(ctx) -> dict:
+    """Issue 60's levers on the Qwen3-30B-A3B shape (--moe-layers, default 8; --moe-gbs, default 16) at
+    --moe-layout (default ep1): ours per LEVERS variant, iteration time, tokens/s/GPU, MFU, peak memory, router
+    figures. Results are written after every variant (a cut call keeps what ran)."""
+    layout = ctx.get("moe_layout") or "ep1"
+    iters, warmup = ctx.get("moe_iters") or 8, ctx.get("moe_warmup") or 3
+    gpus, tp, ep = MOE_LAYOUTS[layout]
+    if gpus > ctx["gpus"]:
+        return {"ok": False, "error": f"--moe-layout {layout} needs {gpus} GPUs, the suite has {ctx['gpus']}"}
+    base = shape_for("qwen3", ctx.get("moe_layers") or 8, ctx.get("moe_gbs") or 16)
+    out: dict = {"shape": "qwen3", "layout": layout, "gpus": gpus, "tp": tp, "ep": ep, "model": dict(base),
+                 "iterations": iters, "warmup_iterations": warmup,
+                 "active_params": moe_active_params(base, padded_vocab(base, tp)),
+                 "flops_per_token": moe_flops_per_token(base, padded_vocab(base, tp)), "variants": {}}
+    out["model"].pop("arch", None)
+    order = [v for v in (ctx.get("moe_levers") or ",".join(LEVERS)).split(",") if v]
+    unknown = [v for v in order if v not in LEVERS]
+    if unknown:
+        return {"ok": False, "error": f"unknown lever(s) {unknown}; known: {sorted(LEVERS)}"}
+    for name in order:
+        change, flags, env = LEVERS[name]
+        if time.monotonic() + 75 > DEADLINE[0]:
+            out["variants"][name] = {"skipped": "deadline"}
+            continue
+        m = dict(base, **change)
+        args = [*ours_args(m, layout, iters, warmup), *flags]
+        res = run_ours_args(f"moe_levers_{name}", m, layout, args, warmup, env)
+        if res.get("iter_ms"):
+            res.update(moe_throughput(m, tp, m["gbs"], res["iter_ms"], gpus))
+        res.update(mbs=m["mbs"], gbs=m["gbs"], flags=flags, routing="forced balance (benchmark only)"
+                   if "--moe-router-force-load-balancing" in flags else "natural")
+        out["variants"][name] = res
+        if ctx.get("out_dir"):
+            (Path(ctx["out_dir"]) / f"moe_levers_{layout}.json").write_text(json.dumps(out, indent=1, default=str))
+    base_ms = out["variants"].get("baseline", {}).get("iter_ms")
+    for name, res in out["variants"].items():
+        if base_ms and res.get("iter_ms"):
+            res["speedup_vs_baseline"] = round(base_ms / res["iter_ms"], 3)
+    out["ok"] = bool(base_ms)
+    if ctx.get("out_dir"):
+        (Path(ctx["out_dir"]) / f"moe_levers_{layout}.json").write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
 # ------------------------------------------------------------------------------------ resume at EP > 1
 # A small MoE model (8 experts of 512, top-2) for the resume scenario: fast enough for three 40-iteration runs
 # per variant in one call. The variants are issue 50's router settings: Megatron's softmax top-k with the
@@ -538,6 +607,8 @@ SCENARIOS = {
                           "Megatron-LM (/ ours with SequentialMLP): iteration time, MFU by active params, memory", 300),
     "moe_mixtral": Scenario(scenario_moe_mixtral, "issue 50: Mixtral-8x7B shape (layers cut) per --moe-layout, ours / "
                             "Megatron-LM (/ ours with SequentialMLP): iteration time, MFU by active params, memory", 150),
+    "moe_levers": Scenario(scenario_moe_levers, "issue 60: Qwen3-30B-A3B shape (8 layers, gbs 16) at --moe-layout "
+                           "(ep1), ours per lever (baseline, CE fusion, mbs 2/4, forced balance: benchmark only)", 330),
     "moe_resume": Scenario(scenario_moe_resume, "issue 50: a small MoE model at EP2 (4 GPUs: also TP2xEP2, EP4), "
                            "softmax + aux loss and sigmoid + expert bias + shared expert + capacity: kill -9, resume, "
                            "later losses bit-identical", 200, min_gpus=2),

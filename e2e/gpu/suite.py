@@ -201,6 +201,8 @@ def main() -> int:
     ap.add_argument("--moe-sequential", default="auto", choices=("auto", "on", "off"),
                     help="ours with SequentialMLP experts as a third run: auto where the deadline leaves time")
     ap.add_argument("--moe-skip-mlm", action="store_true", help="MoE scenarios without Megatron-LM (recorded as not run)")
+    ap.add_argument("--moe-levers", default=None,
+                    help="comma-separated variants of moe_levers, in order (moe.LEVERS; default all)")
     ap.add_argument("--moe-only", default=None,
                     help="comma-separated: the layouts moe_resume runs (ep2, tp2ep2, ep4) and its variants "
                          "(softmax_aux_loss, sigmoid_expert_bias; none named: both), hf_moe_logits' layouts "
@@ -272,6 +274,7 @@ def main() -> int:
            "moe_layout": args.moe_layout, "moe_iters": args.moe_iters, "moe_warmup": args.moe_warmup,
            "moe_layers": args.moe_layers, "moe_gbs": args.moe_gbs, "moe_sequential": args.moe_sequential,
            "moe_skip_mlm": args.moe_skip_mlm,
+           "moe_levers": args.moe_levers,
            "moe_only": set(args.moe_only.split(",")) if args.moe_only else None}
     OURS_EXTRA[:] = args.ours_extra.split()
     ctx["objbench_model"] = args.objbench_model

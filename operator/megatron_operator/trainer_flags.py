@@ -135,6 +135,7 @@ SWITCH_FLAGS: tuple[str, ...] = (
     "mock-data",
     "moe-pad-expert-input-to-capacity",
     "moe-router-enable-expert-bias",
+    "moe-router-force-load-balancing",
     "moe-router-pre-softmax",
     "moe-shared-expert-gate",
     "no-bias-dropout-fusion",

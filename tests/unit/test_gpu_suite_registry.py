@@ -25,7 +25,7 @@ BEFORE_THE_SPLIT = ["probe", "indexed", "layouts", "resume", "sigterm", "reshard
                     "rope", "disk", "hf_logits", "hf_train", "hf_bench", "hf_pods", "hf_store", "sft_reverse",
                     "sft_bench", "sft_pods", "sft_sigterm", "stepdump"]
 SCALE = ["goodput", "diskfull"]  # issue 49's family (scale.py), added after the split
-MOE = ["moe_qwen3", "moe_mixtral", "moe_resume"]  # issue 50's family (moe.py)
+MOE = ["moe_qwen3", "moe_mixtral", "moe_levers", "moe_resume"]  # issue 50's family (moe.py), issue 60's levers
 LATER = ["hf_moe_logits", "sft_moe"]  # issue 50's scenarios in hf.py and sft.py: after ORDER, by family
 TE = ["te_paths", "te_bench", "te_hf_logits", "te_fp8"]  # issue 59's family (te.py), last in FAMILIES
 NOW = BEFORE_THE_SPLIT + SCALE + MOE + LATER + TE

@@ -133,6 +133,11 @@ class ModelConfig:
         "--moe-router-enable-expert-bias", action="store_true",
         help="Aux-loss-free load balancing: a per-expert bias added to the scores for choosing the experts, "
              "updated after each step from the tokens each expert got (needs sigmoid scores)."))
+    moe_router_force_load_balancing: bool = field(default=False, metadata=flag(
+        "--moe-router-force-load-balancing", action="store_true",
+        help="BENCHMARKS ONLY: route every token to experts drawn at random, evenly, ignoring the router's scores "
+             "(megatron-core's moe_router_force_load_balancing; the model learns nothing useful). For figures set "
+             "beside NVIDIA's 'forced balance' tables; the operator never renders it."))
     moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
         "--moe-router-bias-update-rate", type=float,
         help="Step of the expert bias' update per global batch (default 1e-3, DeepSeek-V3's)."))

@@ -286,6 +286,7 @@ def moe_kwargs(cfg: TrainerConfig) -> dict:
                 moe_router_score_function=m.moe_router_score_function,
                 moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
                 moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+                moe_router_force_load_balancing=m.moe_router_force_load_balancing,
                 moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_drop_policy=m.moe_token_drop_policy,
                 moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity)
 
