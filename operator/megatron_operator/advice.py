@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from .render import render_jobset, shm_size
-from .rules import Problem
+from .rules import Problem, derived_layout, resolved_model
 from .settings import Settings
 from .spec import MegatronJob
 from .vocab.quantity import quantity_bytes
@@ -34,7 +34,42 @@ def spec_warnings(job: MegatronJob, settings: Settings | None = None) -> list[st
         out.append(f"spec.resources.shmSize: /dev/shm ({shm_size(spec, settings)}) is larger than the pod's memory "
                    f"limit spec.resources.memory ({spec.resources.memory}); memory-backed /dev/shm counts against "
                    f"that limit, so filling it gets the pod OOM-killed; raise memory or lower shmSize")
+    if (moe := moe_microbatch_warning(job)) is not None:
+        out.append(moe)
     return out
+
+
+#: Local expert weights per token of a micro-batch above which a MoE job at microBatchSize 1 is warned. Megatron's DDP
+#: adds every local expert's bf16 gradient into its fp32 main_grad once per micro-batch, whatever few tokens each
+#: expert got. Measured (docs/benchmarks/moe.md, issue 60's levers, 1 x H200): the Qwen3-30B-A3B shape at 8 layers and
+#: EP1 holds 4.8 B expert weights, 1.18 M per token at micro-batch 1 x seq 4096; micro-batch 2 (590 k) was 1.44x
+#: faster, micro-batch 4 (295 k) 1.68x, with the same global batch.
+MOE_EXPERT_WEIGHTS_PER_TOKEN_WARN = 500_000
+
+
+def moe_microbatch_warning(job: MegatronJob) -> str | None:
+    """A MoE job whose local experts' weights per micro-batch token are large, at microBatchSize 1 with more than one
+    micro-batch a step: the per-micro-batch gradient accumulation over them dominates the step."""
+    spec = job.spec
+    if not spec.model.num_experts or spec.training.micro_batch_size != 1:
+        return None
+    doc = job.model_dump(by_alias=True, exclude_none=True, mode="json")["spec"]
+    m, layout = resolved_model(doc), derived_layout(doc)
+    if not m.get("numExperts") or (layout.get("numMicrobatches") or 0) < 2:
+        return None
+    matrices = 3 if m.get("activation") == "swiglu" else 2
+    local = m["numExperts"] // layout["expert"]
+    weights = m["numLayers"] * local * matrices * m["hiddenSize"] * (m.get("moeFfnHiddenSize") or m["ffnHiddenSize"]) \
+        // (layout.get("expertTensor") or 1) // layout["pipeline"]
+    per_token = weights / m["seqLength"]
+    if per_token < MOE_EXPERT_WEIGHTS_PER_TOKEN_WARN:
+        return None
+    return (f"spec.training.microBatchSize: 1 with {layout['numMicrobatches']} micro-batches a step: each GPU holds "
+            f"{weights / 1e9:.1f} B expert weights ({local} expert{'s' if local != 1 else ''} a layer at spec.parallelism.expert "
+            f"{layout['expert']}), whose gradients are accumulated once per micro-batch of {m['seqLength']} tokens; "
+            f"a larger microBatchSize (or expert parallelism) pays that fewer times for the same global batch "
+            f"(1.68x at 4 on the Qwen3-30B-A3B shape at EP1, docs/benchmarks/moe.md); check the memory with "
+            f"`megatron-operator estimate`")
 
 
 # etcd refuses objects over 1.5 MiB; leave room for the JobSet's status and managedFields.

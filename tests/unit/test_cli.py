@@ -298,6 +298,28 @@ def test_warnings_for_specs_that_may_not_run_as_meant(tmp_path, overrides, needl
     assert "warning: " in r.stderr and needle in r.stderr, r.stderr
 
 
+QWEN3_MOE_8_LAYERS = dict(model__numLayers=8, model__hiddenSize=2048, model__numAttentionHeads=32,
+                         model__numQueryGroups=4, model__kvChannels=128, model__ffnHiddenSize=6144,
+                         model__seqLength=4096, model__activation="swiglu", model__addBiasLinear=False,
+                         model__numExperts=128, model__moeRouterTopk=8, model__moeFfnHiddenSize=768,
+                         numNodes=1, gpusPerNode=1, parallelism={"tensor": 1}, training__microBatchSize=1,
+                         training__globalBatchSize=16)
+
+
+def test_moe_at_micro_batch_1_with_many_local_expert_weights_is_warned(tmp_path):
+    """Issue 60's lever: the measured shape (docs/benchmarks/moe.md) at micro-batch 1 is warned with the figure; at
+    micro-batch 4, or with the experts spread over 8 GPUs, it is not."""
+    r = cli("validate", write(tmp_path, "moe1.yaml", [make_job(**QWEN3_MOE_8_LAYERS)]))
+    assert r.returncode == 0, r.stderr
+    assert ("spec.training.microBatchSize: 1 with 16 micro-batches a step: each GPU holds 4.8 B expert weights "
+            "(128 experts a layer at spec.parallelism.expert 1)") in r.stderr, r.stderr
+    for name, extra in (("moe4", dict(training__microBatchSize=4)),
+                        ("ep8", dict(gpusPerNode=8, parallelism={"tensor": 1, "expert": 8}, training__globalBatchSize=128))):
+        r = cli("validate", write(tmp_path, f"{name}.yaml", [make_job(**{**QWEN3_MOE_8_LAYERS, **extra})]))
+        assert r.returncode == 0 and ": valid" in r.stdout, r.stderr
+        assert "microBatchSize: 1 with" not in r.stderr, (name, r.stderr)
+
+
 def test_no_warning_when_shm_fits_in_memory(tmp_path):
     r = cli("validate", write(tmp_path, "ok.yaml", [make_job(resources={"memory": "1Ti"})]))
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
