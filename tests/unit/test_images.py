@@ -164,7 +164,11 @@ def test_trainer_image_is_ngc_pytorch_with_only_the_trainer_extra():
     images = base_images(ROOT / "Dockerfile.trainer")
     assert len(images) == 1 and re.match(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", images[0]), images
     targets = _installs("Dockerfile.trainer")
-    assert [t for t in targets if not t.startswith("/tmp/")] == [".[trainer]"]
+    # two layers: the trainer extra's dependencies, then the project itself without them (--no-deps)
+    assert [t for t in targets if not t.startswith("/tmp/")] == [".[trainer]", "."]
+    cmds_all = runs(ROOT / "Dockerfile.trainer")
+    project = [c for c in cmds_all if re.search(r"pip install[^&|;]*--no-deps[^&|;]* \.(\s|$)", c)]
+    assert len(project) == 1 and "megatron_trainer.objstore" in project[0], cmds_all  # and its import check
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trainer"]
     assert any(re.fullmatch(r"megatron-core==\d+\.\d+\.\d+", r) for r in extra), "megatron-core must be pinned"
     # torch and Transformer Engine come from the base image and are frozen, never pulled from PyPI
