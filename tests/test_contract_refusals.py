@@ -97,6 +97,10 @@ OPERATOR_ONLY = {
     "pod-init-container-mounts-known-volume": "pod init containers",
     "pod-init-container-env": "pod init containers",
     "pod-selector-requirements": "pod placement",
+    "pod-init-container-gpu-env": "pod init containers",
+    "pod-init-container-mounts-not-device-list": "pod init containers",
+    "pod-host-path-type": "pod volumes",
+    "pod-host-path-not-system": "pod volumes",
     # spec.logging.wandb (issue 53): the key's Secret and where the run's files go are the pod's volumes
     "wandb-online-needs-key": "the key file is a pod volume; the trainer checks it at start-up (exit 2), not its "
                               "command line",

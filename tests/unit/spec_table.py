@@ -608,6 +608,44 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("pod-spread-selector-notin-empty", make_job(pod={"topologySpreadConstraints": [{
         "maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway",
         "labelSelector": {"matchExpressions": [{"key": "a", "operator": "NotIn"}]}}]}), "pod-selector-requirements"),
+    # the NVIDIA container runtime's device selection, from any container of the pod (issue 62)
+    ("bad-pod-sidecar-env-visible-devices", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "restartPolicy": "Always",
+        "env": [{"name": "A", "value": "1"}, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}),
+     "pod-init-container-gpu-env"),
+    ("bad-pod-init-env-driver-capabilities", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "env": [{"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "all"}]}]}),
+     "pod-init-container-gpu-env"),
+    ("bad-pod-init-env-visible-devices-from-configmap", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {
+            "configMapKeyRef": {"name": "c", "key": "k"}}}]}]}), "pod-init-container-gpu-env"),
+    ("pod-init-env-other-nvidia-variable", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "env": [{"name": "NVIDIA_TF32_OVERRIDE", "value": "0"}]}]}), None),
+    ("bad-env-driver-capabilities", make_job(env=[{"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "all"}]),
+     "env-not-reserved"),
+    ("bad-env-mig-config-devices", make_job(env=[{"name": "NVIDIA_MIG_CONFIG_DEVICES", "value": "all"}]),
+     "env-not-reserved"),
+    ("bad-pod-mount-device-list", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                                "volumeMounts": [{"name": "a",
+                                                                  "mountPath": "/var/run/nvidia-container-devices/all"}]}),
+     "pod-mounts-not-reserved"),
+    ("bad-pod-init-mount-device-list", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}], "initContainers": [{
+        "name": "a", "image": "busybox", "volumeMounts": [{"name": "a", "mountPath": "/var/run/nvidia-container-devices"}]}]}),
+     "pod-init-container-mounts-not-device-list"),
+    # hostPath where an admin allows it: an explicit, checked type, never the node's system directories (issue 62)
+    ("pod-host-path-data-dir", make_job(pod={"volumes": [
+        {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+        {"name": "list", "hostPath": {"path": "/raid/lists/train.txt", "type": "FileOrCreate"}}]}), None),
+    ("bad-pod-host-path-no-type", make_job(pod={"volumes": [
+        {"name": "ok", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+        {"name": "sock", "hostPath": {"path": "/mnt/containerd.sock"}}]}), "pod-host-path-type"),
+    ("bad-pod-host-path-runtime-socket", make_job(pod={"volumes": [
+        {"name": "sock", "hostPath": {"path": "/run/containerd/containerd.sock", "type": "File"}}]}),
+     "pod-host-path-not-system"),
+    ("bad-pod-host-path-device-node", make_job(pod={"volumes": [
+        {"name": "gpu", "hostPath": {"path": "/dev/nvidia0", "type": "File"}}]}), "pod-host-path-not-system"),
+    ("bad-pod-host-path-above-kubelet", make_job(pod={"volumes": [
+        {"name": "var", "hostPath": {"path": "/var/lib", "type": "Directory"}}]}), "pod-host-path-not-system"),
     # spec.logging.wandb (issue 53)
     ("bad-wandb-online-without-key", make_job(logging={"wandb": {"project": "p"}}), "wandb-online-needs-key"),
     ("bad-wandb-offline-without-volume", make_job(logging={"wandb": {"project": "p", "mode": "offline"}}),
@@ -632,6 +670,12 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("pod-init-restart-never", make_job(pod={"initContainers": [{"name": "a", "image": "b",
                                                                   "restartPolicy": "Never"}]}),
      "spec.pod.initContainers[0].restartPolicy"),
+    ("pod-host-path-empty-type", make_job(pod={"volumes": [{"name": "h", "hostPath": {"path": "/mnt/x", "type": ""}}]}),
+     "spec.pod.volumes[0].hostPath.type"),
+    ("pod-host-path-socket-type", make_job(pod={"volumes": [{"name": "h", "hostPath": {
+        "path": "/mnt/x.sock", "type": "Socket"}}]}), "spec.pod.volumes[0].hostPath.type"),
+    ("pod-host-path-char-device-type", make_job(pod={"volumes": [{"name": "h", "hostPath": {
+        "path": "/mnt/nvidia0", "type": "CharDevice"}}]}), "spec.pod.volumes[0].hostPath.type"),
     ("checkpoint-path-dotdot", make_job(checkpoint={"pvc": "c", "path": "../tmp/ckpt"}), "spec.checkpoint.path"),
     ("checkpoint-path-dot", make_job(checkpoint={"pvc": "c", "path": "."}), "spec.checkpoint.path"),
     ("checkpoint-path-inner-dot", make_job(checkpoint={"pvc": "c", "path": "a/./b"}), "spec.checkpoint.path"),

@@ -21,6 +21,7 @@ from ..names import (
     FIXED_JOB_LABELS,
     JOB_NAME_VALUED_LABELS,
     LABEL_JOB_NAME,
+    NVIDIA_DEVICE_LIST_MOUNTS,
     OPERATOR_MOUNTS,
     OPERATOR_VOLUMES,
     SERVICE_ACCOUNT_MOUNT,
@@ -37,6 +38,8 @@ from ..vocab.patterns import (
     CONFIG_KEY,
     CREDENTIAL_ENV_RE,
     DNS_LABEL,
+    GPU_DEVICE_ENV,
+    GPU_DEVICE_ENV_RE,
     LABEL_VALUE,
     QUALIFIED_NAME_RE,
     REL_PATH,
@@ -110,10 +113,17 @@ class ImageVolume(ApiModel):
 
 
 class HostPathVolume(ApiModel):
-    """A directory of the node. Refused unless the cluster admin allows the type (guardrails.allowedVolumeTypes)."""
+    """A directory or file of the node. Refused unless the cluster admin allows the type
+    (guardrails.allowedVolumeTypes); never without a type (pod-host-path-type) nor on, inside or above the node's
+    devices, kernel interfaces, runtime sockets and state (pod-host-path-not-system)."""
 
     path: str = Field(..., max_length=512, pattern=ABS_PATH)
-    type: Literal["", "Directory", "DirectoryOrCreate", "File", "FileOrCreate"] | None = None
+    # No "" (the core/v1 default, HostPathUnset) and no Socket, CharDevice or BlockDevice: the kubelet checks the
+    # path is of the type given before it mounts it (pkg/volume/hostpath/host_path.go, checkType), and an unset
+    # type checks nothing, so /run/containerd/containerd.sock or /dev/nvidia0 would be mounted as they are.
+    type: Literal["Directory", "DirectoryOrCreate", "File", "FileOrCreate"] | None = Field(
+        None, description="Required: Directory, DirectoryOrCreate, File or FileOrCreate (the kubelet checks the path "
+        "is one before mounting it; no socket or device node).")
 
 
 class Volume(ApiModel):
@@ -300,9 +310,18 @@ def _alt(paths) -> str:
 # A mount path on, inside or around one of the operator's own mounts (the paths are schema-normalised: absolute,
 # no trailing slash, no '.' or '..' parts, so a prefix test is exact). /var/run is /run in most images.
 _RESERVED = [*OPERATOR_MOUNTS, *(p.replace("/var/run/", "/run/", 1) for p in OPERATOR_MOUNTS if p.startswith("/var/run/"))]
-RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS])})(/.*)?$|"
+RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS, *NVIDIA_DEVICE_LIST_MOUNTS])})(/.*)?$|"
                      f"^({_alt(a for p in _RESERVED for a in _ancestors(p))})$")
 RESERVED_VOLUME_RE = f"^({_alt(OPERATOR_VOLUMES)})$"
+DEVICE_LIST_MOUNT_RE = f"^({_alt(NVIDIA_DEVICE_LIST_MOUNTS)})(/.*)?$"
+# hostPath: never on, inside or above the node's devices, kernel interfaces, the container runtime's and the kubelet's
+# sockets and state (other pods' Secrets under /var/lib/kubelet/pods), or /etc (the kubelet's credentials). Paths
+# are schema-normalised (absolute, no '.' or '..' parts, no trailing '/'), so prefix tests are exact.
+HOST_PATH_DENIED = ("/dev", "/proc", "/sys", "/run", "/var/run", "/var/lib/kubelet", "/var/lib/containerd",
+                    "/var/lib/containers", "/var/lib/docker", "/etc", "/boot", "/root")
+HOST_PATH_DENIED_RE = (f"^({_alt(HOST_PATH_DENIED)})(/.*)?$|"
+                       f"^({_alt(a for p in HOST_PATH_DENIED for a in _ancestors(p))})$")
+HOST_PATH_TYPES = ("Directory", "DirectoryOrCreate", "File", "FileOrCreate")
 INTEGER_RE = r"^-?[0-9]{1,18}$"
 
 has_pod = has("pod")
@@ -382,8 +401,9 @@ RULES: list[Rule] = [
          message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", Matches(ExprField("mountPath", "m"),
                                                                                RESERVED_MOUNT_RE), "mountPath"),
                      " is on, inside or around one of the operator's own mounts (" + ", ".join(OPERATOR_MOUNTS)
-                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + "; mount it elsewhere, e.g. "
-                     "under /mnt")),
+                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + ", or in the NVIDIA container "
+                     "runtime's device list (" + ", ".join(NVIDIA_DEVICE_LIST_MOUNTS) + ": a mount there is a "
+                     "request for GPUs); mount it elsewhere, e.g. under /mnt")),
     Rule("pod-mount-paths-unique", "pod.volumeMounts",
          All(pod_mounts, "m", unique_by(pod_mounts, "m", "mountPath")), when=has_pod,
          message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", ~unique_by(pod_mounts, "m", "mountPath"),
@@ -406,6 +426,40 @@ RULES: list[Rule] = [
                      " has an env entry with both value and valueFrom, a valueFrom without exactly one of "
                      "secretKeyRef and configMapKeyRef, or a credential as a literal value (an AWS key, a URL with "
                      "user info); put credentials in a Secret (valueFrom.secretKeyRef or a secret volume)")),
+    # nvidia-container-toolkit reads these from every container of the pod, not only the one that requested GPUs:
+    # a sidecar with NVIDIA_VISIBLE_DEVICES=all gets every GPU of the node (env-not-reserved refuses the same for
+    # the trainer).
+    Rule("pod-init-container-gpu-env", "pod.initContainers",
+         All(pod_inits, "c", All(ExprField("env", "c"), "e", ~Matches(ExprField("name", "e"), GPU_DEVICE_ENV_RE))),
+         when=has_pod,
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(ExprField("env", "c"), "e", ~Matches(
+                         ExprField("name", "e"), GPU_DEVICE_ENV_RE))),
+                     " sets a variable the NVIDIA container runtime reads to choose a container's GPUs or driver "
+                     "capabilities (" + ", ".join(GPU_DEVICE_ENV) + "); the GPU device plugin decides that "
+                     "(NVIDIA_VISIBLE_DEVICES=all would give the container every GPU of the node): remove it")),
+    Rule("pod-init-container-mounts-not-device-list", "pod.initContainers",
+         All(pod_inits, "c", All(ExprField("volumeMounts", "c"), "m",
+                                 ~Matches(ExprField("mountPath", "m"), DEVICE_LIST_MOUNT_RE))), when=has_pod,
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(ExprField("volumeMounts", "c"), "m", ~Matches(
+                         ExprField("mountPath", "m"), DEVICE_LIST_MOUNT_RE))),
+                     " mounts a volume in the NVIDIA container runtime's device list (" + ", ".join(
+                         NVIDIA_DEVICE_LIST_MOUNTS) + "), where a mount is a request for GPUs (/var/run/nvidia-"
+                     "container-devices/all: every GPU of the node); mount it elsewhere, e.g. under /mnt")),
+    Rule("pod-host-path-type", "pod.volumes",
+         All(pod_volumes, "v", ~Has(ExprField("hostPath", "v")) | Has(ExprField("hostPath.type", "v"))), when=has_pod,
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", Has(ExprField("hostPath", "v"))
+                                                      & ~Has(ExprField("hostPath.type", "v"))),
+                     " is a hostPath without type, which the kubelet mounts whatever it is (a container runtime "
+                     "socket, a device node); set hostPath.type to " + ", ".join(HOST_PATH_TYPES) + " (the kubelet "
+                     "then checks it before mounting: Kubernetes pkg/volume/hostpath/host_path.go, checkType)")),
+    Rule("pod-host-path-not-system", "pod.volumes",
+         All(pod_volumes, "v", ~Has(ExprField("hostPath", "v"))
+             | ~Matches(ExprField("hostPath.path", "v"), HOST_PATH_DENIED_RE)), when=has_pod,
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", Has(ExprField("hostPath", "v"))
+                                                      & Matches(ExprField("hostPath.path", "v"), HOST_PATH_DENIED_RE)),
+                     " is a hostPath on, inside or above " + ", ".join(HOST_PATH_DENIED) + " (the node's devices, "
+                     "kernel interfaces, the container runtime's and kubelet's sockets and state, its credentials); "
+                     "use a data directory of the node, e.g. under /mnt or /raid")),
     Rule("pod-selector-requirements", "pod",
          selectors_ok, when=has_pod,
          message=lit("spec.pod: a label or node selector requirement is malformed: operator In and NotIn need "
@@ -494,9 +548,12 @@ def _volume_type(v: str) -> str:
 
 
 def _image_allowed(image: str) -> str:
-    """CEL: ``image`` is one of LIMIT's images, or under one of its path prefixes (an entry ending in '/' as is)."""
-    return (f"LIMIT.exists(r, {image} == r || {image}.startsWith(r.endsWith('/') ? r : r + '/') || "
-            f"{image}.startsWith(r + ':') || {image}.startsWith(r + '@'))")
+    """CEL: ``image`` is under one of LIMIT's path prefixes (an entry ending in '/'), or is one of its repositories
+    (any other entry) exactly, with or without a tag or digest: ``r``, ``r:tag``, ``r@sha256:...``, never a path
+    below it (``r/evil:1``) or a longer name (``r-evil``). (``substring``: Kubernetes' CEL strings library.)"""
+    return (f"LIMIT.exists(r, r.endsWith('/') ? {image}.startsWith(r) : ({image} == r || "
+            f"(({image}.startsWith(r + ':') || {image}.startsWith(r + '@')) && "
+            f"!{image}.substring(size(r)).contains('/'))))")
 
 
 def _registry_allowed(image: str) -> str:
@@ -554,8 +611,9 @@ _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
 
 def _image_ok(image: str, images: list[str]) -> bool:
-    return any(image == r or image.startswith(r if r.endswith("/") else r + "/") or image.startswith(r + ":")
-               or image.startswith(r + "@") for r in images)
+    """The Python twin of ``_image_allowed``."""
+    return any(image.startswith(r) if r.endswith("/") else
+               image == r or (image.startswith((r + ":", r + "@")) and "/" not in image[len(r):]) for r in images)
 
 
 def _privileged(c: PodContainer) -> bool:

@@ -34,3 +34,13 @@ CREDENTIAL_ENV_RE = (r"^(AWS_ACCESS_KEY_ID|AWS_SECRET_ACCESS_KEY|AWS_SESSION_TOK
                      r"AWS_CONTAINER_AUTHORIZATION_TOKEN|AWS_BEARER_TOKEN_[A-Z0-9_]+)$")
 # A URL with user info (scheme://user[:password]@host): a credential in the URL, in any variable.
 URL_USERINFO_RE = r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@"
+
+# The environment the NVIDIA container runtime reads to choose what a container gets of the node's GPUs: which
+# devices (NVIDIA_VISIBLE_DEVICES=all is every GPU of the node, whatever the pod requested), which driver
+# capabilities and libraries, MIG configuration and monitoring, IMEX channels (nvidia-container-toolkit
+# internal/config/image/cuda_image.go: EnvVarNvidiaVisibleDevices, EnvVarNvidiaDriverCapabilities,
+# EnvVarNvidiaMigConfigDevices, EnvVarNvidiaMigMonitorDevices, EnvVarNvidiaImexChannels), and CUDA_VISIBLE_DEVICES,
+# which the device plugin's allocation decides too. The device plugin sets them; no container of a job may.
+GPU_DEVICE_ENV = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_MIG_CONFIG_DEVICES",
+                  "NVIDIA_MIG_MONITOR_DEVICES", "NVIDIA_IMEX_CHANNELS", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_ENV_RE = r"^(" + "|".join(GPU_DEVICE_ENV) + r")$"
