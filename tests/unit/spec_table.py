@@ -558,6 +558,10 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 10, "podAffinityTerm": {
             "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "cache"}}}}]}}}), None),
     ("pod-empty", make_job(pod={}), None),
+    ("pod-keys-and-paths-with-one-leading-dot", make_job(
+        env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": ".hidden"}}}],
+        pod={"volumes": [{"name": "s", "secret": {"secretName": "s", "items": [
+            {"key": ".dockerconfigjson", "path": ".docker/config.json"}, {"key": "a..b", "path": "x/..y"}]}}]}), None),
     ("pod-volume-no-source", make_job(pod={"volumes": [{"name": "a"}]}), "pod-volume-one-source"),
     ("pod-volume-two-sources", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}, "configMap": {"name": "c"}}]}),
      "pod-volume-one-source"),
@@ -693,6 +697,30 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("node-selector-value", make_job(resources__nodeSelector={"zone": "-a"}), "spec.resources.nodeSelector.zone"),
     ("env-secret-key", make_job(env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "a/b"}}}]),
      "spec.env[0].valueFrom.secretKeyRef.key"),
+    # ConfigMap and Secret keys and volume item paths, by Kubernetes' own rules (IsConfigMapKey; validateKeyToPath's
+    # validateLocalNonReservedPath): the API server would refuse the JobSet's Jobs, or the volume never mounts (issue 62)
+    ("env-secret-key-dotdot", make_job(env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": ".."}}}]),
+     "spec.env[0].valueFrom.secretKeyRef.key"),
+    ("env-config-map-key-dot", make_job(env=[{"name": "A", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "."}}}]),
+     "spec.env[0].valueFrom.configMapKeyRef.key"),
+    ("pod-init-env-secret-key-dotdot-prefix", make_job(pod={"initContainers": [{"name": "a", "image": "b", "env": [
+        {"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "..data"}}}]}]}),
+     "spec.pod.initContainers[0].env[0].valueFrom.secretKeyRef.key"),
+    ("wandb-key-dotdot", make_job(logging={"wandb": {"project": "p", "apiKeySecret": {"name": "w", "key": ".."}}}),
+     "spec.logging.wandb.apiKeySecret.key"),
+    ("object-store-credentials-key-dotdot", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "credentialsSecret": "s3", "credentialsKey": ".."}}),
+     "spec.checkpoint.objectStore.credentialsKey"),
+    ("pod-secret-item-key-dotdot", make_job(pod={"volumes": [{"name": "s", "secret": {
+        "secretName": "s", "items": [{"key": "..", "path": "k"}]}}]}), "spec.pod.volumes[0].secret.items[0].key"),
+    ("pod-config-map-item-path-dotdot", make_job(pod={"volumes": [{"name": "c", "configMap": {
+        "name": "c", "items": [{"key": "k", "path": ".."}]}}]}), "spec.pod.volumes[0].configMap.items[0].path"),
+    ("pod-config-map-item-path-dotdot-part", make_job(pod={"volumes": [{"name": "c", "configMap": {
+        "name": "c", "items": [{"key": "k", "path": "a/../../b"}]}}]}), "spec.pod.volumes[0].configMap.items[0].path"),
+    ("pod-secret-item-path-absolute", make_job(pod={"volumes": [{"name": "s", "secret": {
+        "secretName": "s", "items": [{"key": "k", "path": "/etc/k"}]}}]}), "spec.pod.volumes[0].secret.items[0].path"),
+    ("pod-secret-item-path-reserved", make_job(pod={"volumes": [{"name": "s", "secret": {
+        "secretName": "s", "items": [{"key": "k", "path": "..data/k"}]}}]}), "spec.pod.volumes[0].secret.items[0].path"),
     ("norm-epsilon-zero", make_job(model__normEpsilon=0), "spec.model.normEpsilon"),
     ("rope-scaling-below-one", make_job(model__positionEmbedding="rope", model__ropeScalingFactor=0.5),
      "spec.model.ropeScalingFactor"),

@@ -40,6 +40,7 @@ from ..vocab.patterns import (
     DNS_LABEL,
     GPU_DEVICE_ENV,
     GPU_DEVICE_ENV_RE,
+    KEY_TO_PATH,
     LABEL_VALUE,
     QUALIFIED_NAME_RE,
     REL_PATH,
@@ -66,8 +67,8 @@ class KeyToPath(ApiModel):
     """One key of a ConfigMap or Secret as a file."""
 
     key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
-    path: str = Field(..., min_length=1, max_length=253, pattern=REL_PATH, description="File path inside the "
-                      "volume (relative, no '..').")
+    path: str = Field(..., min_length=1, max_length=253, pattern=KEY_TO_PATH, description="File path inside the "
+                      "volume (relative, no '..' part, not starting with '..').")
 
 
 class ConfigMapVolume(ApiModel):
