@@ -101,6 +101,10 @@ OPERATOR_ONLY = {
     "pod-init-container-mounts-not-device-list": "pod init containers",
     "pod-host-path-type": "pod volumes",
     "pod-host-path-not-system": "pod volumes",
+    "pod-init-container-mount-paths-unique": "pod init containers",
+    "pod-spread-unique": "pod placement",
+    "pod-spread-min-domains": "pod placement",
+    "pod-spread-match-label-keys": "pod placement",
     # spec.logging.wandb (issue 53): the key's Secret and where the run's files go are the pod's volumes
     "wandb-online-needs-key": "the key file is a pod volume; the trainer checks it at start-up (exit 2), not its "
                               "command line",

@@ -650,6 +650,35 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         {"name": "gpu", "hostPath": {"path": "/dev/nvidia0", "type": "File"}}]}), "pod-host-path-not-system"),
     ("bad-pod-host-path-above-kubelet", make_job(pod={"volumes": [
         {"name": "var", "hostPath": {"path": "/var/lib", "type": "Directory"}}]}), "pod-host-path-not-system"),
+    # pod templates Kubernetes' pod validation refuses when the JobSet's Jobs are made (issue 62)
+    ("bad-pod-init-mount-path-twice", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}, {"name": "b", "emptyDir": {}}],
+                                                    "initContainers": [{"name": "c", "image": "busybox", "volumeMounts": [
+                                                        {"name": "a", "mountPath": "/x"}, {"name": "b", "mountPath": "/x"}]}]}),
+     "pod-init-container-mount-paths-unique"),
+    ("pod-init-same-path-in-two-containers", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}], "initContainers": [
+        {"name": "c", "image": "busybox", "volumeMounts": [{"name": "a", "mountPath": "/x"}]},
+        {"name": "d", "image": "busybox", "volumeMounts": [{"name": "a", "mountPath": "/x"}]}]}), None),
+    ("bad-pod-spread-repeated", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"},
+        {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}]}),
+     "pod-spread-unique"),
+    ("pod-spread-same-key-both-policies", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
+         "minDomains": 2},
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]}), None),
+    ("bad-pod-spread-min-domains-schedule-anyway", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "minDomains": 2}]}), "pod-spread-min-domains"),
+    ("bad-pod-spread-match-label-key-in-match-labels", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "matchLabelKeys": ["team"], "labelSelector": {"matchLabels": {"team": "a"}}}]}), "pod-spread-match-label-keys"),
+    ("bad-pod-spread-match-label-key-in-expression", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "matchLabelKeys": ["team"], "labelSelector": {"matchExpressions": [{"key": "team", "operator": "Exists"}]}}]}),
+     "pod-spread-match-label-keys"),
+    ("bad-pod-spread-match-label-keys-without-selector", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "matchLabelKeys": ["team"]}]}), "pod-spread-match-label-keys"),
     # spec.logging.wandb (issue 53)
     ("bad-wandb-online-without-key", make_job(logging={"wandb": {"project": "p"}}), "wandb-online-needs-key"),
     ("bad-wandb-offline-without-volume", make_job(logging={"wandb": {"project": "p", "mode": "offline"}}),

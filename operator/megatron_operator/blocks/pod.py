@@ -373,6 +373,32 @@ selectors_ok = (
     & All(f("pod.topologySpreadConstraints"), "t", ~Has(ExprField("labelSelector", "t"))
           | All(ExprField("labelSelector.matchExpressions", "t"), "r", _requirement_ok("r"))))
 
+pod_spread = f("pod.topologySpreadConstraints")
+
+
+def _mount_paths_unique(c: str) -> Expr:
+    mounts = ExprField("volumeMounts", c)
+    return All(mounts, "m", Size(Filter(mounts, "x", ExprField("mountPath", "x").eq(ExprField("mountPath", "m")))).eq(1))
+
+
+def _spread_unique(t: str) -> Expr:
+    same = (ExprField("topologyKey", "x").eq(ExprField("topologyKey", t))
+            & ExprField("whenUnsatisfiable", "x").eq(ExprField("whenUnsatisfiable", t)))
+    return Size(Filter(pod_spread, "x", same)).eq(1)
+
+
+def _min_domains_ok(t: str) -> Expr:
+    return ~Has(ExprField("minDomains", t)) | ExprField("whenUnsatisfiable", t).eq("DoNotSchedule")
+
+
+def _match_label_keys_ok(t: str) -> Expr:
+    # (labelSelector's matchLabels and matchExpressions are defaulted: present whenever it is)
+    keys, selector = ExprField("matchLabelKeys", t), "labelSelector"
+    return Size(keys).eq(0) | (Has(ExprField(selector, t)) & All(keys, "k", ~In(Var("k"), ExprField(
+        f"{selector}.matchLabels", t)) & All(ExprField(f"{selector}.matchExpressions", t), "r",
+                                             ExprField("key", "r").ne(Var("k")))))
+
+
 _init_env_ok = (~(Has(ExprField("value", "e")) & Has(ExprField("valueFrom", "e")))
                 & (~Has(ExprField("valueFrom", "e"))
                    | Has(ExprField("valueFrom.secretKeyRef", "e")).ne(Has(ExprField("valueFrom.configMapKeyRef", "e"))))
@@ -461,6 +487,33 @@ RULES: list[Rule] = [
                      " is a hostPath on, inside or above " + ", ".join(HOST_PATH_DENIED) + " (the node's devices, "
                      "kernel interfaces, the container runtime's and kubelet's sockets and state, its credentials); "
                      "use a data directory of the node, e.g. under /mnt or /raid")),
+    # Kubernetes' pod validation (pkg/apis/core/validation/validation.go), which the API server applies to the
+    # JobSet's Jobs after the MegatronJob was admitted: the job would never start.
+    Rule("pod-init-container-mount-paths-unique", "pod.initContainers",
+         All(pod_inits, "c", _mount_paths_unique("c")), when=has_pod,
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~_mount_paths_unique("c")),
+                     " mounts two volumes at one mountPath, which Kubernetes refuses (ValidateVolumeMounts: "
+                     "\"must be unique\"); give each mount its own mountPath")),
+    Rule("pod-spread-unique", "pod.topologySpreadConstraints",
+         All(pod_spread, "t", _spread_unique("t")), when=has_pod,
+         message=fmt("spec.pod.topologySpreadConstraints: ", first_attr(pod_spread, "t", ~_spread_unique("t"),
+                                                                         "topologyKey"),
+                     " is given twice with the same whenUnsatisfiable, which Kubernetes refuses "
+                     "(ValidateSpreadConstraintNotRepeat); keep one constraint per {topologyKey, whenUnsatisfiable}")),
+    Rule("pod-spread-min-domains", "pod.topologySpreadConstraints",
+         All(pod_spread, "t", _min_domains_ok("t")), when=has_pod,
+         message=fmt("spec.pod.topologySpreadConstraints: ", first_attr(pod_spread, "t", ~_min_domains_ok("t"),
+                                                                         "topologyKey"),
+                     " has minDomains with whenUnsatisfiable ScheduleAnyway, which Kubernetes refuses "
+                     "(validateMinDomains: minDomains only with DoNotSchedule); set whenUnsatisfiable: DoNotSchedule "
+                     "or drop minDomains")),
+    Rule("pod-spread-match-label-keys", "pod.topologySpreadConstraints",
+         All(pod_spread, "t", _match_label_keys_ok("t")), when=has_pod,
+         message=fmt("spec.pod.topologySpreadConstraints: ", first_attr(pod_spread, "t", ~_match_label_keys_ok("t"),
+                                                                         "topologyKey"),
+                     " has matchLabelKeys without a labelSelector, or a key in both matchLabelKeys and the "
+                     "labelSelector, which Kubernetes refuses (ValidateMatchLabelKeysInTopologySpread: \"exists in "
+                     "both matchLabelKeys and labelSelector\"); name each key in one of them, with a labelSelector")),
     Rule("pod-selector-requirements", "pod",
          selectors_ok, when=has_pod,
          message=lit("spec.pod: a label or node selector requirement is malformed: operator In and NotIn need "
