@@ -402,6 +402,13 @@ SPEC_RULES: list[Rule] = [
          message=fmt("spec.model.moeSharedExpertIntermediateSize: ", moe_shared_ffn.str(), " is not divisible by "
                      "spec.parallelism.tensor ", tp.str(), "; use a multiple of ", tp.str(),
                      multiple_hint(moe_shared_ffn, tp))),
+    # shared_experts.py (SharedExpertMLP.__init__): assert config.add_bias_linear == False, "bias is not supported in
+    # the shared experts, please set '--disable-bias-linear' instead." (when the model is built)
+    Rule("moe-shared-experts-no-bias", "model.addBiasLinear",
+         ~add_bias_linear, when=(experts > 0) & (moe_shared_ffn > 0),
+         message=lit("spec.model.addBiasLinear: megatron-core's shared experts have no linear biases "
+                     "(SharedExpertMLP asserts add_bias_linear is false when the model is built), and addBiasLinear "
+                     "is true (its default); set addBiasLinear: false, or drop moeSharedExpertIntermediateSize")),
     # moe_layer.py builds the shared experts (and so their gate) only with a shared size: the gate would be ignored
     Rule("moe-shared-gate-needs-shared-experts", "model.moeSharedExpertGate",
          moe_shared_ffn > 0, when=(experts > 0) & moe_shared_gate,

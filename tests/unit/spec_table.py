@@ -210,6 +210,8 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "moe-fields-need-experts"),
     ("bad-moe-shared-vs-tensor", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeSharedExpertIntermediateSize": 33}),
      "moe-shared-expert-divisible-by-tensor"),
+    ("bad-moe-shared-experts-with-bias", make_job(model__numExperts=4, model__moeSharedExpertIntermediateSize=1024,
+                                                  parallelism__expertTensor=1), "moe-shared-experts-no-bias"),
     ("bad-moe-bias-softmax", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeRouterEnableExpertBias": True}),
      "moe-expert-bias-needs-sigmoid"),
     ("bad-moe-bias-rate-without-bias", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeRouterBiasUpdateRate": 0.01}),
