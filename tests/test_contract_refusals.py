@@ -245,6 +245,8 @@ TRAINER_REFUSALS: dict[str, tuple] = {
          "spec.model.moeSharedExpertIntermediateSize"),
     "--moe-shared-expert-intermediate-size ({}) must be divisible by --tensor-model-parallel-size ({})":
         ("rule", "bad-moe-shared-vs-tensor"),
+    "--moe-shared-expert-intermediate-size needs --disable-bias-linear (megatron-core's shared experts have no "
+    "linear biases)": ("rule", "bad-moe-shared-experts-with-bias"),
     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid": ("rule", "bad-moe-bias-softmax"),
     "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (there is no shared expert to gate)":
         ("rule", "bad-moe-gate-without-shared"),
