@@ -63,7 +63,8 @@ VIOLATIONS = [
     ("service-account-annotation", {"checkpoint": {"objectStore": {
         "bucket": "ckpt-bucket", "serviceAccountAnnotations": {"azure.workload.identity/client-id": "c"}}}}),
     # spec.pod (issue 53)
-    ("host-path", {"pod": {"volumes": [{"name": "host", "hostPath": {"path": "/var/lib/kubelet"}}]}}),
+    # (a hostPath the spec rules admit: typed, not a system directory; issue 62)
+    ("host-path", {"pod": {"volumes": [{"name": "host", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}}]}}),
     ("csi", {"pod": {"volumes": [{"name": "c", "csi": {"driver": "secrets-store.csi.k8s.io"}}]}}),
     ("secret-volume", {"pod": {"volumes": [{"name": "s", "secret": {"secretName": "tracker"}}]}}),
     ("sidecar-secret-env", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1", "env": [
@@ -73,6 +74,12 @@ VIOLATIONS = [
     ("image-volume-registry", {"pod": {"volumes": [{"name": "t", "image": {"reference": "ghcr.io/tools:1"}}]}}),
     ("privileged", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1",
                                                 "securityContext": {"privileged": True}}]}}),
+    # an entry without '/' is one repository: never an image below it (issue 62)
+    ("privileged-below-repository", {"pod": {"initContainers": [{
+        "name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter/evil:1", "securityContext": {"privileged": True}}]}}),
+    ("capabilities-below-repository", {"pod": {"initContainers": [{
+        "name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter/evil:1",
+        "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]}}),
     ("capabilities", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1",
                                                   "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}]}}),
     ("node-affinity-key", {"pod": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -99,7 +106,9 @@ COMPLIANT_EDGES = [
             {"name": "logs", "image": "nvcr.io/fluent-bit:3", "restartPolicy": "Always",
              "volumeMounts": [{"name": "s", "mountPath": "/shared"}]},
             {"name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3.3", "restartPolicy": "Always",
-             "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}}],
+             "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}},
+            {"name": "dcgm-digest", "image": "nvcr.io/nvidia/k8s/dcgm-exporter@sha256:" + "0" * 64,
+             "restartPolicy": "Always", "securityContext": {"privileged": True}}],
         "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
             "weight": 1, "preference": {"matchExpressions": [{"key": "node.kubernetes.io/instance-type",
                                                               "operator": "Exists"}]}}]}}}}),

@@ -97,6 +97,14 @@ OPERATOR_ONLY = {
     "pod-init-container-mounts-known-volume": "pod init containers",
     "pod-init-container-env": "pod init containers",
     "pod-selector-requirements": "pod placement",
+    "pod-init-container-gpu-env": "pod init containers",
+    "pod-init-container-mounts-not-device-list": "pod init containers",
+    "pod-host-path-type": "pod volumes",
+    "pod-host-path-not-system": "pod volumes",
+    "pod-init-container-mount-paths-unique": "pod init containers",
+    "pod-spread-unique": "pod placement",
+    "pod-spread-min-domains": "pod placement",
+    "pod-spread-match-label-keys": "pod placement",
     # spec.logging.wandb (issue 53): the key's Secret and where the run's files go are the pod's volumes
     "wandb-online-needs-key": "the key file is a pod volume; the trainer checks it at start-up (exit 2), not its "
                               "command line",
@@ -237,6 +245,8 @@ TRAINER_REFUSALS: dict[str, tuple] = {
          "spec.model.moeSharedExpertIntermediateSize"),
     "--moe-shared-expert-intermediate-size ({}) must be divisible by --tensor-model-parallel-size ({})":
         ("rule", "bad-moe-shared-vs-tensor"),
+    "--moe-shared-expert-intermediate-size needs --disable-bias-linear (megatron-core's shared experts have no "
+    "linear biases)": ("rule", "bad-moe-shared-experts-with-bias"),
     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid": ("rule", "bad-moe-bias-softmax"),
     "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (there is no shared expert to gate)":
         ("rule", "bad-moe-gate-without-shared"),

@@ -94,6 +94,12 @@ OPERATOR_MOUNTS = (SHM_MOUNT, TMP_MOUNT, CHECKPOINT_MOUNT, DATA_MOUNT, HF_INIT_M
                    "/var/run/secrets/megatron-operator", SERVICE_ACCOUNT_MOUNT)
 #: Where no extra mount may go at all: the container's devices (GPUs, /dev/infiniband), kernel interfaces.
 SYSTEM_MOUNTS = ("/dev", "/proc", "/sys")
+#: The NVIDIA container runtime's device list as mounts: with the device plugin's volume-mounts strategy (the GPU
+#: Operator's default where env requests from unprivileged containers are refused) the runtime gives a container
+#: every device named by a mount destination under this root (nvidia-container-toolkit internal/config/image
+#: DeviceListAsVolumeMountsRoot; /var/run/nvidia-container-devices/all is every GPU of the node). No container of
+#: spec.pod may mount there (rules: pod-mounts-not-reserved, pod-init-container-mounts-not-device-list).
+NVIDIA_DEVICE_LIST_MOUNTS = ("/var/run/nvidia-container-devices", "/run/nvidia-container-devices")
 #: The operator's own volumes (render.py and the blocks name them from here), ...
 SHM_VOLUME = "dshm"
 TMP_VOLUME = "tmp"

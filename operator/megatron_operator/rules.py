@@ -41,7 +41,7 @@ from .names import (
     RFC1035_LABEL,
 )
 from .trainer_flags import SWITCH_FLAGS, VALUE_FLAGS, VALUE_TYPES
-from .vocab.patterns import QUALIFIED_NAME_RE
+from .vocab.patterns import GPU_DEVICE_ENV, QUALIFIED_NAME_RE
 from .vocab.rule import (
     Problem,
     Rule,
@@ -191,13 +191,14 @@ def _describe_extra_values() -> str:
 
 # Environment the operator sets in the trainer container; spec.env may not override it.
 # The device plugin decides which GPUs a container sees: NVIDIA_VISIBLE_DEVICES=all (the CUDA images'
-# default, if set by the user) would show a pod every GPU of its node. torchrun sets its own
+# default, if set by the user) would show a pod every GPU of its node (GPU_DEVICE_ENV: every variable of the NVIDIA
+# container runtime's that chooses devices or driver capabilities; spec.pod's containers are refused them too). torchrun sets its own
 # rendezvous variables (PET_* are its flags as environment, TORCHELASTIC_* its agent's state).
 RESERVED_ENV: tuple[str, ...] = (
     "NODE_RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "HOME", "PYTHONUNBUFFERED", "FI_PROVIDER",
     "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-    "ROLE_NAME", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+    "ROLE_NAME", *GPU_DEVICE_ENV,
     # object storage (objstore.py): the credentials file the operator mounts, the MSC config the trainer writes
     "AWS_SHARED_CREDENTIALS_FILE", "MSC_CONFIG",
 )
@@ -401,6 +402,13 @@ SPEC_RULES: list[Rule] = [
          message=fmt("spec.model.moeSharedExpertIntermediateSize: ", moe_shared_ffn.str(), " is not divisible by "
                      "spec.parallelism.tensor ", tp.str(), "; use a multiple of ", tp.str(),
                      multiple_hint(moe_shared_ffn, tp))),
+    # shared_experts.py (SharedExpertMLP.__init__): assert config.add_bias_linear == False, "bias is not supported in
+    # the shared experts, please set '--disable-bias-linear' instead." (when the model is built)
+    Rule("moe-shared-experts-no-bias", "model.addBiasLinear",
+         ~add_bias_linear, when=(experts > 0) & (moe_shared_ffn > 0),
+         message=lit("spec.model.addBiasLinear: megatron-core's shared experts have no linear biases "
+                     "(SharedExpertMLP asserts add_bias_linear is false when the model is built), and addBiasLinear "
+                     "is true (its default); set addBiasLinear: false, or drop moeSharedExpertIntermediateSize")),
     # moe_layer.py builds the shared experts (and so their gate) only with a shared size: the gate would be ignored
     Rule("moe-shared-gate-needs-shared-experts", "model.moeSharedExpertGate",
          moe_shared_ffn > 0, when=(experts > 0) & moe_shared_gate,

@@ -242,11 +242,14 @@ def test_shared_experts_sigmoid_bias_and_capacity_flags_map_to_the_config(mock_a
                                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                                 "--moe-router-bias-update-rate", "0.01", "--moe-expert-capacity-factor", "1.25",
                                 "--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity",
-                                "--moe-router-topk", "1"]).model  # top-1 needs no pre-softmax with sigmoid scores
+                                "--moe-router-topk", "1", "--disable-bias-linear"]).model  # top-1 needs no
+    # pre-softmax with sigmoid scores; shared experts no biases (SharedExpertMLP asserts add_bias_linear False)
     assert (m.moe_shared_expert_intermediate_size, m.moe_router_score_function, m.moe_router_enable_expert_bias,
             m.moe_router_bias_update_rate) == (512, "sigmoid", True, 0.01)
     assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity) == \
         (1.25, "position", True)
+    with pytest.raises(SystemExit):  # shared experts with linear biases: megatron-core asserts at model build
+        parse_args(mock_argv + ["--num-experts", "8", "--moe-shared-expert-intermediate-size", "512"])
     d = parse_args(mock_argv + ["--num-experts", "4"]).model  # Megatron-LM's defaults
     assert (d.moe_shared_expert_intermediate_size, d.moe_router_score_function, d.moe_router_enable_expert_bias,
             d.moe_router_bias_update_rate) == (None, "softmax", False, 1e-3)

@@ -210,6 +210,8 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "moe-fields-need-experts"),
     ("bad-moe-shared-vs-tensor", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeSharedExpertIntermediateSize": 33}),
      "moe-shared-expert-divisible-by-tensor"),
+    ("bad-moe-shared-experts-with-bias", make_job(model__numExperts=4, model__moeSharedExpertIntermediateSize=1024,
+                                                  parallelism__expertTensor=1), "moe-shared-experts-no-bias"),
     ("bad-moe-bias-softmax", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeRouterEnableExpertBias": True}),
      "moe-expert-bias-needs-sigmoid"),
     ("bad-moe-bias-rate-without-bias", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeRouterBiasUpdateRate": 0.01}),
@@ -558,6 +560,10 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 10, "podAffinityTerm": {
             "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "cache"}}}}]}}}), None),
     ("pod-empty", make_job(pod={}), None),
+    ("pod-keys-and-paths-with-one-leading-dot", make_job(
+        env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": ".hidden"}}}],
+        pod={"volumes": [{"name": "s", "secret": {"secretName": "s", "items": [
+            {"key": ".dockerconfigjson", "path": ".docker/config.json"}, {"key": "a..b", "path": "x/..y"}]}}]}), None),
     ("pod-volume-no-source", make_job(pod={"volumes": [{"name": "a"}]}), "pod-volume-one-source"),
     ("pod-volume-two-sources", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}, "configMap": {"name": "c"}}]}),
      "pod-volume-one-source"),
@@ -608,6 +614,73 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("pod-spread-selector-notin-empty", make_job(pod={"topologySpreadConstraints": [{
         "maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway",
         "labelSelector": {"matchExpressions": [{"key": "a", "operator": "NotIn"}]}}]}), "pod-selector-requirements"),
+    # the NVIDIA container runtime's device selection, from any container of the pod (issue 62)
+    ("bad-pod-sidecar-env-visible-devices", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "restartPolicy": "Always",
+        "env": [{"name": "A", "value": "1"}, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}),
+     "pod-init-container-gpu-env"),
+    ("bad-pod-init-env-driver-capabilities", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "env": [{"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "all"}]}]}),
+     "pod-init-container-gpu-env"),
+    ("bad-pod-init-env-visible-devices-from-configmap", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {
+            "configMapKeyRef": {"name": "c", "key": "k"}}}]}]}), "pod-init-container-gpu-env"),
+    ("pod-init-env-other-nvidia-variable", make_job(pod={"initContainers": [{
+        "name": "a", "image": "busybox", "env": [{"name": "NVIDIA_TF32_OVERRIDE", "value": "0"}]}]}), None),
+    ("bad-env-driver-capabilities", make_job(env=[{"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "all"}]),
+     "env-not-reserved"),
+    ("bad-env-mig-config-devices", make_job(env=[{"name": "NVIDIA_MIG_CONFIG_DEVICES", "value": "all"}]),
+     "env-not-reserved"),
+    ("bad-pod-mount-device-list", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}],
+                                                "volumeMounts": [{"name": "a",
+                                                                  "mountPath": "/var/run/nvidia-container-devices/all"}]}),
+     "pod-mounts-not-reserved"),
+    ("bad-pod-init-mount-device-list", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}], "initContainers": [{
+        "name": "a", "image": "busybox", "volumeMounts": [{"name": "a", "mountPath": "/var/run/nvidia-container-devices"}]}]}),
+     "pod-init-container-mounts-not-device-list"),
+    # hostPath where an admin allows it: an explicit, checked type, never the node's system directories (issue 62)
+    ("pod-host-path-data-dir", make_job(pod={"volumes": [
+        {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+        {"name": "list", "hostPath": {"path": "/raid/lists/train.txt", "type": "FileOrCreate"}}]}), None),
+    ("bad-pod-host-path-no-type", make_job(pod={"volumes": [
+        {"name": "ok", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+        {"name": "sock", "hostPath": {"path": "/mnt/containerd.sock"}}]}), "pod-host-path-type"),
+    ("bad-pod-host-path-runtime-socket", make_job(pod={"volumes": [
+        {"name": "sock", "hostPath": {"path": "/run/containerd/containerd.sock", "type": "File"}}]}),
+     "pod-host-path-not-system"),
+    ("bad-pod-host-path-device-node", make_job(pod={"volumes": [
+        {"name": "gpu", "hostPath": {"path": "/dev/nvidia0", "type": "File"}}]}), "pod-host-path-not-system"),
+    ("bad-pod-host-path-above-kubelet", make_job(pod={"volumes": [
+        {"name": "var", "hostPath": {"path": "/var/lib", "type": "Directory"}}]}), "pod-host-path-not-system"),
+    # pod templates Kubernetes' pod validation refuses when the JobSet's Jobs are made (issue 62)
+    ("bad-pod-init-mount-path-twice", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}, {"name": "b", "emptyDir": {}}],
+                                                    "initContainers": [{"name": "c", "image": "busybox", "volumeMounts": [
+                                                        {"name": "a", "mountPath": "/x"}, {"name": "b", "mountPath": "/x"}]}]}),
+     "pod-init-container-mount-paths-unique"),
+    ("pod-init-same-path-in-two-containers", make_job(pod={"volumes": [{"name": "a", "emptyDir": {}}], "initContainers": [
+        {"name": "c", "image": "busybox", "volumeMounts": [{"name": "a", "mountPath": "/x"}]},
+        {"name": "d", "image": "busybox", "volumeMounts": [{"name": "a", "mountPath": "/x"}]}]}), None),
+    ("bad-pod-spread-repeated", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"},
+        {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}]}),
+     "pod-spread-unique"),
+    ("pod-spread-same-key-both-policies", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
+         "minDomains": 2},
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]}), None),
+    ("bad-pod-spread-min-domains-schedule-anyway", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "minDomains": 2}]}), "pod-spread-min-domains"),
+    ("bad-pod-spread-match-label-key-in-match-labels", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "matchLabelKeys": ["team"], "labelSelector": {"matchLabels": {"team": "a"}}}]}), "pod-spread-match-label-keys"),
+    ("bad-pod-spread-match-label-key-in-expression", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "matchLabelKeys": ["team"], "labelSelector": {"matchExpressions": [{"key": "team", "operator": "Exists"}]}}]}),
+     "pod-spread-match-label-keys"),
+    ("bad-pod-spread-match-label-keys-without-selector", make_job(pod={"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "matchLabelKeys": ["team"]}]}), "pod-spread-match-label-keys"),
     # spec.logging.wandb (issue 53)
     ("bad-wandb-online-without-key", make_job(logging={"wandb": {"project": "p"}}), "wandb-online-needs-key"),
     ("bad-wandb-offline-without-volume", make_job(logging={"wandb": {"project": "p", "mode": "offline"}}),
@@ -632,6 +705,12 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("pod-init-restart-never", make_job(pod={"initContainers": [{"name": "a", "image": "b",
                                                                   "restartPolicy": "Never"}]}),
      "spec.pod.initContainers[0].restartPolicy"),
+    ("pod-host-path-empty-type", make_job(pod={"volumes": [{"name": "h", "hostPath": {"path": "/mnt/x", "type": ""}}]}),
+     "spec.pod.volumes[0].hostPath.type"),
+    ("pod-host-path-socket-type", make_job(pod={"volumes": [{"name": "h", "hostPath": {
+        "path": "/mnt/x.sock", "type": "Socket"}}]}), "spec.pod.volumes[0].hostPath.type"),
+    ("pod-host-path-char-device-type", make_job(pod={"volumes": [{"name": "h", "hostPath": {
+        "path": "/mnt/nvidia0", "type": "CharDevice"}}]}), "spec.pod.volumes[0].hostPath.type"),
     ("checkpoint-path-dotdot", make_job(checkpoint={"pvc": "c", "path": "../tmp/ckpt"}), "spec.checkpoint.path"),
     ("checkpoint-path-dot", make_job(checkpoint={"pvc": "c", "path": "."}), "spec.checkpoint.path"),
     ("checkpoint-path-inner-dot", make_job(checkpoint={"pvc": "c", "path": "a/./b"}), "spec.checkpoint.path"),
@@ -649,6 +728,30 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("node-selector-value", make_job(resources__nodeSelector={"zone": "-a"}), "spec.resources.nodeSelector.zone"),
     ("env-secret-key", make_job(env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "a/b"}}}]),
      "spec.env[0].valueFrom.secretKeyRef.key"),
+    # ConfigMap and Secret keys and volume item paths, by Kubernetes' own rules (IsConfigMapKey; validateKeyToPath's
+    # validateLocalNonReservedPath): the API server would refuse the JobSet's Jobs, or the volume never mounts (issue 62)
+    ("env-secret-key-dotdot", make_job(env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": ".."}}}]),
+     "spec.env[0].valueFrom.secretKeyRef.key"),
+    ("env-config-map-key-dot", make_job(env=[{"name": "A", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "."}}}]),
+     "spec.env[0].valueFrom.configMapKeyRef.key"),
+    ("pod-init-env-secret-key-dotdot-prefix", make_job(pod={"initContainers": [{"name": "a", "image": "b", "env": [
+        {"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "..data"}}}]}]}),
+     "spec.pod.initContainers[0].env[0].valueFrom.secretKeyRef.key"),
+    ("wandb-key-dotdot", make_job(logging={"wandb": {"project": "p", "apiKeySecret": {"name": "w", "key": ".."}}}),
+     "spec.logging.wandb.apiKeySecret.key"),
+    ("object-store-credentials-key-dotdot", make_job(checkpoint={"objectStore": {
+        "bucket": "ckpt-bucket", "credentialsSecret": "s3", "credentialsKey": ".."}}),
+     "spec.checkpoint.objectStore.credentialsKey"),
+    ("pod-secret-item-key-dotdot", make_job(pod={"volumes": [{"name": "s", "secret": {
+        "secretName": "s", "items": [{"key": "..", "path": "k"}]}}]}), "spec.pod.volumes[0].secret.items[0].key"),
+    ("pod-config-map-item-path-dotdot", make_job(pod={"volumes": [{"name": "c", "configMap": {
+        "name": "c", "items": [{"key": "k", "path": ".."}]}}]}), "spec.pod.volumes[0].configMap.items[0].path"),
+    ("pod-config-map-item-path-dotdot-part", make_job(pod={"volumes": [{"name": "c", "configMap": {
+        "name": "c", "items": [{"key": "k", "path": "a/../../b"}]}}]}), "spec.pod.volumes[0].configMap.items[0].path"),
+    ("pod-secret-item-path-absolute", make_job(pod={"volumes": [{"name": "s", "secret": {
+        "secretName": "s", "items": [{"key": "k", "path": "/etc/k"}]}}]}), "spec.pod.volumes[0].secret.items[0].path"),
+    ("pod-secret-item-path-reserved", make_job(pod={"volumes": [{"name": "s", "secret": {
+        "secretName": "s", "items": [{"key": "k", "path": "..data/k"}]}}]}), "spec.pod.volumes[0].secret.items[0].path"),
     ("norm-epsilon-zero", make_job(model__normEpsilon=0), "spec.model.normEpsilon"),
     ("rope-scaling-below-one", make_job(model__positionEmbedding="rope", model__ropeScalingFactor=0.5),
      "spec.model.ropeScalingFactor"),

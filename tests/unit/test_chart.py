@@ -733,7 +733,7 @@ GUARDRAIL_CASES = [
             "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [
                 {"key": "node.kubernetes.io/instance-type", "operator": "Exists"}]}}]}}}}),
     ("hostPath volume", {"pod": {"volumes": [{"name": "s", "emptyDir": {}},
-                                             {"name": "host", "hostPath": {"path": "/var/lib/x"}}]}}),
+                                             {"name": "host", "hostPath": {"path": "/var/lib/x", "type": "Directory"}}]}}),
     ("csi volume", {"pod": {"volumes": [{"name": "c", "csi": {"driver": "x.example.com"}}]}}),
     ("secret volume", {"pod": {"volumes": [{"name": "e", "emptyDir": {}},
                                            {"name": "s", "secret": {"secretName": "tracker"}}]}}),
@@ -744,6 +744,19 @@ GUARDRAIL_CASES = [
     ("image volume from another registry", {"pod": {"volumes": [{"name": "t", "image": {"reference": "ghcr.io/x:1"}}]}}),
     ("privileged sidecar", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter-evil:1",
                                                         "securityContext": {"privileged": True}}]}}),
+    # an entry without '/' is one repository: its tags and digests, never a path below it (issue 62)
+    ("privileged image below the listed repository", {"pod": {"initContainers": [{
+        "name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter/evil:1", "securityContext": {"privileged": True}}]}}),
+    ("capabilities for an image below the listed repository", {"pod": {"initContainers": [{
+        "name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter/x", "securityContext": {
+            "capabilities": {"add": ["SYS_ADMIN"]}}}]}}),
+    ("privileged image below a tag of the listed repository", {"pod": {"initContainers": [{
+        "name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3/evil", "securityContext": {"privileged": True}}]}}),
+    ("compliant, the listed repository by digest and by tag and digest", {"pod": {"initContainers": [
+        {"name": "a", "image": "nvcr.io/nvidia/k8s/dcgm-exporter@sha256:" + "0" * 64,
+         "securityContext": {"privileged": True}},
+        {"name": "b", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3.3@sha256:" + "0" * 64,
+         "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]}}),
     ("privileged prefix without its slash", {"pod": {"initContainers": [{
         "name": "a", "image": "registry.example.com/ml/privx:1", "securityContext": {"privileged": True}}]}}),
     ("added capability", {"pod": {"initContainers": [{"name": "a", "image": "nvcr.io/x:1", "securityContext": {
@@ -775,14 +788,16 @@ _CEL_PROGRAMS: dict[str, Any] = {}
 
 def _policy_messages(policy: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     """The messages of the policy's failed validations for `obj`, evaluated as the API server does
-    (the CRD's defaults applied first) with cel-python plus lowerAscii()."""
+    (the CRD's defaults applied first) with cel-python plus lowerAscii() and substring() (Kubernetes' CEL strings
+    library)."""
     import celpy
     from celeval import apply_defaults
 
     schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     activation = {"object": celpy.json_to_cel(apply_defaults(schema, obj))}
     env = celpy.Environment()
-    functions = {"lowerAscii": lambda s: celpy.celtypes.StringType(re.sub("[A-Z]", lambda m: m.group().lower(), s))}
+    functions = {"lowerAscii": lambda s: celpy.celtypes.StringType(re.sub("[A-Z]", lambda m: m.group().lower(), s)),
+                 "substring": lambda s, start: celpy.celtypes.StringType(s[int(start):])}
 
     def run(expr: str) -> Any:
         if expr not in _CEL_PROGRAMS:
@@ -887,11 +902,13 @@ _GUARDRAIL_SPECS = st.fixed_dictionaries({}, optional={
     "pod": st.fixed_dictionaries({
         "volumes": st.lists(st.sampled_from([
             {"persistentVolumeClaim": {"claimName": "d"}}, {"emptyDir": {}}, {"secret": {"secretName": "s"}},
-            {"csi": {"driver": "x.example.com"}}, {"hostPath": {"path": "/x"}},
+            {"csi": {"driver": "x.example.com"}}, {"hostPath": {"path": "/x", "type": "Directory"}},
             {"image": {"reference": "nvcr.io/t:1"}}, {"image": {"reference": "docker.io/t:1"}}]), max_size=3).map(
                 lambda vs: [{"name": f"v{i}", **v} for i, v in enumerate(vs)]),
         "initContainers": st.lists(st.fixed_dictionaries({
             "image": st.sampled_from(["nvcr.io/nvidia/k8s/dcgm-exporter", "nvcr.io/nvidia/k8s/dcgm-exporter:1",
+                                      "nvcr.io/nvidia/k8s/dcgm-exporter/evil:1", "nvcr.io/nvidia/k8s/dcgm-exporter@x",
+                                      "nvcr.io/nvidia/k8s/dcgm-exporter:1/x",
                                       "nvcr.io/nvidia/k8s/dcgm-exporterx", "registry.example.com/ml/priv/a",
                                       "registry.example.com/ml/privy", "docker.io/x"])}, optional={
             "securityContext": st.fixed_dictionaries({}, optional={

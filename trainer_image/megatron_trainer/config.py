@@ -799,6 +799,9 @@ def _validate_moe(cfg: TrainerConfig) -> None:
     if shared is not None and shared % p.tensor:  # a dense MLP split over the TP ranks (shared_experts.py: MLP)
         raise ValueError(f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by "
                          f"--tensor-model-parallel-size ({p.tensor})")
+    if shared is not None and m.add_bias_linear:  # shared_experts.py: SharedExpertMLP asserts add_bias_linear False
+        raise ValueError("--moe-shared-expert-intermediate-size needs --disable-bias-linear (megatron-core's shared "
+                         "experts have no linear biases)")
     if m.moe_shared_expert_gate and shared is None:  # moe_layer.py builds no shared experts, so no gate
         raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (there is no shared "
                          "expert to gate)")

@@ -21,6 +21,7 @@ from ..names import (
     FIXED_JOB_LABELS,
     JOB_NAME_VALUED_LABELS,
     LABEL_JOB_NAME,
+    NVIDIA_DEVICE_LIST_MOUNTS,
     OPERATOR_MOUNTS,
     OPERATOR_VOLUMES,
     SERVICE_ACCOUNT_MOUNT,
@@ -37,6 +38,9 @@ from ..vocab.patterns import (
     CONFIG_KEY,
     CREDENTIAL_ENV_RE,
     DNS_LABEL,
+    GPU_DEVICE_ENV,
+    GPU_DEVICE_ENV_RE,
+    KEY_TO_PATH,
     LABEL_VALUE,
     QUALIFIED_NAME_RE,
     REL_PATH,
@@ -63,8 +67,8 @@ class KeyToPath(ApiModel):
     """One key of a ConfigMap or Secret as a file."""
 
     key: str = Field(..., max_length=253, pattern=CONFIG_KEY)
-    path: str = Field(..., min_length=1, max_length=253, pattern=REL_PATH, description="File path inside the "
-                      "volume (relative, no '..').")
+    path: str = Field(..., min_length=1, max_length=253, pattern=KEY_TO_PATH, description="File path inside the "
+                      "volume (relative, no '..' part, not starting with '..').")
 
 
 class ConfigMapVolume(ApiModel):
@@ -110,10 +114,17 @@ class ImageVolume(ApiModel):
 
 
 class HostPathVolume(ApiModel):
-    """A directory of the node. Refused unless the cluster admin allows the type (guardrails.allowedVolumeTypes)."""
+    """A directory or file of the node. Refused unless the cluster admin allows the type
+    (guardrails.allowedVolumeTypes); never without a type (pod-host-path-type) nor on, inside or above the node's
+    devices, kernel interfaces, runtime sockets and state (pod-host-path-not-system)."""
 
     path: str = Field(..., max_length=512, pattern=ABS_PATH)
-    type: Literal["", "Directory", "DirectoryOrCreate", "File", "FileOrCreate"] | None = None
+    # No "" (the core/v1 default, HostPathUnset) and no Socket, CharDevice or BlockDevice: the kubelet checks the
+    # path is of the type given before it mounts it (pkg/volume/hostpath/host_path.go, checkType), and an unset
+    # type checks nothing, so /run/containerd/containerd.sock or /dev/nvidia0 would be mounted as they are.
+    type: Literal["Directory", "DirectoryOrCreate", "File", "FileOrCreate"] | None = Field(
+        None, description="Required: Directory, DirectoryOrCreate, File or FileOrCreate (the kubelet checks the path "
+        "is one before mounting it; no socket or device node).")
 
 
 class Volume(ApiModel):
@@ -300,9 +311,18 @@ def _alt(paths) -> str:
 # A mount path on, inside or around one of the operator's own mounts (the paths are schema-normalised: absolute,
 # no trailing slash, no '.' or '..' parts, so a prefix test is exact). /var/run is /run in most images.
 _RESERVED = [*OPERATOR_MOUNTS, *(p.replace("/var/run/", "/run/", 1) for p in OPERATOR_MOUNTS if p.startswith("/var/run/"))]
-RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS])})(/.*)?$|"
+RESERVED_MOUNT_RE = (f"^({_alt([*_RESERVED, *SYSTEM_MOUNTS, *NVIDIA_DEVICE_LIST_MOUNTS])})(/.*)?$|"
                      f"^({_alt(a for p in _RESERVED for a in _ancestors(p))})$")
 RESERVED_VOLUME_RE = f"^({_alt(OPERATOR_VOLUMES)})$"
+DEVICE_LIST_MOUNT_RE = f"^({_alt(NVIDIA_DEVICE_LIST_MOUNTS)})(/.*)?$"
+# hostPath: never on, inside or above the node's devices, kernel interfaces, the container runtime's and the kubelet's
+# sockets and state (other pods' Secrets under /var/lib/kubelet/pods), or /etc (the kubelet's credentials). Paths
+# are schema-normalised (absolute, no '.' or '..' parts, no trailing '/'), so prefix tests are exact.
+HOST_PATH_DENIED = ("/dev", "/proc", "/sys", "/run", "/var/run", "/var/lib/kubelet", "/var/lib/containerd",
+                    "/var/lib/containers", "/var/lib/docker", "/etc", "/boot", "/root")
+HOST_PATH_DENIED_RE = (f"^({_alt(HOST_PATH_DENIED)})(/.*)?$|"
+                       f"^({_alt(a for p in HOST_PATH_DENIED for a in _ancestors(p))})$")
+HOST_PATH_TYPES = ("Directory", "DirectoryOrCreate", "File", "FileOrCreate")
 INTEGER_RE = r"^-?[0-9]{1,18}$"
 
 has_pod = has("pod")
@@ -353,6 +373,32 @@ selectors_ok = (
     & All(f("pod.topologySpreadConstraints"), "t", ~Has(ExprField("labelSelector", "t"))
           | All(ExprField("labelSelector.matchExpressions", "t"), "r", _requirement_ok("r"))))
 
+pod_spread = f("pod.topologySpreadConstraints")
+
+
+def _mount_paths_unique(c: str) -> Expr:
+    mounts = ExprField("volumeMounts", c)
+    return All(mounts, "m", Size(Filter(mounts, "x", ExprField("mountPath", "x").eq(ExprField("mountPath", "m")))).eq(1))
+
+
+def _spread_unique(t: str) -> Expr:
+    same = (ExprField("topologyKey", "x").eq(ExprField("topologyKey", t))
+            & ExprField("whenUnsatisfiable", "x").eq(ExprField("whenUnsatisfiable", t)))
+    return Size(Filter(pod_spread, "x", same)).eq(1)
+
+
+def _min_domains_ok(t: str) -> Expr:
+    return ~Has(ExprField("minDomains", t)) | ExprField("whenUnsatisfiable", t).eq("DoNotSchedule")
+
+
+def _match_label_keys_ok(t: str) -> Expr:
+    # (labelSelector's matchLabels and matchExpressions are defaulted: present whenever it is)
+    keys, selector = ExprField("matchLabelKeys", t), "labelSelector"
+    return Size(keys).eq(0) | (Has(ExprField(selector, t)) & All(keys, "k", ~In(Var("k"), ExprField(
+        f"{selector}.matchLabels", t)) & All(ExprField(f"{selector}.matchExpressions", t), "r",
+                                             ExprField("key", "r").ne(Var("k")))))
+
+
 _init_env_ok = (~(Has(ExprField("value", "e")) & Has(ExprField("valueFrom", "e")))
                 & (~Has(ExprField("valueFrom", "e"))
                    | Has(ExprField("valueFrom.secretKeyRef", "e")).ne(Has(ExprField("valueFrom.configMapKeyRef", "e"))))
@@ -382,8 +428,9 @@ RULES: list[Rule] = [
          message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", Matches(ExprField("mountPath", "m"),
                                                                                RESERVED_MOUNT_RE), "mountPath"),
                      " is on, inside or around one of the operator's own mounts (" + ", ".join(OPERATOR_MOUNTS)
-                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + "; mount it elsewhere, e.g. "
-                     "under /mnt")),
+                     + ") or the container's " + ", ".join(SYSTEM_MOUNTS) + ", or in the NVIDIA container "
+                     "runtime's device list (" + ", ".join(NVIDIA_DEVICE_LIST_MOUNTS) + ": a mount there is a "
+                     "request for GPUs); mount it elsewhere, e.g. under /mnt")),
     Rule("pod-mount-paths-unique", "pod.volumeMounts",
          All(pod_mounts, "m", unique_by(pod_mounts, "m", "mountPath")), when=has_pod,
          message=fmt("spec.pod.volumeMounts: ", first_attr(pod_mounts, "m", ~unique_by(pod_mounts, "m", "mountPath"),
@@ -406,6 +453,67 @@ RULES: list[Rule] = [
                      " has an env entry with both value and valueFrom, a valueFrom without exactly one of "
                      "secretKeyRef and configMapKeyRef, or a credential as a literal value (an AWS key, a URL with "
                      "user info); put credentials in a Secret (valueFrom.secretKeyRef or a secret volume)")),
+    # nvidia-container-toolkit reads these from every container of the pod, not only the one that requested GPUs:
+    # a sidecar with NVIDIA_VISIBLE_DEVICES=all gets every GPU of the node (env-not-reserved refuses the same for
+    # the trainer).
+    Rule("pod-init-container-gpu-env", "pod.initContainers",
+         All(pod_inits, "c", All(ExprField("env", "c"), "e", ~Matches(ExprField("name", "e"), GPU_DEVICE_ENV_RE))),
+         when=has_pod,
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(ExprField("env", "c"), "e", ~Matches(
+                         ExprField("name", "e"), GPU_DEVICE_ENV_RE))),
+                     " sets a variable the NVIDIA container runtime reads to choose a container's GPUs or driver "
+                     "capabilities (" + ", ".join(GPU_DEVICE_ENV) + "); the GPU device plugin decides that "
+                     "(NVIDIA_VISIBLE_DEVICES=all would give the container every GPU of the node): remove it")),
+    Rule("pod-init-container-mounts-not-device-list", "pod.initContainers",
+         All(pod_inits, "c", All(ExprField("volumeMounts", "c"), "m",
+                                 ~Matches(ExprField("mountPath", "m"), DEVICE_LIST_MOUNT_RE))), when=has_pod,
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~All(ExprField("volumeMounts", "c"), "m", ~Matches(
+                         ExprField("mountPath", "m"), DEVICE_LIST_MOUNT_RE))),
+                     " mounts a volume in the NVIDIA container runtime's device list (" + ", ".join(
+                         NVIDIA_DEVICE_LIST_MOUNTS) + "), where a mount is a request for GPUs (/var/run/nvidia-"
+                     "container-devices/all: every GPU of the node); mount it elsewhere, e.g. under /mnt")),
+    Rule("pod-host-path-type", "pod.volumes",
+         All(pod_volumes, "v", ~Has(ExprField("hostPath", "v")) | Has(ExprField("hostPath.type", "v"))), when=has_pod,
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", Has(ExprField("hostPath", "v"))
+                                                      & ~Has(ExprField("hostPath.type", "v"))),
+                     " is a hostPath without type, which the kubelet mounts whatever it is (a container runtime "
+                     "socket, a device node); set hostPath.type to " + ", ".join(HOST_PATH_TYPES) + " (the kubelet "
+                     "then checks it before mounting: Kubernetes pkg/volume/hostpath/host_path.go, checkType)")),
+    Rule("pod-host-path-not-system", "pod.volumes",
+         All(pod_volumes, "v", ~Has(ExprField("hostPath", "v"))
+             | ~Matches(ExprField("hostPath.path", "v"), HOST_PATH_DENIED_RE)), when=has_pod,
+         message=fmt("spec.pod.volumes: ", first_attr(pod_volumes, "v", Has(ExprField("hostPath", "v"))
+                                                      & Matches(ExprField("hostPath.path", "v"), HOST_PATH_DENIED_RE)),
+                     " is a hostPath on, inside or above " + ", ".join(HOST_PATH_DENIED) + " (the node's devices, "
+                     "kernel interfaces, the container runtime's and kubelet's sockets and state, its credentials); "
+                     "use a data directory of the node, e.g. under /mnt or /raid")),
+    # Kubernetes' pod validation (pkg/apis/core/validation/validation.go), which the API server applies to the
+    # JobSet's Jobs after the MegatronJob was admitted: the job would never start.
+    Rule("pod-init-container-mount-paths-unique", "pod.initContainers",
+         All(pod_inits, "c", _mount_paths_unique("c")), when=has_pod,
+         message=fmt("spec.pod.initContainers: ", first_attr(pod_inits, "c", ~_mount_paths_unique("c")),
+                     " mounts two volumes at one mountPath, which Kubernetes refuses (ValidateVolumeMounts: "
+                     "\"must be unique\"); give each mount its own mountPath")),
+    Rule("pod-spread-unique", "pod.topologySpreadConstraints",
+         All(pod_spread, "t", _spread_unique("t")), when=has_pod,
+         message=fmt("spec.pod.topologySpreadConstraints: ", first_attr(pod_spread, "t", ~_spread_unique("t"),
+                                                                         "topologyKey"),
+                     " is given twice with the same whenUnsatisfiable, which Kubernetes refuses "
+                     "(ValidateSpreadConstraintNotRepeat); keep one constraint per {topologyKey, whenUnsatisfiable}")),
+    Rule("pod-spread-min-domains", "pod.topologySpreadConstraints",
+         All(pod_spread, "t", _min_domains_ok("t")), when=has_pod,
+         message=fmt("spec.pod.topologySpreadConstraints: ", first_attr(pod_spread, "t", ~_min_domains_ok("t"),
+                                                                         "topologyKey"),
+                     " has minDomains with whenUnsatisfiable ScheduleAnyway, which Kubernetes refuses "
+                     "(validateMinDomains: minDomains only with DoNotSchedule); set whenUnsatisfiable: DoNotSchedule "
+                     "or drop minDomains")),
+    Rule("pod-spread-match-label-keys", "pod.topologySpreadConstraints",
+         All(pod_spread, "t", _match_label_keys_ok("t")), when=has_pod,
+         message=fmt("spec.pod.topologySpreadConstraints: ", first_attr(pod_spread, "t", ~_match_label_keys_ok("t"),
+                                                                         "topologyKey"),
+                     " has matchLabelKeys without a labelSelector, or a key in both matchLabelKeys and the "
+                     "labelSelector, which Kubernetes refuses (ValidateMatchLabelKeysInTopologySpread: \"exists in "
+                     "both matchLabelKeys and labelSelector\"); name each key in one of them, with a labelSelector")),
     Rule("pod-selector-requirements", "pod",
          selectors_ok, when=has_pod,
          message=lit("spec.pod: a label or node selector requirement is malformed: operator In and NotIn need "
@@ -494,9 +602,12 @@ def _volume_type(v: str) -> str:
 
 
 def _image_allowed(image: str) -> str:
-    """CEL: ``image`` is one of LIMIT's images, or under one of its path prefixes (an entry ending in '/' as is)."""
-    return (f"LIMIT.exists(r, {image} == r || {image}.startsWith(r.endsWith('/') ? r : r + '/') || "
-            f"{image}.startsWith(r + ':') || {image}.startsWith(r + '@'))")
+    """CEL: ``image`` is under one of LIMIT's path prefixes (an entry ending in '/'), or is one of its repositories
+    (any other entry) exactly, with or without a tag or digest: ``r``, ``r:tag``, ``r@sha256:...``, never a path
+    below it (``r/evil:1``) or a longer name (``r-evil``). (``substring``: Kubernetes' CEL strings library.)"""
+    return (f"LIMIT.exists(r, r.endsWith('/') ? {image}.startsWith(r) : ({image} == r || "
+            f"(({image}.startsWith(r + ':') || {image}.startsWith(r + '@')) && "
+            f"!{image}.substring(size(r)).contains('/'))))")
 
 
 def _registry_allowed(image: str) -> str:
@@ -554,8 +665,9 @@ _BY_FIELD = {r.field: r for r in GUARDRAILS}
 
 
 def _image_ok(image: str, images: list[str]) -> bool:
-    return any(image == r or image.startswith(r if r.endswith("/") else r + "/") or image.startswith(r + ":")
-               or image.startswith(r + "@") for r in images)
+    """The Python twin of ``_image_allowed``."""
+    return any(image.startswith(r) if r.endswith("/") else
+               image == r or (image.startswith((r + ":", r + "@")) and "/" not in image[len(r):]) for r in images)
 
 
 def _privileged(c: PodContainer) -> bool:
