@@ -273,7 +273,7 @@ TRAINER_REFUSALS: dict[str, tuple] = {
     "--moe-router-topk ({}) must be at least --moe-router-group-topk ({})": ("rule", "bad-moe-topk-below-group-topk"),
     "--moe-router-topk // --moe-router-group-topk ({}) must be at most the experts in a group ({})":
         ("rule", "bad-moe-topk-above-groups"),
-    "{} must be >= 1, got {}": ("schema", _m(model={**LLAMA_TINY_MLA, "kvLoraRank": 0}), "spec.model.kvLoraRank"),
+    "multi-head latent attention: {} must be >= 1, got {}": ("schema", _m(model={**LLAMA_TINY_MLA, "kvLoraRank": 0}), "spec.model.kvLoraRank"),
     "--qk-pos-emb-head-dim ({}) must be even (RoPE rotates pairs)": ("rule", "bad-mla-odd-pos-emb"),
     "--multi-latent-attention needs --position-embedding-type rope": ("rule", "bad-mla-learned-positions"),
     "--multi-latent-attention has no query groups; drop --group-query-attention": ("rule", "bad-mla-query-groups"),

@@ -929,7 +929,7 @@ def _validate_mla(cfg: TrainerConfig) -> None:
                         ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim), ("--v-head-dim", m.v_head_dim),
                         ("--q-lora-rank", m.q_lora_rank if m.q_lora_rank is not None else 1)):
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise ValueError(f"multi-head latent attention: {name} must be >= 1, got {value}")
     if m.qk_pos_emb_head_dim % 2:  # RoPE rotates pairs of dimensions
         raise ValueError(f"--qk-pos-emb-head-dim ({m.qk_pos_emb_head_dim}) must be even (RoPE rotates pairs)")
     if m.position_embedding_type != "rope":  # MLA applies its own rotary embedding; learned positions would add to it
