@@ -33,6 +33,9 @@ MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_MAX_SEQ_LENGTH = 4096
 #: Values echoed in a problem are cut to this many characters (a config.json value may be a long list).
 MAX_ECHO = 80
+#: Layer patterns (moe_layer_pattern) are built only up to this many layers: a file may say any number, and
+#: spec.model.numLayers (at most 1024) refuses more anyway.
+MAX_PATTERN_LAYERS = 1 << 16
 #: Unknown fields named one by one; the rest are counted in one line.
 MAX_UNKNOWN_NAMED = 10
 
@@ -413,12 +416,13 @@ def _qwen_moe_layers(d: dict[str, Any], problems: list[str]) -> tuple[int, ...]:
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
         problems.append(f"config.json mlp_only_layers: expected a list of layer indices, got {_show(dense)}")
         return ()
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        return ()  # num_hidden_layers' own problem is reported
-    outside = sorted({i for i in dense if not 0 <= i < layers})
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= MAX_PATTERN_LAYERS:
+        return ()  # num_hidden_layers' own problem is reported (spec.model.numLayers bounds it)
+    dense_set = set(dense)
+    outside = sorted(i for i in dense_set if not 0 <= i < layers)
     if outside:
         problems.append(f"config.json mlp_only_layers: {_show(outside)} are not layers of the {layers}")
-    pattern = tuple(0 if i in dense or (i + 1) % step else 1 for i in range(layers))
+    pattern = tuple(0 if i in dense_set or (i + 1) % step else 1 for i in range(layers))
     if 1 not in pattern:
         problems.append("config.json decoder_sparse_step / mlp_only_layers: no layer is a MoE layer")
     return () if all(pattern) else pattern
@@ -467,7 +471,7 @@ def _routed_moe(d: dict[str, Any], family: str, problems: list[str]) -> dict[str
     pattern: tuple[int, ...] = ()
     if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
         problems.append(f"config.json first_k_dense_replace: expected an integer >= 0, got {_show(first_dense)}")
-    elif isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1:
+    elif isinstance(layers, int) and not isinstance(layers, bool) and 1 <= layers <= MAX_PATTERN_LAYERS:
         if first_dense >= layers:
             problems.append(f"config.json first_k_dense_replace {first_dense}: no MoE layer among the {layers}")
         elif first_dense:
