@@ -37,6 +37,35 @@ EXTRA_CASES = {
                                               "moeTokenDropPolicy": "position", "moePadExpertInputToCapacity": True,
                                               "moeTokenDispatcherType": "alltoall"},
                                     "training": {"trainIters": 10, "transformerImpl": "local"}},
+    # DeepSeek-V3-shaped (issue 61): MLA with YaRN, a dense first layer, group-limited sigmoid routing, a shared expert
+    "deepseek-v3-mla-groups": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 2, "pipeline": 2, "expert": 2},
+                               "model": {"numLayers": 4, "hiddenSize": 512, "numAttentionHeads": 8, "seqLength": 1024,
+                                         "vocabSize": 32000, "activation": "swiglu", "normalization": "RMSNorm",
+                                         "positionEmbedding": "rope", "addBiasLinear": False, "qkLayernorm": True,
+                                         "numExperts": 16, "moeRouterTopk": 4, "moeFfnHiddenSize": 256,
+                                         "moeLayerFreq": [0, 1, 1, 1], "moeRouterNumGroups": 4,
+                                         "moeRouterGroupTopk": 2, "moeRouterTopkScalingFactor": 2.5,
+                                         "moeRouterScoreFunction": "sigmoid", "moeRouterEnableExpertBias": True,
+                                         "moeSharedExpertIntermediateSize": 256, "multiLatentAttention": True,
+                                         "qLoraRank": 128, "kvLoraRank": 64, "qkHeadDim": 32, "qkPosEmbHeadDim": 16,
+                                         "vHeadDim": 32, "ropeType": "yarn", "rotaryScalingFactor": 40.0,
+                                         "originalMaxPositionEmbeddings": 256, "betaFast": 32.0, "betaSlow": 1.0,
+                                         "mscale": 1.0, "mscaleAllDim": 1.0},
+                               "training": {"trainIters": 10, "transformerImpl": "local"}},
+    # GLM-4.5-shaped: partial RoPE and QKV bias beside the same MoE block
+    "glm45-partial-rope": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"expert": 4},
+                           "model": {"numLayers": 4, "hiddenSize": 512, "numAttentionHeads": 8, "numQueryGroups": 2,
+                                     "seqLength": 1024, "vocabSize": 32000, "activation": "swiglu",
+                                     "normalization": "RMSNorm", "positionEmbedding": "rope", "addBiasLinear": False,
+                                     "addQkvBias": True, "rotaryPercent": 0.5, "numExperts": 8,
+                                     "moeLayerFreq": [0, 1, 1, 1], "moeRouterNumGroups": 1, "moeRouterGroupTopk": 1,
+                                     "moeRouterScoreFunction": "sigmoid", "moeRouterEnableExpertBias": True},
+                           "training": {"trainIters": 10, "transformerImpl": "local"}},
+    "mla-rope": {"numNodes": 1, "gpusPerNode": 8,
+                 "model": {"numLayers": 4, "hiddenSize": 512, "numAttentionHeads": 8, "seqLength": 1024,
+                           "vocabSize": 32000, "positionEmbedding": "rope", "multiLatentAttention": True,
+                           "ropeType": "rope"},
+                 "training": {"trainIters": 10}},
     "null-tokenizer-fp8": {"numNodes": 1, "gpusPerNode": 8, "parallelism": {"tensor": 8},
                            "model": {"preset": "gpt-7.5b"},
                            "training": {"trainIters": 10, "precision": "fp8", "attentionBackend": "unfused"},
@@ -171,6 +200,22 @@ def test_trainer_parses_the_rendered_command_line(job):
         assert m.moe_router_bias_update_rate == (sm.moe_router_bias_update_rate or 1e-3)
         assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity) == (
             sm.moe_expert_capacity_factor, sm.moe_token_drop_policy or "probs", model["moePadExpertInputToCapacity"])
+    if m.num_experts:  # issue 61: dense layers among the MoE ones, group-limited routing
+        sm = spec.model
+        assert m.moe_layer_pattern == (sm.moe_layer_freq or [1] * m.num_layers)
+        assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == (
+            sm.moe_router_num_groups, sm.moe_router_group_topk, sm.moe_router_topk_scaling_factor)
+    assert m.multi_latent_attention == model["multiLatentAttention"]
+    if m.multi_latent_attention:  # each MLA field reaches its flag; unset, the same default (Megatron-LM's)
+        assert (m.q_lora_rank or 0, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim,
+                m.effective_rope_type) == (model["qLoraRank"], model["kvLoraRank"], model["qkHeadDim"],
+                                           model["qkPosEmbHeadDim"], model["vHeadDim"], model["ropeType"])
+        sm = spec.model
+        for name in ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                     "mscale_all_dim"):
+            if getattr(sm, name) is not None:
+                assert getattr(m, name) == getattr(sm, name), name
+    assert m.rotary_percent == (spec.model.rotary_percent or 1.0)
     assert m.untie_embeddings_and_output_weights == model["untieEmbeddings"]
     assert m.add_bias_linear == model["addBiasLinear"]
     assert m.norm_epsilon == model["normEpsilon"]

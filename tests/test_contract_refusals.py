@@ -21,7 +21,7 @@ from megatron_operator.validation import SpecError, parse_job
 from megatron_trainer.config import parse_args, runtime_from_env, world_layout
 
 sys.path.insert(0, str(Path(__file__).parent / "unit"))
-from spec_table import CASES
+from spec_table import CASES, LLAMA_TINY_MLA, LLAMA_TINY_MOE
 
 # Rules about Kubernetes objects or the spec's own shape, not about what Megatron accepts: the
 # rendered command line cannot violate them, or they are outside the trainer's view.
@@ -46,6 +46,12 @@ OPERATOR_ONLY = {
                                      "nothing (the trainer names it as unused)",
     "moe-drop-policy-needs-capacity-factor": "without a capacity no token is dropped; admission refuses the setting "
                                              "that would do nothing (the trainer names it as unused)",
+    "mla-fields-need-mla": "without multiLatentAttention the MLA flags are not rendered (the trainer would note them "
+                           "as ignored, config.ignored_flags)",
+    "mla-yarn-fields-need-yarn": "MLA reads YaRN's fields only with ropeType yarn; admission refuses the settings that "
+                                 "would do nothing",
+    "rotary-percent-needs-rope": "without RoPE megatron-core reads no rotary percent; admission refuses the setting "
+                                 "that would do nothing",
     "cpu-block-needs-zero-gpus": "the spec's shape (a GPU job renders nothing of spec.cpu)",
     "cpu-no-efa": "pod resources (no EFA device on a CPU job's pods)",
     "cpu-no-gpu-type": "the GPU type feeds the memory fit and MFU only (nothing reaches the trainer's command line)",
@@ -258,6 +264,40 @@ TRAINER_REFUSALS: dict[str, tuple] = {
         ("schema", _m(model__numExperts=4, model__addBiasLinear=False, model__moeExpertCapacityFactor=0.0),
          "spec.model.moeExpertCapacityFactor"),
     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor": ("rule", "bad-moe-pad-without-capacity"),
+    # the DeepSeek-V3 / GLM-4.5 fields (issue 61): dense layers, group-limited routing, multi-head latent attention
+    "--moe-layer-freq {} makes no layer a MoE layer; drop --num-experts for a dense model":
+        ("rule", "bad-moe-layer-freq-no-moe"),
+    "--moe-layer-freq {}: expected an integer >= 1 or a list of 0/1 such as [0,1,1]":
+        ("schema", _m(model={**LLAMA_TINY_MOE, "moeLayerFreq": [0, 2, 1, 1, 1, 1, 1, 1]}), "spec.model.moeLayerFreq[1]"),
+    "--moe-layer-freq has {} entries but --num-layers is {}: one per layer": ("rule", "bad-moe-layer-freq-length"),
+    "--moe-router-topk-scaling-factor must be > 0, got {}":
+        ("schema", _m(model={**LLAMA_TINY_MOE, "moeRouterTopkScalingFactor": 0.0}),
+         "spec.model.moeRouterTopkScalingFactor"),
+    "--moe-router-num-groups and --moe-router-group-topk go together (group-limited routing)":
+        ("rule", "bad-moe-groups-alone"),
+    "--moe-router-num-groups and --moe-router-group-topk must be >= 1":
+        ("schema", _m(model={**LLAMA_TINY_MOE, "moeRouterNumGroups": 0, "moeRouterGroupTopk": 1}),
+         "spec.model.moeRouterNumGroups"),
+    "--num-experts ({}) must be divisible by --moe-router-num-groups ({})": ("rule", "bad-moe-groups-vs-experts"),
+    "--moe-router-group-topk ({}) must be at most --moe-router-num-groups ({})": ("rule", "bad-moe-group-topk-vs-groups"),
+    "--moe-router-topk ({}) must be at least --moe-router-group-topk ({})": ("rule", "bad-moe-topk-below-group-topk"),
+    "--moe-router-topk // --moe-router-group-topk ({}) must be at most the experts in a group ({})":
+        ("rule", "bad-moe-topk-above-groups"),
+    "multi-head latent attention: {} must be >= 1, got {}": ("schema", _m(model={**LLAMA_TINY_MLA, "kvLoraRank": 0}), "spec.model.kvLoraRank"),
+    "--qk-pos-emb-head-dim ({}) must be even (RoPE rotates pairs)": ("rule", "bad-mla-odd-pos-emb"),
+    "--multi-latent-attention needs --position-embedding-type rope": ("rule", "bad-mla-learned-positions"),
+    "--multi-latent-attention has no query groups; drop --group-query-attention": ("rule", "bad-mla-query-groups"),
+    "--use-rope-scaling does not apply to --multi-latent-attention; use --rope-type yarn --rotary-scaling-factor":
+        ("rule", "bad-mla-llama3-scaling"),
+    "--rotary-percent does not apply to --multi-latent-attention (--qk-pos-emb-head-dim is the rotated part)":
+        ("rule", "bad-mla-rotary-percent"),
+    "--multi-latent-attention with --context-parallel-size > 1 is not wired in this trainer":
+        ("rule", "bad-mla-context"),
+    "--rotary-scaling-factor must be >= 1, got {}":
+        ("schema", _m(model={**LLAMA_TINY_MLA, "rotaryScalingFactor": 0.5}), "spec.model.rotaryScalingFactor"),
+    "--rotary-percent must be in (0, 1], got {}":
+        ("schema", _m(model={**LLAMA_TINY_MLA, "multiLatentAttention": False, "rotaryPercent": 1.5}),
+         "spec.model.rotaryPercent"),
     "--bf16 and --fp16 are mutually exclusive": ("rendered", ["bf16", "fp16"], "precision renders one of them"),
     "--fp8-format needs --bf16 (or --fp16)": ("rendered", ["fp8-format", "bf16"], "precision fp8 renders both"),
     "--fp8-format needs --transformer-impl transformer_engine (the local implementation has no FP8 kernels)":
@@ -364,7 +404,8 @@ TRAINER_REFUSALS: dict[str, tuple] = {
          "spec.logging.wandb.project"),
 }
 #: Where the trainer refuses at start-up from its command line and environment alone.
-REFUSING_FUNCTIONS = {"config.py": {"_validate_device", "_validate_parallel_and_model", "_validate_moe", "_validate_training",
+REFUSING_FUNCTIONS = {"config.py": {"_validate_device", "_validate_parallel_and_model", "_validate_moe",
+                                    "_validate_router_groups", "_validate_mla", "moe_layer_pattern", "_validate_training",
                                     "_validate_data", "_validate_sft", "_validate_checkpoint",
                                     "_check_export_apart_from_checkpoints", "_validate_logging", "parse_blend",
                                     "world_layout", "runtime_from_env", "_choice", "num"},

@@ -201,7 +201,7 @@ def cmd_hf_config(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .crd import to_yaml
-    from .hf_config import HfConfigError, load_config, mismatches, parse_config, spec_model
+    from .hf_config import HfConfigError, load_config, mismatches, notes, parse_config, spec_model
     from .rules import resolved_model
     from .spec import ModelSpec
     from .validation import problems_from
@@ -237,6 +237,8 @@ def cmd_hf_config(args: argparse.Namespace) -> int:
         if found is None:
             return 1
         hf = found["hf"]
+        for note in notes(hf):
+            print(f"{args.config}: note: {note}", file=sys.stderr)
         print(f"# spec.model for {hf.architecture} ({Path(args.config).name}); seqLength: "
               f"{'--seq-length' if args.seq_length else 'min(max_position_embeddings, 4096)'}")
         sys.stdout.write(to_yaml({"model": found["block"]}))
@@ -249,7 +251,9 @@ def cmd_hf_config(args: argparse.Namespace) -> int:
         return 1
     mismatched = 0
     for where, job in jobs:
-        model = resolved_model(job.spec.wire())
+        wire = job.spec.wire()
+        # the fields without a derived default (moeLayerFreq, YaRN's, rotaryPercent) as written, beside the resolved
+        model = {**wire.get("model", {}), **resolved_model(wire)}
         found = model_for(model["seqLength"], from_option=False)  # the job's sequence: sliding-window check
         if found is None:
             return 1

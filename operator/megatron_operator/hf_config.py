@@ -14,7 +14,8 @@ from typing import Any
 
 from megatron_contract.hf_config import MAX_CONFIG_BYTES, HfConfigError, HfModel, load_config, parse_config
 
-__all__ = ["MAX_CONFIG_BYTES", "HfConfigError", "HfModel", "load_config", "mismatches", "parse_config", "spec_model"]
+__all__ = ["MAX_CONFIG_BYTES", "HfConfigError", "HfModel", "load_config", "mismatches", "notes", "parse_config",
+           "spec_model"]
 
 
 def _moe_block(hf: HfModel) -> dict[str, Any]:
@@ -28,10 +29,51 @@ def _moe_block(hf: HfModel) -> dict[str, Any]:
         out["moeRouterPreSoftmax"] = True
     if hf.shared_expert_ffn_hidden_size:
         out["moeSharedExpertIntermediateSize"] = hf.shared_expert_ffn_hidden_size
-        out["moeSharedExpertGate"] = True
+        if hf.shared_expert_gate:
+            out["moeSharedExpertGate"] = True
     if hf.router_aux_loss_coef:
         out["moeAuxLossCoeff"] = hf.router_aux_loss_coef
+    if hf.moe_layer_pattern:
+        out["moeLayerFreq"] = list(hf.moe_layer_pattern)
+    if hf.moe_score_function != "softmax":
+        out["moeRouterScoreFunction"] = hf.moe_score_function
+    if hf.moe_expert_bias:
+        # DeepSeek-V3 trains without a load-balancing loss (aux-loss-free balancing by the expert bias)
+        out["moeRouterEnableExpertBias"] = True
+        out["moeRouterLoadBalancingType"] = "none"
+    if hf.moe_router_num_groups:
+        out["moeRouterNumGroups"] = hf.moe_router_num_groups
+        out["moeRouterGroupTopk"] = hf.moe_router_group_topk
+    if hf.moe_router_topk_scaling_factor != 1.0:
+        out["moeRouterTopkScalingFactor"] = hf.moe_router_topk_scaling_factor
     return out
+
+
+def _mla_block(hf: HfModel) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention as spec.model's MLA fields (every dimension given, YaRN's
+    parameters when the file scales RoPE, else plain RoPE)."""
+    out: dict[str, Any] = {"multiLatentAttention": True, "kvLoraRank": hf.kv_lora_rank, "qkHeadDim": hf.qk_head_dim,
+                           "qkPosEmbHeadDim": hf.qk_pos_emb_head_dim, "vHeadDim": hf.v_head_dim}
+    if hf.q_lora_rank:
+        out["qLoraRank"] = hf.q_lora_rank
+    if hf.yarn is None:
+        out["ropeType"] = "rope"
+        return out
+    out["ropeType"] = "yarn"
+    names = {"rotary_scaling_factor": "rotaryScalingFactor", "original_max_position_embeddings":
+             "originalMaxPositionEmbeddings", "beta_fast": "betaFast", "beta_slow": "betaSlow", "mscale": "mscale",
+             "mscale_all_dim": "mscaleAllDim"}
+    out.update({names[k]: v for k, v in hf.yarn})
+    return out
+
+
+def notes(hf: HfModel) -> list[str]:
+    """What of the checkpoint the import leaves out on purpose (printed by hf-config, logged by the trainer)."""
+    if hf.mtp_layers_dropped:
+        return [f"config.json num_nextn_predict_layers {hf.mtp_layers_dropped}: the multi-token-prediction layer(s) "
+                f"(model.layers.{hf.num_layers}.* and on) are not imported and not exported; training uses the "
+                "main model's next-token loss only"]
+    return []
 
 
 def spec_model(hf: HfModel) -> dict[str, Any]:
@@ -49,6 +91,8 @@ def spec_model(hf: HfModel) -> dict[str, Any]:
         out["ropeScalingFactor"] = hf.rope_scaling_factor
     if hf.explicit_head_dim:
         out["kvChannels"] = hf.head_dim
+    if hf.rotary_percent != 1.0:
+        out["rotaryPercent"] = hf.rotary_percent
     if hf.qk_norm:
         out["qkLayernorm"] = True
     if hf.qkv_bias:
@@ -59,6 +103,9 @@ def spec_model(hf: HfModel) -> dict[str, Any]:
         out["attentionDropout"] = hf.attention_dropout
     if hf.moe:
         out.update(_moe_block(hf))
+    if hf.mla:
+        del out["numQueryGroups"]  # one key/value per head (mla-no-query-groups)
+        out.update(_mla_block(hf))
     return out
 
 
@@ -76,9 +123,25 @@ def mismatches(model: dict[str, Any], hf: HfModel) -> list[str]:
     differ("hiddenSize", model["hiddenSize"], "hidden_size", hf.hidden_size)
     differ("numAttentionHeads", model["numAttentionHeads"], "num_attention_heads", hf.num_heads)
     differ("numQueryGroups", model["numQueryGroups"], "num_key_value_heads", hf.num_kv_heads)
+    differ("multiLatentAttention", model["multiLatentAttention"], f"architecture {hf.architecture} (MLA)", hf.mla)
     differ("ffnHiddenSize", model["ffnHiddenSize"], "intermediate_size", hf.ffn_hidden_size)
     differ("vocabSize", model["vocabSize"], "vocab_size", hf.vocab_size)
-    differ("kvChannels", model["kvChannels"], "head_dim", hf.head_dim)
+    if hf.mla:
+        for field, theirs_field, theirs in (
+                ("qLoraRank", "q_lora_rank", hf.q_lora_rank), ("kvLoraRank", "kv_lora_rank", hf.kv_lora_rank),
+                ("qkHeadDim", "qk_nope_head_dim", hf.qk_head_dim),
+                ("qkPosEmbHeadDim", "qk_rope_head_dim", hf.qk_pos_emb_head_dim),
+                ("vHeadDim", "v_head_dim", hf.v_head_dim),
+                ("ropeType", "rope scaling type", "yarn" if hf.yarn else "rope")):
+            differ(field, model[field], theirs_field, theirs)
+        for key, theirs in hf.yarn or ():
+            field = {"rotary_scaling_factor": "rotaryScalingFactor", "original_max_position_embeddings":
+                     "originalMaxPositionEmbeddings", "beta_fast": "betaFast", "beta_slow": "betaSlow",
+                     "mscale": "mscale", "mscale_all_dim": "mscaleAllDim"}[key]
+            differ(field, model.get(field), f"rope scaling {key}", theirs)
+    else:
+        differ("kvChannels", model["kvChannels"], "head_dim", hf.head_dim)
+    differ("rotaryPercent", model.get("rotaryPercent") or 1.0, "partial_rotary_factor", hf.rotary_percent)
     if not math.isclose(model["normEpsilon"], hf.norm_epsilon, rel_tol=1e-9):
         differ("normEpsilon", model["normEpsilon"], "rms_norm_eps", hf.norm_epsilon)
     differ("rotaryBase", model["rotaryBase"], "rope_theta", hf.rope_theta)
@@ -106,9 +169,19 @@ def mismatches(model: dict[str, Any], hf: HfModel) -> list[str]:
                "shared_expert_intermediate_size" if hf.shared_expert_ffn_hidden_size
                else f"architecture {hf.architecture} (shared experts)", hf.shared_expert_ffn_hidden_size or None)
         differ("moeSharedExpertGate", model["moeSharedExpertGate"],
-               f"architecture {hf.architecture} (shared expert gate)", bool(hf.shared_expert_ffn_hidden_size))
+               f"architecture {hf.architecture} (shared expert gate)", hf.shared_expert_gate)
         differ("moeRouterScoreFunction", model["moeRouterScoreFunction"],
-               f"architecture {hf.architecture} (router scores)", "softmax")
+               f"architecture {hf.architecture} (router scores)", hf.moe_score_function)
+        differ("moeRouterEnableExpertBias", model["moeRouterEnableExpertBias"],
+               f"architecture {hf.architecture} (expert bias)", hf.moe_expert_bias)
+        differ("moeLayerFreq", model.get("moeLayerFreq") or [1] * hf.num_layers,
+               "first_k_dense_replace / mlp_only_layers / decoder_sparse_step",
+               list(hf.moe_layer_pattern) or [1] * hf.num_layers)
+        differ("moeRouterNumGroups", model["moeRouterNumGroups"] or None, "n_group", hf.moe_router_num_groups or None)
+        differ("moeRouterGroupTopk", model["moeRouterGroupTopk"] or None, "topk_group",
+               hf.moe_router_group_topk or None)
+        differ("moeRouterTopkScalingFactor", model.get("moeRouterTopkScalingFactor") or 1.0, "routed_scaling_factor",
+               hf.moe_router_topk_scaling_factor)
     elif model["numExperts"]:
         out.append(f"spec.model.numExperts: {model['numExperts']} does not match config.json: the model is dense")
     return out

@@ -128,16 +128,24 @@ _MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_load
                "moe_z_loss_coeff", "moe_router_dtype", "moe_token_dispatcher_type",
                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
                "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
-               "moe_pad_expert_input_to_capacity")
+               "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_topk_scaling_factor")
+#: spec.model's multi-head latent attention fields, in flag order, rendered as the MoE ones are (only with MLA).
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+               "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+               "mscale_all_dim")
 
 
-def _moe_flags(m: ModelSpec, flag: Callable[..., None]) -> None:
-    """The MoE block's flags beyond --num-experts and --moe-router-topk, each only when set (unset: the
-    trainer's defaults, which are megatron-core's)."""
-    for name in _MOE_FIELDS:
+def _moe_flags(m: ModelSpec, flag: Callable[..., None], fields: tuple[str, ...] = _MOE_FIELDS) -> None:
+    """The MoE block's flags beyond --num-experts and --moe-router-topk (or MLA's), each only when set (unset: the
+    trainer's defaults, which are megatron-core's). A list (moeLayerFreq) is one argument, Megatron-LM's spelling:
+    [0,1,1]."""
+    for name in fields:
         value = getattr(m, name)
         if value is None or value is False:
             continue
+        if isinstance(value, list):
+            value = "[" + ",".join(str(v) for v in value) + "]"
         flag(name.replace("_", "-"), None if value is True else _fmt(value) if isinstance(value, float) else value)
 
 
@@ -204,6 +212,11 @@ def megatron_args(job: MegatronJob) -> list[str]:
         flag("qk-layernorm")
     if model["addQkvBias"]:
         flag("add-qkv-bias")
+    if spec.model.rotary_percent is not None:
+        flag("rotary-percent", _fmt(spec.model.rotary_percent))
+    if model["multiLatentAttention"]:
+        flag("multi-latent-attention")
+        _moe_flags(spec.model, flag, _MLA_FIELDS)
     if model["ropeScalingFactor"]:
         flag("use-rope-scaling")
         flag("rope-scaling-factor", _fmt(model["ropeScalingFactor"]))

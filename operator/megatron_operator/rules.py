@@ -26,6 +26,7 @@ from .expr import (
     Field,
     Filter,
     Has,
+    In,
     Index,
     LastIndexOf,
     Matches,
@@ -71,13 +72,17 @@ from .vocab.values import (
     max_positions,
     mbs,
     microbatches,
+    mla,
     model_complete,
     model_parallel,
     moe_balancing,
     moe_expert_bias,
     moe_ffn,
+    moe_layer_freq,
     moe_pad_to_capacity,
     moe_pre_softmax,
+    moe_router_group_topk,
+    moe_router_num_groups,
     moe_score_function,
     moe_shared_ffn,
     moe_shared_gate,
@@ -87,6 +92,7 @@ from .vocab.values import (
     position_embedding,
     pp,
     precision,
+    rope_type,
     seq,
     sequence_parallel,
     topk,
@@ -100,7 +106,13 @@ from .vocab.values import (
 MOE_FIELDS = ("moeFfnHiddenSize", "moeRouterPreSoftmax", "moeRouterLoadBalancingType", "moeAuxLossCoeff",
               "moeZLossCoeff", "moeRouterDtype", "moeTokenDispatcherType", "moeSharedExpertIntermediateSize",
               "moeSharedExpertGate", "moeRouterScoreFunction", "moeRouterEnableExpertBias", "moeRouterBiasUpdateRate",
-              "moeExpertCapacityFactor", "moeTokenDropPolicy", "moePadExpertInputToCapacity")
+              "moeExpertCapacityFactor", "moeTokenDropPolicy", "moePadExpertInputToCapacity", "moeLayerFreq",
+              "moeRouterNumGroups", "moeRouterGroupTopk", "moeRouterTopkScalingFactor")
+#: spec.model's multi-head latent attention fields besides multiLatentAttention (read only with it).
+MLA_FIELDS = ("qLoraRank", "kvLoraRank", "qkHeadDim", "qkPosEmbHeadDim", "vHeadDim", "ropeType", "rotaryScalingFactor",
+              "originalMaxPositionEmbeddings", "betaFast", "betaSlow", "mscale", "mscaleAllDim")
+#: YaRN's fields (MLA's rotary embedding with ropeType yarn; ropeType rope reads none of them).
+YARN_FIELDS = ("rotaryScalingFactor", "originalMaxPositionEmbeddings", "betaFast", "betaSlow", "mscale", "mscaleAllDim")
 
 # Flags the operator renders from the spec (tests/test_contract.py checks this list against the
 # rendering of every example and contract case); extraArgs must not contradict them.
@@ -115,7 +127,10 @@ RENDERED_FLAGS: tuple[str, ...] = (
     "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "moe-router-score-function",
     "moe-router-enable-expert-bias",
     "moe-router-bias-update-rate", "moe-expert-capacity-factor", "moe-token-drop-policy",
-    "moe-pad-expert-input-to-capacity", "swiglu", "normalization", "position-embedding-type", "rotary-base",
+    "moe-pad-expert-input-to-capacity", "moe-layer-freq", "moe-router-num-groups", "moe-router-group-topk",
+    "moe-router-topk-scaling-factor", "multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim",
+    "qk-pos-emb-head-dim", "v-head-dim", "rope-type", "rotary-scaling-factor", "original-max-position-embeddings",
+    "beta-fast", "beta-slow", "mscale", "mscale-all-dim", "rotary-percent", "swiglu", "normalization", "position-embedding-type", "rotary-base",
     "untie-embeddings-and-output-weights", "disable-bias-linear", "norm-epsilon", "kv-channels", "qk-layernorm",
     "add-qkv-bias", "use-rope-scaling", "rope-scaling-factor", "hidden-dropout", "attention-dropout",
     "transformer-impl", "device", "attention-backend", "cuda-graph-impl",
@@ -439,6 +454,96 @@ SPEC_RULES: list[Rule] = [
          has("model.moeExpertCapacityFactor"), when=(experts > 0) & has("model.moeTokenDropPolicy"),
          message=lit("spec.model.moeTokenDropPolicy: without moeExpertCapacityFactor no token is dropped; set "
                      "moeExpertCapacityFactor or omit moeTokenDropPolicy")),
+    # gpt_layer_specs.py (get_gpt_decoder_layer_specs asserts "Invalid length of moe_layer_pattern"): one entry per
+    # layer of the whole model, not per pipeline stage (get_gpt_decoder_block_spec slices it by stage)
+    Rule("moe-layer-freq-one-per-layer", "model.moeLayerFreq",
+         Size(moe_layer_freq).eq(layers), when=(experts > 0) & has("model.moeLayerFreq") & model_complete,
+         message=fmt("spec.model.moeLayerFreq: ", Size(moe_layer_freq).str(), " entries, but the model has ",
+                     layers.str(), " layers (numLayers); give one 0 (dense) or 1 (MoE) per layer of the whole model, "
+                     "not per pipeline stage")),
+    # ours: a pattern without a MoE layer is a dense model whose experts, router and EP would never run
+    Rule("moe-layer-freq-has-moe-layer", "model.moeLayerFreq",
+         In(lit(1), moe_layer_freq), when=(experts > 0) & has("model.moeLayerFreq"),
+         message=lit("spec.model.moeLayerFreq: no entry is 1, so no layer is a MoE layer; make at least one layer "
+                     "MoE, or drop numExperts for a dense model")),
+    # transformer_config.py (TransformerConfig.__post_init__: "When using group limited routing, moe_router_num_groups
+    # must be specified"); ours the other way: groups without a group top-k route as if there were none
+    Rule("moe-router-groups-together", "model.moeRouterGroupTopk",
+         has("model.moeRouterNumGroups").eq(has("model.moeRouterGroupTopk")),
+         when=(experts > 0) & (has("model.moeRouterNumGroups") | has("model.moeRouterGroupTopk")),
+         message=lit("spec.model.moeRouterGroupTopk: group-limited routing needs both moeRouterNumGroups (the groups) "
+                     "and moeRouterGroupTopk (the groups a token picks from); set both or neither")),
+    # transformer_config.py (TransformerConfig.__post_init__: num_moe_experts % moe_router_num_groups == 0)
+    Rule("moe-router-groups-divide-experts", "model.moeRouterNumGroups",
+         (experts % moe_router_num_groups).eq(0), when=(experts > 0) & (moe_router_num_groups > 0),
+         message=fmt("spec.model.moeRouterNumGroups: ", moe_router_num_groups.str(), " groups do not divide the ",
+                     experts.str(), " experts (numExperts); use a divisor of ", experts.str(),
+                     " (DeepSeek-V3: 8 groups of 32, often the expert-parallel size)")),
+    # transformer_config.py (TransformerConfig.__post_init__: moe_router_group_topk <= moe_router_num_groups)
+    Rule("moe-router-group-topk-within-groups", "model.moeRouterGroupTopk",
+         moe_router_group_topk <= moe_router_num_groups,
+         when=(experts > 0) & (moe_router_num_groups > 0) & (moe_router_group_topk > 0),
+         message=fmt("spec.model.moeRouterGroupTopk: ", moe_router_group_topk.str(), " is more than the ",
+                     moe_router_num_groups.str(), " groups (moeRouterNumGroups); use at most ",
+                     moe_router_num_groups.str())),
+    # moe_utils.py (group_limited_topk ranks each group by the sum of its top topk // group_topk scores, then picks
+    # topk experts among the chosen groups): at least one score per group, and no more than a group holds
+    Rule("moe-router-topk-fits-groups", "model.moeRouterTopk",
+         (topk >= moe_router_group_topk) & (topk // moe_router_group_topk <= experts // moe_router_num_groups),
+         when=(experts > 0) & (moe_router_num_groups > 0) & (moe_router_group_topk > 0)
+         & (moe_router_group_topk <= moe_router_num_groups) & (experts % moe_router_num_groups).eq(0),
+         message=fmt("spec.model.moeRouterTopk: ", topk.str(), " with moeRouterGroupTopk ",
+                     moe_router_group_topk.str(), ": megatron-core ranks each group by its top moeRouterTopk / "
+                     "moeRouterGroupTopk scores, so moeRouterTopk must be at least moeRouterGroupTopk and at most "
+                     "moeRouterGroupTopk x the ", (experts // moe_router_num_groups).str(), " experts of a group")),
+    # ours: MLA's fields are read only with multiLatentAttention (the trainer would only note them as ignored)
+    Rule("mla-fields-need-mla", "model",
+         mla, when=any_of(has(f"model.{name}") for name in MLA_FIELDS),
+         message=fmt("spec.model:", *[cond(has(f"model.{name}"), f" {name}", "") for name in MLA_FIELDS],
+                     " apply to multi-head latent attention only; set multiLatentAttention: true or omit them")),
+    # multi_latent_attention.py builds its own rotary embedding (GPTModel builds none for MLA); learned absolute
+    # positions would be added on top of it
+    Rule("mla-needs-rope", "model.positionEmbedding",
+         position_embedding.eq("rope"), when=mla,
+         message=lit("spec.model.positionEmbedding: multi-head latent attention applies RoPE to its qkPosEmbHeadDim "
+                     "part; set positionEmbedding: rope")),
+    # multi_latent_attention.py: keys and values come per head from the latent; num_query_groups is not read
+    Rule("mla-no-query-groups", "model.numQueryGroups",
+         groups.eq(heads), when=mla & model_complete,
+         message=fmt("spec.model.numQueryGroups: multi-head latent attention has one key and value per head (from "
+                     "the latent), no query groups; omit numQueryGroups or set it to numAttentionHeads ",
+                     heads.str())),
+    # MLA's rotary embedding is rope or YaRN (multi_latent_attention.py); Llama 3.1's scaling is not read by it
+    Rule("mla-no-llama3-rope-scaling", "model.ropeScalingFactor",
+         ~has("model.ropeScalingFactor"), when=mla,
+         message=lit("spec.model.ropeScalingFactor: multi-head latent attention scales RoPE with YaRN, not Llama "
+                     "3.1's scaling; use ropeType yarn with rotaryScalingFactor, and omit ropeScalingFactor")),
+    # the rotated part of an MLA head is qkPosEmbHeadDim whole (multi_latent_attention.py)
+    Rule("mla-no-rotary-percent", "model.rotaryPercent",
+         ~has("model.rotaryPercent"), when=mla,
+         message=lit("spec.model.rotaryPercent: multi-head latent attention rotates its qkPosEmbHeadDim part whole; "
+                     "omit rotaryPercent")),
+    # RoPE rotates pairs of dimensions
+    Rule("mla-pos-emb-head-dim-even", "model.qkPosEmbHeadDim",
+         (f("model.qkPosEmbHeadDim") % 2).eq(0), when=mla & has("model.qkPosEmbHeadDim"),
+         message=fmt("spec.model.qkPosEmbHeadDim: ", f("model.qkPosEmbHeadDim").str(), " is odd; RoPE rotates pairs "
+                     "of dimensions: use an even size (DeepSeek-V3: 64)")),
+    # ours: the trainer does not wire MLA with context parallelism
+    Rule("mla-no-context-parallel", "parallelism.context",
+         cp.eq(1), when=mla,
+         message=fmt("spec.parallelism.context: ", cp.str(), " with multi-head latent attention is not wired in the "
+                     "trainer; use context: 1")),
+    # multi_latent_attention.py reads YaRN's fields only with rope_type yarn: they would be ignored
+    Rule("mla-yarn-fields-need-yarn", "model.ropeType",
+         rope_type.eq("yarn"), when=mla & any_of(has(f"model.{name}") for name in YARN_FIELDS),
+         message=fmt("spec.model.ropeType: rope reads none of", *[cond(has(f"model.{name}"), f" {name}", "")
+                                                                 for name in YARN_FIELDS],
+                     "; set ropeType: yarn or omit them")),
+    # rotary_pos_embedding.py: rotary_percent applies to GPTModel's RoPE only
+    Rule("rotary-percent-needs-rope", "model.rotaryPercent",
+         position_embedding.eq("rope"), when=has("model.rotaryPercent"),
+         message=lit("spec.model.rotaryPercent: partial RoPE needs positionEmbedding: rope; set it or omit "
+                     "rotaryPercent")),
     # ModelParallelConfig.__post_init__
     Rule("sequence-parallel-needs-tensor", "parallelism.sequenceParallel",
          tp > 1, when=sequence_parallel,

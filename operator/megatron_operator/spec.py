@@ -147,6 +147,53 @@ class ModelSpec(ApiModel):
     moe_pad_expert_input_to_capacity: bool | None = Field(
         None, description="Pad each expert's tokens up to its capacity (--moe-pad-expert-input-to-capacity): fixed "
         "shapes, more work. Needs moeExpertCapacityFactor. Default false.")
+    moe_layer_freq: list[Annotated[int, Field(ge=0, le=1)]] | None = Field(
+        None, min_length=1, max_length=1024, description="Which layers are MoE layers, one entry per layer "
+        "(--moe-layer-freq as a list): 1 a MoE layer, 0 a dense MLP of ffnHiddenSize (DeepSeek-V3's and GLM-4.5's "
+        "first_k_dense_replace dense layers first; Qwen3-MoE's mlp_only_layers). numLayers entries. Default: every "
+        "layer MoE.")
+    moe_router_num_groups: int | None = Field(
+        None, ge=1, le=4096, description="Group-limited routing (--moe-router-num-groups; DeepSeek-V3 n_group): the "
+        "experts in this many equal groups, each token choosing its experts from moeRouterGroupTopk groups. "
+        "Needs moeRouterGroupTopk. Default: no groups.")
+    moe_router_group_topk: int | None = Field(
+        None, ge=1, le=4096, description="Groups each token picks its experts from (--moe-router-group-topk; "
+        "DeepSeek-V3 topk_group). Needs moeRouterNumGroups.")
+    moe_router_topk_scaling_factor: float | None = Field(
+        None, gt=0, le=1024, description="Scale of the routed experts' probabilities (--moe-router-topk-scaling-"
+        "factor; DeepSeek-V3 routed_scaling_factor). Default 1.")
+    multi_latent_attention: bool | None = Field(
+        None, description="Multi-head latent attention (--multi-latent-attention; DeepSeek-V2/V3, Kimi-K2): queries "
+        "and keys/values through low-rank latents, each head's query/key a part without RoPE (qkHeadDim) and one "
+        "with it (qkPosEmbHeadDim). Needs positionEmbedding rope. Default false.")
+    q_lora_rank: int | None = Field(None, ge=1, le=65536, description="MLA: rank of the query latent (--q-lora-rank; "
+                                    "Hugging Face q_lora_rank). Default: no query compression.")
+    kv_lora_rank: int | None = Field(None, ge=1, le=65536, description="MLA: rank of the key/value latent "
+                                     "(--kv-lora-rank). Default 32 (Megatron-LM's).")
+    qk_head_dim: int | None = Field(None, ge=1, le=16384, description="MLA: per-head query/key dimension without "
+                                    "RoPE (--qk-head-dim; Hugging Face qk_nope_head_dim). Default 128.")
+    qk_pos_emb_head_dim: int | None = Field(None, ge=2, le=16384, description="MLA: per-head query/key dimension "
+                                            "with RoPE (--qk-pos-emb-head-dim; Hugging Face qk_rope_head_dim), even. "
+                                            "Default 64.")
+    v_head_dim: int | None = Field(None, ge=1, le=16384, description="MLA: per-head value dimension (--v-head-dim). "
+                                   "Default 128.")
+    rope_type: Literal["rope", "yarn"] | None = Field(
+        None, description="MLA's rotary embedding (--rope-type): rope, or YaRN with rotaryScalingFactor and the "
+        "fields below. Default yarn (Megatron-LM's for MLA; at factor 1 it is plain RoPE).")
+    rotary_scaling_factor: float | None = Field(None, ge=1, le=1024, description="YaRN: the context extension factor "
+                                                "(--rotary-scaling-factor; Hugging Face rope_scaling factor). "
+                                                "Default 1.")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=16, le=1048576, description="YaRN: the context the model was first trained at "
+        "(--original-max-position-embeddings). Default 4096.")
+    beta_fast: float | None = Field(None, gt=0, le=1024, description="YaRN beta_fast (--beta-fast). Default 32.")
+    beta_slow: float | None = Field(None, gt=0, le=1024, description="YaRN beta_slow (--beta-slow). Default 1.")
+    mscale: float | None = Field(None, ge=0, le=1024, description="YaRN mscale (--mscale). Default 1.")
+    mscale_all_dim: float | None = Field(None, ge=0, le=1024, description="YaRN mscale_all_dim (--mscale-all-dim; 0: "
+                                         "the attention's softmax scale unchanged). Default 0.")
+    rotary_percent: float | None = Field(None, gt=0, le=1, description="Share of each head's dimensions that RoPE "
+                                         "rotates (--rotary-percent; Hugging Face partial_rotary_factor; GLM-4.5: "
+                                         "0.5). Default 1. Not with multiLatentAttention.")
     activation: Literal["gelu", "swiglu"] | None = Field(None, description="MLP activation. Default gelu "
                                                          "(swiglu renders --swiglu).")
     normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Normalization "

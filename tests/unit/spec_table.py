@@ -14,6 +14,18 @@ GPT_1200_12 = {"numLayers": 8, "hiddenSize": 1200, "numAttentionHeads": 12, "num
 LLAMA_TINY = {"numLayers": 8, "hiddenSize": 1024, "numAttentionHeads": 16, "numQueryGroups": 4, "seqLength": 2048,
               "vocabSize": 32000, "activation": "swiglu", "normalization": "RMSNorm", "positionEmbedding": "rope",
               "addBiasLinear": False}
+# A MoE model of LLAMA_TINY's shape, and a DeepSeek-V3-shaped one (issue 61): multi-head latent attention, a dense
+# first layer, group-limited sigmoid routing with an expert bias and a shared expert.
+LLAMA_TINY_MOE = {**LLAMA_TINY, "numExperts": 8}
+LLAMA_TINY_MLA = {**LLAMA_TINY, "numQueryGroups": 16, "multiLatentAttention": True, "qLoraRank": 256,
+                  "kvLoraRank": 128, "qkHeadDim": 64, "qkPosEmbHeadDim": 32, "vHeadDim": 64}
+DEEPSEEK_TINY = {**LLAMA_TINY_MLA, "numExperts": 16, "moeRouterTopk": 4, "moeFfnHiddenSize": 256,
+                 "moeLayerFreq": [0, 1, 1, 1, 1, 1, 1, 1], "moeRouterNumGroups": 4, "moeRouterGroupTopk": 2,
+                 "moeRouterTopkScalingFactor": 2.5, "moeRouterScoreFunction": "sigmoid",
+                 "moeRouterEnableExpertBias": True, "moeSharedExpertIntermediateSize": 256,
+                 "moeRouterLoadBalancingType": "none", "ropeType": "yarn", "rotaryScalingFactor": 40.0,
+                 "originalMaxPositionEmbeddings": 1024, "betaFast": 32.0, "betaSlow": 1.0, "mscale": 1.0,
+                 "mscaleAllDim": 1.0}
 
 # Every field of spec.pod, valid (issue 53).
 POD_FULL = {
@@ -103,6 +115,16 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
                                      "moeSharedExpertGate": True, "addQkvBias": True},
                               init={"huggingFace": {"pvc": "m", "path": "in"}},
                               export={"huggingFace": {"pvc": "m", "path": "out"}}), None),
+    ("deepseek-v3-shaped", make_job(parallelism__expert=4, model=DEEPSEEK_TINY), None),
+    ("deepseek-v3-shaped-pp2-tp2", make_job(parallelism__pipeline=2, parallelism__tensor=2, parallelism__expert=2,
+                                            model=DEEPSEEK_TINY), None),
+    ("glm45-shaped", make_job(parallelism__expert=2, model={
+        **LLAMA_TINY, "addQkvBias": True, "rotaryPercent": 0.5, "numExperts": 8, "moeRouterTopk": 2,
+        "moeLayerFreq": [0, 1, 1, 1, 1, 1, 1, 1], "moeRouterNumGroups": 1, "moeRouterGroupTopk": 1,
+        "moeRouterScoreFunction": "sigmoid", "moeRouterEnableExpertBias": True,
+        "moeSharedExpertIntermediateSize": 512}), None),
+    ("mla-rope-no-q-lora", make_job(model={**LLAMA_TINY, "numQueryGroups": 16, "multiLatentAttention": True,
+                                           "kvLoraRank": 64, "ropeType": "rope"}), None),
     ("moe-no-balancing", make_job(model={**LLAMA_TINY, "numExperts": 4, "moeRouterLoadBalancingType": "none"}), None),
     ("moe-sp-explicit", make_job(parallelism__sequenceParallel=True, model={**LLAMA_TINY, "numExperts": 4}), None),
     ("moe-ep8-etp1", make_job(parallelism__expert=8, parallelism__expertTensor=1, model__numExperts=16,
@@ -200,6 +222,42 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("bad-expert-without-experts", make_job(parallelism__expert=2), "experts-for-expert-parallel"),
     ("bad-experts-vs-expert", make_job(parallelism__expert=4, model__numExperts=6, model__addBiasLinear=False),
      "experts-divisible"),
+    # DeepSeek-V3 / GLM-4.5 (issue 61): dense layers among the MoE ones, group-limited routing, MLA
+    ("bad-moe-layer-freq-no-moe", make_job(model={**LLAMA_TINY_MOE, "moeLayerFreq": [0] * 8}),
+     "moe-layer-freq-has-moe-layer"),
+    ("bad-moe-layer-freq-length", make_job(parallelism__pipeline=2, model={**LLAMA_TINY_MOE, "moeLayerFreq": [0, 1, 1, 1]}),
+     "moe-layer-freq-one-per-layer"),
+    ("bad-moe-layer-freq-dense", make_job(model={**LLAMA_TINY, "moeLayerFreq": [1] * 8}), "moe-fields-need-experts"),
+    ("bad-moe-groups-alone", make_job(model={**LLAMA_TINY_MOE, "moeRouterNumGroups": 4}), "moe-router-groups-together"),
+    ("bad-moe-group-topk-alone", make_job(model={**LLAMA_TINY_MOE, "moeRouterGroupTopk": 1}),
+     "moe-router-groups-together"),
+    ("bad-moe-groups-vs-experts", make_job(model={**LLAMA_TINY_MOE, "moeRouterNumGroups": 3, "moeRouterGroupTopk": 1}),
+     "moe-router-groups-divide-experts"),
+    ("bad-moe-group-topk-vs-groups", make_job(model={**LLAMA_TINY_MOE, "moeRouterNumGroups": 2,
+                                                     "moeRouterGroupTopk": 4, "moeRouterTopk": 4}),
+     "moe-router-group-topk-within-groups"),
+    ("bad-moe-topk-below-group-topk", make_job(model={**LLAMA_TINY_MOE, "moeRouterNumGroups": 4,
+                                                      "moeRouterGroupTopk": 4, "moeRouterTopk": 2}),
+     "moe-router-topk-fits-groups"),
+    ("bad-moe-topk-above-groups", make_job(model={**LLAMA_TINY_MOE, "moeRouterNumGroups": 4,
+                                                  "moeRouterGroupTopk": 1, "moeRouterTopk": 4}),
+     "moe-router-topk-fits-groups"),
+    ("bad-mla-fields-without-mla", make_job(model={**LLAMA_TINY, "kvLoraRank": 64, "ropeType": "rope"}),
+     "mla-fields-need-mla"),
+    ("bad-mla-learned-positions", make_job(model={**LLAMA_TINY_MLA, "positionEmbedding": "learned_absolute"}),
+     "mla-needs-rope"),
+    ("bad-mla-query-groups", make_job(model={**LLAMA_TINY_MLA, "numQueryGroups": 4}), "mla-no-query-groups"),
+    ("bad-mla-llama3-scaling", make_job(model={**LLAMA_TINY_MLA, "ropeScalingFactor": 8.0}),
+     "mla-no-llama3-rope-scaling"),
+    ("bad-mla-rotary-percent", make_job(model={**LLAMA_TINY_MLA, "rotaryPercent": 0.5}), "mla-no-rotary-percent"),
+    ("bad-mla-odd-pos-emb", make_job(model={**LLAMA_TINY_MLA, "qkPosEmbHeadDim": 33}), "mla-pos-emb-head-dim-even"),
+    ("bad-mla-context", make_job(parallelism__context=2, training__globalBatchSize=16, training__transformerImpl=
+                                 "transformer_engine", training__attentionBackend="flash", model=LLAMA_TINY_MLA),
+     "mla-no-context-parallel"),
+    ("bad-mla-yarn-fields-with-rope", make_job(model={**LLAMA_TINY_MLA, "ropeType": "rope", "mscaleAllDim": 1.0}),
+     "mla-yarn-fields-need-yarn"),
+    ("bad-rotary-percent-learned", make_job(model={**LLAMA_TINY, "positionEmbedding": "learned_absolute",
+                                                   "rotaryPercent": 0.5}), "rotary-percent-needs-rope"),
     ("bad-topk-dense", make_job(model__moeRouterTopk=2), "topk-within-experts"),
     ("bad-topk-above-experts", make_job(parallelism__expert=2, model__numExperts=4, model__moeRouterTopk=8,
                                         model__addBiasLinear=False), "topk-within-experts"),

@@ -301,7 +301,7 @@ def test_check_names_a_moe_field_that_differs(name, field, value, fragment, tmp_
 
 
 @pytest.mark.parametrize("arch, fragment", [
-    ("DeepseekV3ForCausalLM", "multi-head latent attention (MLA)"),
+    ("DeepseekV2ForCausalLM", "multi-head latent attention (MLA)"),
     ("GptOssForCausalLM", "attention sinks"),
 ])
 def test_architectures_refused_with_the_reason(arch, fragment):

@@ -151,6 +151,48 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = field(default=False, metadata=flag(
         "--moe-pad-expert-input-to-capacity", action="store_true",
         help="Pad every expert's tokens up to its capacity (fixed shapes; needs --moe-expert-capacity-factor)."))
+    moe_layer_freq: str = field(default="1", metadata=flag(
+        "--moe-layer-freq", type=str,
+        help="Which layers are MoE layers: N (every N-th layer, from the first) or a list of 0/1 per layer, e.g. "
+             "[0,1,1,1] (0: a dense MLP of --ffn-hidden-size; DeepSeek-V3's first_k_dense_replace)."))
+    moe_router_num_groups: int | None = field(default=None, metadata=flag(
+        "--moe-router-num-groups", type=int,
+        help="Group-limited routing: the experts in this many equal groups (DeepSeek-V3 n_group; needs "
+             "--moe-router-group-topk)."))
+    moe_router_group_topk: int | None = field(default=None, metadata=flag(
+        "--moe-router-group-topk", type=int,
+        help="Group-limited routing: each token picks its experts from this many groups (DeepSeek-V3 topk_group)."))
+    moe_router_topk_scaling_factor: float | None = field(default=None, metadata=flag(
+        "--moe-router-topk-scaling-factor", type=float,
+        help="Scale of the routed experts' probabilities (DeepSeek-V3 routed_scaling_factor; default 1)."))
+    multi_latent_attention: bool = field(default=False, metadata=flag(
+        "--multi-latent-attention", action="store_true",
+        help="Multi-head latent attention (MLA, DeepSeek-V2/V3): queries and keys/values through low-rank latents."))
+    q_lora_rank: int | None = field(default=None, metadata=flag(
+        "--q-lora-rank", type=int, help="MLA: rank of the query latent (default: no query compression)."))
+    kv_lora_rank: int = field(default=32, metadata=flag(
+        "--kv-lora-rank", type=int, help="MLA: rank of the key/value latent (Megatron-LM's default 32)."))
+    qk_head_dim: int = field(default=128, metadata=flag(
+        "--qk-head-dim", type=int, help="MLA: per-head query/key dimension without RoPE (qk_nope_head_dim)."))
+    qk_pos_emb_head_dim: int = field(default=64, metadata=flag(
+        "--qk-pos-emb-head-dim", type=int, help="MLA: per-head query/key dimension with RoPE (qk_rope_head_dim)."))
+    v_head_dim: int = field(default=128, metadata=flag(
+        "--v-head-dim", type=int, help="MLA: per-head value dimension."))
+    rope_type: str | None = field(default=None, metadata=flag(
+        "--rope-type", choices=("rope", "yarn"),
+        help="MLA's rotary embedding: rope, or yarn (Megatron-LM's default for MLA)."))
+    rotary_scaling_factor: float = field(default=1.0, metadata=flag(
+        "--rotary-scaling-factor", type=float, help="YaRN: the context extension factor (rope_scaling factor)."))
+    original_max_position_embeddings: int = field(default=4096, metadata=flag(
+        "--original-max-position-embeddings", type=int, help="YaRN: the context the model was trained at."))
+    beta_fast: float = field(default=32.0, metadata=flag("--beta-fast", type=float, help="YaRN: beta_fast."))
+    beta_slow: float = field(default=1.0, metadata=flag("--beta-slow", type=float, help="YaRN: beta_slow."))
+    mscale: float = field(default=1.0, metadata=flag("--mscale", type=float, help="YaRN: mscale."))
+    mscale_all_dim: float = field(default=0.0, metadata=flag(
+        "--mscale-all-dim", type=float, help="YaRN: mscale_all_dim (0: the softmax scale is not changed)."))
+    rotary_percent: float = field(default=1.0, metadata=flag(
+        "--rotary-percent", type=float,
+        help="Share of each head's dimensions that RoPE rotates (Hugging Face partial_rotary_factor; GLM-4.5: 0.5)."))
     swiglu: bool = field(default=False, metadata=flag(
         "--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GeLU."))
     normalization: str = field(default="LayerNorm", metadata=flag(
@@ -203,6 +245,42 @@ class ModelConfig:
     @property
     def effective_moe_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.effective_ffn_hidden_size
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """--moe-layer-freq as one 0/1 per layer (1: a MoE layer); ValueError for a malformed value."""
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+
+    @property
+    def effective_rope_type(self) -> str:
+        """MLA's rotary embedding: --rope-type, else yarn (Megatron-LM: "MLA takes yarn by default")."""
+        return self.rope_type or "yarn"
+
+
+#: ModelConfig fields read only with --multi-latent-attention.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+              "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
+
+
+def moe_layer_pattern(freq: str, num_layers: int) -> list[int]:
+    """Megatron-LM's --moe-layer-freq (an int N: layer i is MoE when i % N == 0; or a list of 0/1, one per layer)
+    as the list (gpt_layer_specs.get_gpt_decoder_block_spec). Parsed as JSON, never evaluated (Megatron-LM evals
+    the string: "([0]*3+[1]*29)" is refused here; write the list)."""
+    import json
+
+    text = freq.strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--moe-layer-freq {freq!r}: expected an integer >= 1 or a list of 0/1 such as [0,1,1]") from None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return [1 if i % value == 0 else 0 for i in range(num_layers)]
+    if not isinstance(value, list) or not all(v in (0, 1) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"--moe-layer-freq {freq!r}: expected an integer >= 1 or a list of 0/1 such as [0,1,1]")
+    if len(value) != num_layers:  # gpt_layer_specs.get_gpt_decoder_block_spec asserts it
+        raise ValueError(f"--moe-layer-freq has {len(value)} entries but --num-layers is {num_layers}: one per layer")
+    return value
 
 
 @dataclass(frozen=True)
@@ -734,6 +812,8 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
         raise ValueError(f"--kv-channels must be >= 1, got {m.kv_channels}")
     if not 0 < m.norm_epsilon < 1:
         raise ValueError(f"--norm-epsilon must be in (0, 1), got {m.norm_epsilon}")
+    if not 0 < m.rotary_percent <= 1:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         raise ValueError("--use-rope-scaling needs --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_factor >= 1:
@@ -772,6 +852,7 @@ def _validate_parallel_and_model(cfg: TrainerConfig) -> None:
         _validate_moe(cfg)
     elif p.expert > 1:
         raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+    _validate_mla(cfg)
 
 
 def _validate_moe(cfg: TrainerConfig) -> None:
@@ -814,6 +895,65 @@ def _validate_moe(cfg: TrainerConfig) -> None:
         raise ValueError(f"--moe-expert-capacity-factor must be > 0, got {capacity}")
     if m.moe_pad_expert_input_to_capacity and capacity is None:  # transformer_config.py
         raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    pattern = m.moe_layer_pattern  # ValueError for a malformed one, or one not of --num-layers entries
+    if 1 not in pattern:
+        raise ValueError(f"--moe-layer-freq {m.moe_layer_freq} makes no layer a MoE layer; drop --num-experts for a "
+                         "dense model")
+    if m.moe_router_num_groups is not None or m.moe_router_group_topk is not None:
+        _validate_router_groups(m)
+    factor = m.moe_router_topk_scaling_factor
+    if factor is not None and not factor > 0:
+        raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got {factor}")
+
+
+def _validate_router_groups(m: ModelConfig) -> None:
+    """Group-limited routing: transformer_config.py (TransformerConfig.__post_init__) and moe_utils.py
+    (group_limited_topk, which sums each group's top topk // group_topk scores and then picks topk experts among
+    the chosen groups' experts)."""
+    groups, group_topk, experts, topk = m.moe_router_num_groups, m.moe_router_group_topk, m.num_experts, m.moe_router_topk
+    if groups is None or group_topk is None:  # group_topk alone: transformer_config.py raises; groups alone: ignored
+        raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together (group-limited routing)")
+    if groups < 1 or group_topk < 1:
+        raise ValueError("--moe-router-num-groups and --moe-router-group-topk must be >= 1")
+    assert experts is not None
+    if experts % groups:
+        raise ValueError(f"--num-experts ({experts}) must be divisible by --moe-router-num-groups ({groups})")
+    if group_topk > groups:
+        raise ValueError(f"--moe-router-group-topk ({group_topk}) must be at most --moe-router-num-groups ({groups})")
+    if topk < group_topk:  # topk // group_topk scores per group: none
+        raise ValueError(f"--moe-router-topk ({topk}) must be at least --moe-router-group-topk ({group_topk})")
+    if topk // group_topk > experts // groups:
+        raise ValueError(f"--moe-router-topk // --moe-router-group-topk ({topk // group_topk}) must be at most the "
+                         f"experts in a group ({experts // groups})")
+
+
+def _validate_mla(cfg: TrainerConfig) -> None:
+    """Multi-head latent attention (megatron-core's MLASelfAttention, multi_latent_attention.py; MLATransformerConfig
+    in transformer_config.py)."""
+    m = cfg.model
+    if not m.multi_latent_attention:
+        return
+    for name, value in (("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),
+                        ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim), ("--v-head-dim", m.v_head_dim),
+                        ("--q-lora-rank", m.q_lora_rank if m.q_lora_rank is not None else 1)):
+        if value < 1:
+            raise ValueError(f"multi-head latent attention: {name} must be >= 1, got {value}")
+    if m.qk_pos_emb_head_dim % 2:  # RoPE rotates pairs of dimensions
+        raise ValueError(f"--qk-pos-emb-head-dim ({m.qk_pos_emb_head_dim}) must be even (RoPE rotates pairs)")
+    if m.position_embedding_type != "rope":  # MLA applies its own rotary embedding; learned positions would add to it
+        raise ValueError("--multi-latent-attention needs --position-embedding-type rope")
+    if m.group_query_attention:  # MLA has one key/value per head from the latent: no query groups
+        raise ValueError("--multi-latent-attention has no query groups; drop --group-query-attention")
+    if m.use_rope_scaling:  # MLA's rotary embedding takes YaRN (--rope-type yarn), not Llama 3.1's scaling
+        raise ValueError("--use-rope-scaling does not apply to --multi-latent-attention; use --rope-type yarn "
+                         "--rotary-scaling-factor")
+    if m.rotary_percent != 1.0:  # MLA's rotary covers --qk-pos-emb-head-dim whole
+        raise ValueError("--rotary-percent does not apply to --multi-latent-attention (--qk-pos-emb-head-dim is the "
+                         "rotated part)")
+    if cfg.parallel.context > 1:
+        raise ValueError("--multi-latent-attention with --context-parallel-size > 1 is not wired in this trainer")
+    if m.effective_rope_type == "yarn" and not m.rotary_scaling_factor >= 1:
+        raise ValueError(f"--rotary-scaling-factor must be >= 1, got {m.rotary_scaling_factor}")
 
 
 def _validate_training(cfg: TrainerConfig) -> None:
@@ -1036,6 +1176,9 @@ def ignored_flags(cfg: TrainerConfig) -> list[str]:
         out.append("--eval-interval")
     if cfg.training.fp8_recipe != "delayed" and cfg.training.fp8_format is None:  # read only with FP8 GEMMs
         out.append("--fp8-recipe")
+    if not cfg.model.multi_latent_attention:  # MLA's flags without MLA
+        out += [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig) if f.name in MLA_FIELDS
+                and getattr(cfg.model, f.name) != f.default]
     if not cfg.model.num_experts:  # the router's flags of a dense model
         out += [f.metadata["flags"][0] for f in dataclasses.fields(ModelConfig)
                 if f.name.startswith("moe_") and f.name != "moe_router_topk" and getattr(cfg.model, f.name) != f.default]

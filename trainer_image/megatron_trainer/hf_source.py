@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import TrainerConfig
 from .exitcodes import ExitCode, Fatal
-from .hf_config import HfConfigError, HfModel, load_config, mismatches, parse_config
+from .hf_config import HfConfigError, HfModel, load_config, mismatches, not_converted, parse_config
 from .hf_mapping import IGNORED_HF, hf_tensor_shapes
 from .safetensors_io import FLOAT_DTYPES, SafetensorsCheckpoint, SafetensorsError
 
@@ -48,6 +48,9 @@ def parse_for(cfg: TrainerConfig, config: dict[str, Any]) -> HfModel:
     except HfConfigError as e:
         raise Fatal(ExitCode.BAD_ARGUMENTS, "the Hugging Face model cannot be imported: " + "; ".join(e.problems)) \
             from None
+    unmapped = not_converted(model)
+    if unmapped:
+        raise Fatal(ExitCode.BAD_ARGUMENTS, "the Hugging Face model cannot be imported: " + "; ".join(unmapped))
     diff = mismatches(cfg, model)
     if diff:
         raise Fatal(ExitCode.BAD_ARGUMENTS, "spec.model does not match the Hugging Face config.json "

@@ -150,7 +150,7 @@ def import_weights(model: list, source: HfSource, tp: int, tp_rank: int, padded_
 # ------------------------------------------------------------------------------------------ export
 def hf_model_for_export(cfg: TrainerConfig) -> tuple[HfModel, dict | None]:
     """The architecture to export and the source config.json (from --hf-init), if any."""
-    from .hf_config import load_config
+    from .hf_config import load_config, not_converted
 
     source = None
     if cfg.checkpoint.hf_init:
@@ -159,7 +159,11 @@ def hf_model_for_export(cfg: TrainerConfig) -> tuple[HfModel, dict | None]:
         except ValueError as e:
             log.warning("hf export: the --hf-init config.json cannot be read (%s): writing one from the flags", e)
     config = source if source is not None else export_config(cfg, None, "float32")
-    return parse_config(config, cfg.model.seq_length), source
+    hf = parse_config(config, cfg.model.seq_length)
+    unmapped = not_converted(hf)
+    if unmapped:
+        raise Fatal(ExitCode.BAD_ARGUMENTS, "the model cannot be exported to Hugging Face: " + "; ".join(unmapped))
+    return hf, source
 
 
 def export_weights(model: list, cfg: TrainerConfig, env, iteration: int, padded_vocab: int,

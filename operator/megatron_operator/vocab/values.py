@@ -102,6 +102,18 @@ moe_score_function = model_value("moeRouterScoreFunction", "softmax")
 moe_expert_bias = model_value("moeRouterEnableExpertBias", False)
 moe_capacity_factor = model_value("moeExpertCapacityFactor", 0)
 moe_pad_to_capacity = model_value("moePadExpertInputToCapacity", False)
+# group-limited routing (0: none), the routed experts' scale (0: 1, not rendered), MoE layers (absent: every layer)
+moe_router_num_groups = model_value("moeRouterNumGroups", 0)
+moe_router_group_topk = model_value("moeRouterGroupTopk", 0)
+moe_layer_freq = f("model.moeLayerFreq")
+# multi-head latent attention, with Megatron-LM's defaults (arguments.py; MLATransformerConfig for rope_type)
+mla = model_value("multiLatentAttention", False)
+q_lora_rank = model_value("qLoraRank", 0)  # 0: no query compression
+kv_lora_rank = model_value("kvLoraRank", 32)
+qk_head_dim = model_value("qkHeadDim", 128)
+qk_pos_emb_head_dim = model_value("qkPosEmbHeadDim", 64)
+v_head_dim = model_value("vHeadDim", 128)
+rope_type = model_value("ropeType", "yarn")
 normalization = model_value("normalization", "LayerNorm")
 position_embedding = model_value("positionEmbedding", "learned_absolute")
 rotary_base = model_value("rotaryBase", 10000)
@@ -124,6 +136,9 @@ MODEL_VALUES: dict[str, Expr] = {
     "moeRouterScoreFunction": moe_score_function,
     "moeRouterEnableExpertBias": moe_expert_bias, "moeExpertCapacityFactor": moe_capacity_factor,
     "moePadExpertInputToCapacity": moe_pad_to_capacity,
+    "moeRouterNumGroups": moe_router_num_groups, "moeRouterGroupTopk": moe_router_group_topk,
+    "multiLatentAttention": mla, "qLoraRank": q_lora_rank, "kvLoraRank": kv_lora_rank, "qkHeadDim": qk_head_dim,
+    "qkPosEmbHeadDim": qk_pos_emb_head_dim, "vHeadDim": v_head_dim, "ropeType": rope_type,
     "activation": activation, "normalization": normalization,
     "positionEmbedding": position_embedding, "rotaryBase": rotary_base, "untieEmbeddings": untie_embeddings,
     "addBiasLinear": add_bias_linear, "normEpsilon": norm_epsilon, "kvChannels": kv_channels,
