@@ -489,7 +489,7 @@ def scenario_moe_levers(ctx) -> dict:
         if ctx.get("out_dir"):
             (Path(ctx["out_dir"]) / f"moe_levers_{layout}.json").write_text(json.dumps(out, indent=1, default=str))
     base_ms = out["variants"].get("baseline", {}).get("iter_ms")
-    for name, res in out["variants"].items():
+    for res in out["variants"].values():
         if base_ms and res.get("iter_ms"):
             res["speedup_vs_baseline"] = round(base_ms / res["iter_ms"], 3)
     out["ok"] = bool(base_ms)
