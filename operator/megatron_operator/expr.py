@@ -434,6 +434,9 @@ def rebase(expr: Expr, prefix: str, var: str) -> Expr:
     # estimated such a rule (a filter over spec.training.extraArgs) at more than 100x its budget (issue 52's
     # extraArgs rules on Kubernetes 1.36.3).
     listed = {id(n.items) for n in _walk(expr) if isinstance(n, (All, Filter, Size, Index, At, LastIndexOf))}
+    # and a list searched with `in` (spec.model.moeLayerFreq: `1 in` it, estimated at more than 100x through the
+    # bound object on Kubernetes 1.36.3, 2026-12-02)
+    listed |= {id(n.container) for n in _walk(expr) if isinstance(n, In)}
     if any(hit(n) and id(n) in listed for n in _walk(expr)):
         return expr
     body = transform(expr, lambda n: Field(n.path[len(prefix) + 1:], var) if hit(n) else None)

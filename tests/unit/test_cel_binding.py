@@ -87,6 +87,18 @@ def test_rebase_leaves_a_rule_that_iterates_a_list_under_the_prefix_reading_it_t
     assert rebase(scalars, "training", "v_training").cel().startswith("[self.training].all(v_training, ")
 
 
+def test_rebase_leaves_a_rule_that_searches_a_list_under_the_prefix_with_in_reading_it_through_self():
+    """The same for `x in list`: moe-layer-freq-has-moe-layer (`1 in` spec.model.moeLayerFreq, maxItems 1024) was
+    estimated at more than 100x its budget through [self.model].all(v_model, ...) by Kubernetes 1.36.3 and the whole
+    CRD refused (2026-12-02); read through self it is accepted."""
+    from megatron_operator.expr import In, lit
+
+    expr = In(lit(1), Field("model.moeLayerFreq")) & (Field("model.numExperts") > 0)
+    assert rebase(expr, "model", "v_model") is expr
+    text = str(ROOT["properties"]["spec"]["x-kubernetes-validations"])
+    assert "in v_model.moeLayerFreq" not in text and "in self.model.moeLayerFreq" in text
+
+
 def test_or_value_is_cel_optional_selection_and_has_in_python():
     e = OrValue(Field("a.b"), Field("a.c") * 2)
     assert e.cel() == "self.a.?b.orValue((self.a.c * 2))"
